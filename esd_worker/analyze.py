@@ -1,0 +1,324 @@
+"""Analyse one model end to end: resolve, discover layers, stream + merge, spectra, write results."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from esd_worker import __version__
+from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError
+from esd_worker.layers import LayerMap, LayerSpec, discover_layers
+from esd_worker.lora import LoraAdapter, LoraModule, lora_delta
+from esd_worker.naming import model_key as make_model_key
+from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
+from esd_worker.resolve import ResolvedModel, resolve_model
+from esd_worker.results import (
+    MARKER_SCHEMA,
+    eigs_to_npz,
+    layers_to_csv,
+    marker_to_json,
+)
+from esd_worker.settings import AnalysisSettings, WorkerSettings
+from esd_worker.spectra import compute_spectrum
+from esd_worker.store import EIGS_NAME, LAYERS_NAME, MARKER_NAME, Store, open_store
+
+log = logging.getLogger(__name__)
+
+ADAPTER_RELATIONS = frozenset({"adapter", "lora", "peft"})
+PREFETCH = 2  # tensors read ahead of the one being analysed
+
+
+def select_device(requested: str) -> torch.device:
+    """auto: CUDA when available, else CPU; cuda without a GPU is a usage error."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+    available = torch.cuda.is_available()
+    count = torch.cuda.device_count() if available else 0
+    log.info(
+        "CUDA_VISIBLE_DEVICES=%s cuda_available=%s devices=%d requested=%s",
+        visible,
+        available,
+        count,
+        requested,
+    )
+    if requested == "cuda" and not available:
+        raise UsageError("--device cuda asked for, but CUDA is not available (CPU-only torch?)")
+    device = torch.device("cuda:0" if requested != "cpu" and available else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the Gram path needs true float32
+        log.info("device used: %s (%s)", device, torch.cuda.get_device_name(device))
+    else:
+        log.info("device used: cpu (%d threads)", torch.get_num_threads())
+    return device
+
+
+def _device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "type": device.type,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "host": platform.node(),
+    }
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+        info["peak_memory_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+    import transformers
+
+    versions = {
+        "esd_worker": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "numpy": np.__version__,
+    }
+    try:
+        import peft
+
+        versions["peft"] = peft.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+def _nan_metrics() -> dict[str, Any]:
+    return {col: float("nan") for col in METRIC_COLUMNS} | {"num_evals": 0, "num_pl_spikes": 0,
+                                                            "matrix_rank": 0}
+
+
+class _Analysis:
+    """State of one model's analysis; `run` yields the rows and eigenvalues."""
+
+    def __init__(
+        self,
+        model: ResolvedModel,
+        layer_map: LayerMap,
+        read: Any,
+        analysis: AnalysisSettings,
+        device: torch.device,
+        merges: dict[str, LoraModule],
+        replaced: dict[str, torch.Tensor],
+        fan_in_fan_out: bool,
+    ) -> None:
+        self.model = model
+        self.layer_map = layer_map
+        self.read = read
+        self.analysis = analysis
+        self.device = device
+        self.merges = merges
+        self.replaced = replaced
+        self.fan_in_fan_out = fan_in_fan_out
+        self.rows: list[dict[str, Any]] = []
+        self.eigs: dict[str, np.ndarray] = {}
+        self.wait_s = 0.0
+
+    def _weight(self, spec: LayerSpec, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = self.replaced.get(spec.name, tensor)
+        if not tensor.is_floating_point():
+            return tensor  # the caller reports unsupported_dtype
+        work_dtype = torch.float64 if self.analysis.precision == "float64" else torch.float32
+        w = tensor.to(self.device, non_blocking=True).to(work_dtype)
+        module = self.merges.get(spec.name)
+        if module is not None:
+            w = w + lora_delta(module, spec, fan_in_fan_out=self.fan_in_fan_out).to(
+                self.device, work_dtype
+            )
+        return w
+
+    def analyse_layer(self, spec: LayerSpec, tensor: torch.Tensor) -> None:
+        a = self.analysis
+        shape = tuple(tensor.shape)
+        if spec.layer_type == "Conv1D":
+            M, N = (shape[1], shape[0]) if len(shape) == 2 else (0, 0)
+        else:
+            M, N = (shape[0], shape[1]) if len(shape) >= 2 else (0, 0)
+        row: dict[str, Any] = {
+            "model_id": self.model.model_id,
+            "revision": self.model.resolved_revision or self.model.revision or "",
+            "layer": spec.name,
+            "layer_type": spec.layer_type,
+            "M": M,
+            "N": N,
+            "num_params": int(tensor.numel()),
+            "fix_fingers": a.fix_fingers,
+        }
+        status = None
+        if not tensor.is_floating_point():
+            status = "unsupported_dtype"
+        elif min(M, N) < a.min_evals:
+            status = "too_small"
+        if status is not None:
+            self.rows.append(row | _nan_metrics() | {"status": status})
+            return
+        weight = self._weight(spec, tensor)
+        if not bool(torch.isfinite(weight).all()):
+            self.rows.append(row | _nan_metrics() | {"status": "nonfinite_weights"})
+            return
+        spectrum = compute_spectrum(
+            weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm
+        )
+        del weight
+        metrics = layer_metrics(
+            spectrum.evals,
+            max_dim=spectrum.max_dim,
+            fix_fingers=a.fix_fingers,
+            evals_thresh=a.evals_thresh,
+            bins=a.bins,
+        )
+        self.rows.append(row | metrics)
+        self.eigs[spec.name] = spectrum.evals
+
+    def run(self) -> None:
+        layers = self.layer_map.layers
+        total = len(layers)
+        step = max(1, total // 10)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esd-read") as pool:
+            ahead: deque[tuple[LayerSpec, Future[torch.Tensor]]] = deque()
+            it = iter(layers)
+            for spec in it:
+                ahead.append((spec, pool.submit(self.read, spec.key)))
+                if len(ahead) >= PREFETCH:
+                    break
+            done = 0
+            while ahead:
+                spec, future = ahead.popleft()
+                nxt = next(it, None)
+                if nxt is not None:
+                    ahead.append((nxt, pool.submit(self.read, nxt.key)))
+                t = time.perf_counter()
+                tensor = future.result()
+                self.wait_s += time.perf_counter() - t
+                self.analyse_layer(spec, tensor)
+                del tensor
+                done += 1
+                if done % step == 0 or done == total:
+                    log.info("layers %d/%d analysed (%s)", done, total, spec.name)
+
+
+def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
+                  model_key: str | None = None) -> dict[str, Any]:
+    """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
+
+    Returns the marker (result.json content).
+    """
+    settings.validate()
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    store = store or open_store(settings.output)
+    device = select_device(settings.device)
+
+    model = resolve_model(settings.model)
+    key = model_key or make_model_key(model.model_id, model.revision)
+    adapter: LoraAdapter | None = None
+    base: ResolvedModel | None = None
+    if settings.relation.lower() in ADAPTER_RELATIONS or model.is_adapter:
+        if not model.is_adapter:
+            raise PermanentModelError(
+                f"{settings.model} is listed as an adapter but has no adapter_config.json"
+            )
+        adapter = LoraAdapter(model.directory)
+        base_ref = settings.base_model or adapter.info.base_model
+        if not base_ref:
+            raise PermanentModelError(
+                f"adapter base not found for {settings.model}: adapter_config.json names no "
+                "base_model_name_or_path; pass --base-model"
+            )
+        base = resolve_model(base_ref)
+    weights_model = base or model
+    t_resolve = time.perf_counter()
+
+    from esd_worker.weights import Checkpoint
+
+    with Checkpoint(weights_model.directory) as ckpt:
+        layer_map = discover_layers(
+            weights_model.directory,
+            ckpt,
+            include_embeddings=settings.analysis.include_embeddings,
+            trust_remote_code=settings.trust_remote_code,
+        )
+        merges: dict[str, LoraModule] = {}
+        replaced: dict[str, torch.Tensor] = {}
+        if adapter is not None:
+            merges, replaced = adapter.match(layer_map.layers)
+            log.info("adapter: %d LoRA modules merged on the fly", len(merges))
+        t_discover = time.perf_counter()
+        log.info(
+            "model=%s layers=%d discovery=%s architecture=%s",
+            settings.model, len(layer_map.layers), layer_map.discovery, layer_map.architecture,
+        )
+        job = _Analysis(
+            model, layer_map, ckpt.read, settings.analysis, device, merges, replaced,
+            adapter.fan_in_fan_out if adapter else False,
+        )
+        try:
+            job.run()
+        except torch.cuda.OutOfMemoryError as e:
+            raise GpuOutOfMemoryError(f"out of GPU memory analysing {settings.model}: {e}") from e
+    t_analyse = time.perf_counter()
+
+    store.put_bytes(f"{key}/{LAYERS_NAME}", layers_to_csv(job.rows))
+    if settings.save_eigs:
+        store.put_bytes(f"{key}/{EIGS_NAME}", eigs_to_npz(job.eigs))
+    t_write = time.perf_counter()
+    statuses = Counter(row["status"] for row in job.rows)
+    marker: dict[str, Any] = {
+        "schema": MARKER_SCHEMA,
+        "model": settings.model,
+        "model_id": model.model_id,
+        "revision": model.revision,
+        "resolved_revision": model.resolved_revision,
+        "source": model.source,
+        "model_key": key,
+        "relation": settings.relation,
+        "base_model": None if base is None else {
+            "model": base.ref, "resolved_revision": base.resolved_revision, "source": base.source,
+        },
+        "adapter": None if adapter is None else {
+            **adapter.info.__dict__, "merged_layers": len(merges),
+            "replaced_layers": len(replaced),
+        },
+        "parameters": settings.analysis.as_dict(),
+        "layer_discovery": layer_map.discovery,
+        "architecture": layer_map.architecture,
+        "discovery_note": layer_map.note,
+        "layer_count": len(job.rows),
+        "status_counts": dict(sorted(statuses.items())),
+        "outputs": {
+            "layers": LAYERS_NAME,
+            "eigs": EIGS_NAME if settings.save_eigs else None,
+        },
+        "timings": {
+            "resolve_s": round(t_resolve - t0, 4),
+            "discover_s": round(t_discover - t_resolve, 4),
+            "analyse_s": round(t_analyse - t_discover, 4),
+            "read_wait_s": round(job.wait_s, 4),
+            "write_s": round(t_write - t_analyse, 4),
+            "total_s": round(time.perf_counter() - t0, 4),
+        },
+        "device": _device_info(device),
+        "versions": _versions(),
+        "started_at": started.isoformat(timespec="seconds"),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    # The marker goes last: a model is done iff result.json exists.
+    store.put_bytes(f"{key}/{MARKER_NAME}", marker_to_json(marker))
+    log.info(
+        "model=%s key=%s done: %d layers %s in %.2fs",
+        settings.model, key, len(job.rows), dict(statuses), marker["timings"]["total_s"],
+    )
+    return marker

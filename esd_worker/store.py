@@ -1,0 +1,120 @@
+"""Result stores behind one small interface: where bytes for a key live (no torch, no analysis)."""
+
+from __future__ import annotations
+
+import abc
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from esd_worker.errors import StoreError, UsageError
+
+# Store layout (DESIGN.md): <model_key>/layers.csv, <model_key>/eigs.npz,
+# <model_key>/result.json (marker, written last), _failures/<model_key>.json, summary.csv,
+# runs/<run_id>.json.
+LAYERS_NAME = "layers.csv"
+EIGS_NAME = "eigs.npz"
+MARKER_NAME = "result.json"
+
+
+class Store(abc.ABC):
+    """Keys are '/'-separated relative paths; values are bytes."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write atomically: readers see the old value or the whole new one, never a part."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes | None:
+        """The value, or None when the key does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        """Every key under prefix, in no particular order."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove a key; a missing key is not an error."""
+
+
+class LocalStore(Store):
+    """A directory on this machine (or a shared filesystem)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+
+    def _path(self, key: str) -> Path:
+        parts = [p for p in key.split("/") if p]
+        if not parts or any(p in (".", "..") for p in parts):
+            raise StoreError(f"invalid store key {key!r}")
+        return self.root.joinpath(*parts)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise StoreError(f"cannot write {path}: {e.strerror or e}") from e
+
+    def get_bytes(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {path}: {e.strerror or e}") from e
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.is_dir():
+            return
+        try:
+            for dirpath, _dirs, files in os.walk(base):
+                rel = Path(dirpath).relative_to(self.root).as_posix()
+                for name in files:
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        continue
+                    yield name if rel == "." else f"{rel}/{name}"
+        except OSError as e:
+            raise StoreError(f"cannot list {base}: {e.strerror or e}") from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot delete {key}: {e.strerror or e}") from e
+
+
+def open_store(url: str) -> Store:
+    """A Store for `./dir`, `/abs/dir` or `file:///abs/dir`."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        path = unquote(parsed.path) if parsed.scheme == "file" else url
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise UsageError(f"file URL with a host is not supported: {url}")
+        return LocalStore(Path(path).expanduser().absolute())
+    if len(parsed.scheme) == 1:  # a Windows drive letter, not a scheme
+        return LocalStore(Path(url).absolute())
+    raise UsageError(f"unsupported output URL scheme {parsed.scheme!r} in {url} (use a directory)")
