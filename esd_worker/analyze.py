@@ -1,7 +1,9 @@
-"""Analyse one model end to end: resolve, discover layers, stream + merge, spectra, write results."""
+"""Analyse one model end to end: resolve, discover layers, stream + merge, spectra, results."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import logging
 import os
 import platform
@@ -15,17 +17,18 @@ import numpy as np
 import torch
 
 from esd_worker import __version__
-from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError
-from esd_worker.layers import LayerMap, LayerSpec, discover_layers
-from esd_worker.lora import LoraAdapter, LoraModule, lora_delta
+from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError, WorkerError
+from esd_worker.layers import CONV2D, LayerMap, LayerSpec, discover_layers
+from esd_worker.lora import AdapterMatch, LoraAdapter, lora_delta
 from esd_worker.naming import model_key as make_model_key
 from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
-from esd_worker.resolve import ResolvedModel, resolve_model
+from esd_worker.resolve import ResolvedModel, parse_model_ref, resolve_model
 from esd_worker.results import (
     MARKER_SCHEMA,
     eigs_to_npz,
     layers_to_csv,
     marker_to_json,
+    summarize_layers,
 )
 from esd_worker.settings import AnalysisSettings, WorkerSettings
 from esd_worker.spectra import compute_spectrum
@@ -76,23 +79,17 @@ def _device_info(device: torch.device) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    import safetensors
-    import transformers
-
+    """Versions of what made the numbers; read from package metadata (no imports: peft alone
+    takes seconds to import)."""
     versions = {
         "esd_worker": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "safetensors": safetensors.__version__,
         "numpy": np.__version__,
     }
-    try:
-        import peft
-
-        versions["peft"] = peft.__version__
-    except ImportError:
-        pass
+    for dist in ("transformers", "safetensors", "peft", "huggingface_hub", "accelerate"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
     return versions
 
 
@@ -102,7 +99,7 @@ def _nan_metrics() -> dict[str, Any]:
 
 
 class _Analysis:
-    """State of one model's analysis; `run` yields the rows and eigenvalues."""
+    """State of one model's analysis; `run` fills `rows` and `eigs`."""
 
     def __init__(
         self,
@@ -111,8 +108,7 @@ class _Analysis:
         read: Any,
         analysis: AnalysisSettings,
         device: torch.device,
-        merges: dict[str, LoraModule],
-        replaced: dict[str, torch.Tensor],
+        adapter: AdapterMatch | None,
         fan_in_fan_out: bool,
     ) -> None:
         self.model = model
@@ -120,33 +116,49 @@ class _Analysis:
         self.read = read
         self.analysis = analysis
         self.device = device
-        self.merges = merges
-        self.replaced = replaced
+        self.adapter = adapter or AdapterMatch({}, {}, [])
         self.fan_in_fan_out = fan_in_fan_out
+        self.work_dtype = torch.float64 if analysis.precision == "float64" else torch.float32
         self.rows: list[dict[str, Any]] = []
         self.eigs: dict[str, np.ndarray] = {}
         self.wait_s = 0.0
 
-    def _weight(self, spec: LayerSpec, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = self.replaced.get(spec.name, tensor)
-        if not tensor.is_floating_point():
-            return tensor  # the caller reports unsupported_dtype
-        work_dtype = torch.float64 if self.analysis.precision == "float64" else torch.float32
-        w = tensor.to(self.device, non_blocking=True).to(work_dtype)
-        module = self.merges.get(spec.name)
-        if module is not None:
-            w = w + lora_delta(module, spec, fan_in_fan_out=self.fan_in_fan_out).to(
-                self.device, work_dtype
+    def _weight(self, spec: LayerSpec, tensor: torch.Tensor, *, merge: bool) -> torch.Tensor:
+        """The layer's weight on the device in the work dtype, with its LoRA updates added.
+
+        Never modifies `tensor` in place: a .bin checkpoint hands out its (mapped) tensors,
+        and a tied weight is read again for the next layer.
+        """
+        w = tensor.to(self.device, non_blocking=True).to(self.work_dtype)
+        for module in self.adapter.merges.get(spec.key, ()) if merge else ():
+            w = w + lora_delta(
+                module, tuple(tensor.shape), fan_in_fan_out=self.fan_in_fan_out,
+                device=w.device, dtype=self.work_dtype,
             )
         return w
 
+    def _status(self, spec: LayerSpec, tensor: torch.Tensor, M: int, N: int) -> str | None:
+        """Why the layer cannot be analysed, or None when it can."""
+        if not tensor.is_floating_point():
+            return "unsupported_dtype"
+        if tensor.dim() != (4 if spec.layer_type == CONV2D else 2):
+            return "unsupported_shape"
+        if min(M, N) < self.analysis.min_evals:
+            return "too_small"
+        return None
+
     def analyse_layer(self, spec: LayerSpec, tensor: torch.Tensor) -> None:
         a = self.analysis
+        # modules_to_save: the adapter's own full copy, which peft's merge leaves as saved.
+        replaced = self.adapter.replaced.get(spec.name)
+        tensor = tensor if replaced is None else replaced
         shape = tuple(tensor.shape)
-        if spec.layer_type == "Conv1D":
-            M, N = (shape[1], shape[0]) if len(shape) == 2 else (0, 0)
+        if len(shape) < 2:
+            M, N = 0, 0
+        elif spec.layer_type == "Conv1D":
+            M, N = shape[1], shape[0]  # stored in x out
         else:
-            M, N = (shape[0], shape[1]) if len(shape) >= 2 else (0, 0)
+            M, N = shape[0], shape[1]
         row: dict[str, Any] = {
             "model_id": self.model.model_id,
             "revision": self.model.resolved_revision or self.model.revision or "",
@@ -157,15 +169,11 @@ class _Analysis:
             "num_params": int(tensor.numel()),
             "fix_fingers": a.fix_fingers,
         }
-        status = None
-        if not tensor.is_floating_point():
-            status = "unsupported_dtype"
-        elif min(M, N) < a.min_evals:
-            status = "too_small"
+        status = self._status(spec, tensor, M, N)
         if status is not None:
             self.rows.append(row | _nan_metrics() | {"status": status})
             return
-        weight = self._weight(spec, tensor)
+        weight = self._weight(spec, tensor, merge=replaced is None)
         if not bool(torch.isfinite(weight).all()):
             self.rows.append(row | _nan_metrics() | {"status": "nonfinite_weights"})
             return
@@ -220,10 +228,11 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
     store = store or open_store(settings.output)
+    key = model_key or make_model_key(*parse_model_ref(settings.model))
+    store.check()  # before any download or analysis: an unwritable output fails in a second
     device = select_device(settings.device)
 
     model = resolve_model(settings.model)
-    key = model_key or make_model_key(model.model_id, model.revision)
     adapter: LoraAdapter | None = None
     base: ResolvedModel | None = None
     if settings.relation.lower() in ADAPTER_RELATIONS or model.is_adapter:
@@ -232,13 +241,7 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
                 f"{settings.model} is listed as an adapter but has no adapter_config.json"
             )
         adapter = LoraAdapter(model.directory)
-        base_ref = settings.base_model or adapter.info.base_model
-        if not base_ref:
-            raise PermanentModelError(
-                f"adapter base not found for {settings.model}: adapter_config.json names no "
-                "base_model_name_or_path; pass --base-model"
-            )
-        base = resolve_model(base_ref)
+        base = _resolve_base(settings, adapter)
     weights_model = base or model
     t_resolve = time.perf_counter()
 
@@ -251,24 +254,29 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
             include_embeddings=settings.analysis.include_embeddings,
             trust_remote_code=settings.trust_remote_code,
         )
-        merges: dict[str, LoraModule] = {}
-        replaced: dict[str, torch.Tensor] = {}
+        matched: AdapterMatch | None = None
         if adapter is not None:
-            merges, replaced = adapter.match(layer_map.layers)
-            log.info("adapter: %d LoRA modules merged on the fly", len(merges))
+            matched = adapter.match(layer_map.layers, ckpt.keys())
+            log.info(
+                "adapter: %d LoRA modules merged on the fly, %d modules replaced, "
+                "%d on weights not analysed",
+                matched.merged_modules, len(matched.replaced), len(matched.unanalysed),
+            )
         t_discover = time.perf_counter()
         log.info(
             "model=%s layers=%d discovery=%s architecture=%s",
             settings.model, len(layer_map.layers), layer_map.discovery, layer_map.architecture,
         )
         job = _Analysis(
-            model, layer_map, ckpt.read, settings.analysis, device, merges, replaced,
+            model, layer_map, ckpt.read, settings.analysis, device, matched,
             adapter.fan_in_fan_out if adapter else False,
         )
         try:
             job.run()
         except torch.cuda.OutOfMemoryError as e:
-            raise GpuOutOfMemoryError(f"out of GPU memory analysing {settings.model}: {e}") from e
+            raise GpuOutOfMemoryError(
+                f"out of GPU memory analysing {settings.model}: {_first_line(e)}"
+            ) from e
     t_analyse = time.perf_counter()
 
     store.put_bytes(f"{key}/{LAYERS_NAME}", layers_to_csv(job.rows))
@@ -288,9 +296,11 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         "base_model": None if base is None else {
             "model": base.ref, "resolved_revision": base.resolved_revision, "source": base.source,
         },
-        "adapter": None if adapter is None else {
-            **adapter.info.__dict__, "merged_layers": len(merges),
-            "replaced_layers": len(replaced),
+        "adapter": None if adapter is None or matched is None else {
+            **adapter.info.__dict__,
+            "merged_modules": matched.merged_modules,
+            "replaced_layers": len(matched.replaced),
+            "unanalysed_modules": len(matched.unanalysed),
         },
         "parameters": settings.analysis.as_dict(),
         "layer_discovery": layer_map.discovery,
@@ -298,6 +308,7 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         "discovery_note": layer_map.note,
         "layer_count": len(job.rows),
         "status_counts": dict(sorted(statuses.items())),
+        "summary": summarize_layers(job.rows),
         "outputs": {
             "layers": LAYERS_NAME,
             "eigs": EIGS_NAME if settings.save_eigs else None,
@@ -322,3 +333,27 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         settings.model, key, len(job.rows), dict(statuses), marker["timings"]["total_s"],
     )
     return marker
+
+
+def _resolve_base(settings: WorkerSettings, adapter: LoraAdapter) -> ResolvedModel:
+    """The adapter's base: --base-model, else adapter_config.json's base_model_name_or_path."""
+    if settings.base_model:
+        return resolve_model(settings.base_model)
+    ref = adapter.info.base_model
+    if not ref:
+        raise PermanentModelError(
+            f"adapter base not found for {settings.model}: adapter_config.json names no "
+            "base_model_name_or_path; pass --base-model"
+        )
+    try:
+        return resolve_model(ref)
+    except WorkerError as e:
+        raise type(e)(
+            f"adapter base {ref} (from adapter_config.json) could not be resolved: {e}; "
+            "pass --base-model"
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

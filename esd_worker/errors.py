@@ -38,7 +38,14 @@ class TransientError(WorkerError):
 
 
 class StoreError(TransientError):
-    """The result store could not be read or written."""
+    """The result store could not be read or written just now (network, throttling, disk)."""
+
+
+class StorePermanentError(WorkerError):
+    """The result store cannot be used as configured: no such bucket, access denied, bad or
+    missing credentials. Retrying cannot help; fix the URL, the credentials or the policy."""
+
+    exit_code = EXIT_PERMANENT
 
 
 class GpuOutOfMemoryError(WorkerError):

@@ -1,15 +1,15 @@
-"""Which checkpoint tensors are analysable layers, and of what type (meta-device model, no weights)."""
+"""Which checkpoint tensors are analysable layers, and of what type (meta-device model)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +24,10 @@ CONV2D = "Conv2d"
 EMBEDDING = "Embedding"
 MATRIX = "Matrix"  # a 2-D weight found without an architecture (fallback discovery)
 
-_FALLBACK_SKIP = re.compile(r"(embed|wte|wpe|norm|ln_|\bln\d|position|rotary|bias)", re.IGNORECASE)
+_FALLBACK_SKIP = re.compile(
+    r"(embed|wte|wpe|norm|ln_|\bln\d|position|rotary|bias)", re.IGNORECASE
+)
+_EMBEDDING_NAME = re.compile(r"(embed|wte|wpe)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,14 @@ def match_by_suffix(name: str, index: dict[str, list[str]], *, min_parts: int = 
 
     Checkpoints and model classes disagree on prefixes ("model.", "bert.", "transformer.",
     "base_model.model."), never on the module path below them, so the longest common
-    suffix is the robust join; an ambiguous match is no match.
+    suffix is the robust join; an ambiguous match is no match, and so is one that needs
+    to drop a numeric part (a block index) of `name`.
     """
     parts = name.split(".")
     for i in range(len(parts) - min_parts + 1):
+        if i and parts[i - 1].isdigit():
+            # Dropping a block index ("layers.5.") would pair block 5 with another block.
+            return None
         hits = index.get(".".join(parts[i:]))
         if hits:
             return hits[0] if len(hits) == 1 else None
@@ -95,10 +102,11 @@ def _build_meta_model(directory: Path, *, trust_remote_code: bool) -> torch.nn.M
         config = transformers.AutoConfig.from_pretrained(
             str(directory), trust_remote_code=trust_remote_code
         )
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-        log.warning("config.json not understood by transformers (%s); using fallback", e)
+    except Exception as e:  # any config transformers cannot read: fallback
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.warning("config.json not understood by transformers (%s); using fallback", first_line)
         return None
-    classes: list[type] = [
+    classes: list[Any] = [
         cls for arch in (config.architectures or []) if (cls := getattr(transformers, arch, None))
     ]
     autos = [transformers.AutoModelForCausalLM, transformers.AutoModel]
@@ -110,16 +118,24 @@ def _build_meta_model(directory: Path, *, trust_remote_code: bool) -> torch.nn.M
                     model = cls.from_config(config, trust_remote_code=trust_remote_code)
                 else:
                     model = cls._from_config(config)
-            return model  # type: ignore[no-any-return]
-        except (ValueError, KeyError, TypeError, AttributeError, ImportError, OSError) as e:
+            return model
+        except Exception as e:  # any class that cannot be built: try the next
             log.debug("cannot build %s on meta: %s", getattr(cls, "__name__", cls), e)
     return None
 
 
 def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
-    tied = getattr(model, "all_tied_weights_keys", None) or getattr(
-        model, "_tied_weights_keys", None
-    )
+    """{tied parameter: the parameter it shares}, as transformers ties them for this config.
+
+    `all_tied_weights_keys` (transformers 5) already honours tie_word_embeddings; the class
+    attribute `_tied_weights_keys` lists what *may* be tied, so it only counts when the
+    config ties embeddings (an untied lm_head missing from a checkpoint is not the embedding).
+    """
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied is None:
+        config = getattr(model, "config", None)
+        tie = getattr(config, "tie_word_embeddings", False)
+        tied = getattr(model, "_tied_weights_keys", None) if tie else None
     return dict(tied) if isinstance(tied, dict) else {}
 
 
@@ -130,10 +146,14 @@ def discover_layers(
     include_embeddings: bool = False,
     trust_remote_code: bool = False,
 ) -> LayerMap:
-    """Map the model's Linear/Conv1D/Conv2d (and optionally Embedding) weights to checkpoint keys."""
+    """Map the model's Linear/Conv1D/Conv2d (and optionally Embedding) weights to checkpoint
+    keys; without an architecture transformers can build, fall back to tensor names."""
     model = _build_meta_model(directory, trust_remote_code=trust_remote_code)
     if model is None:
-        return _fallback(checkpoint, include_embeddings=include_embeddings)
+        return _fallback(
+            checkpoint, include_embeddings=include_embeddings,
+            reason="architecture unknown to transformers",
+        )
     index = suffix_index(checkpoint.keys())
     tied = _tied_sources(model)
     layers: list[LayerSpec] = []
@@ -152,29 +172,58 @@ def discover_layers(
         layers.append(LayerSpec(name, key, layer_type, checkpoint.shape(key)))
     arch = type(model).__name__
     if not layers:
-        log.warning("%s: no layer matched a checkpoint tensor; using fallback", arch)
-        return _fallback(checkpoint, include_embeddings=include_embeddings)
-    note = ""
+        return _fallback(
+            checkpoint, include_embeddings=include_embeddings,
+            reason=f"no {arch} layer matched a checkpoint tensor",
+        )
+    notes: list[str] = []
     if unmatched:
-        note = f"{len(unmatched)} module weights not in the checkpoint (e.g. {unmatched[0]})"
+        notes.append(
+            f"{len(unmatched)} module weights not in the checkpoint (e.g. {unmatched[0]})"
+        )
+    used = {spec.key for spec in layers}
+    left = [
+        key for key in _matrix_keys(checkpoint, include_embeddings=include_embeddings)
+        if key not in used
+    ]
+    if left:
+        notes.append(
+            f"{len(left)} 2-D/4-D checkpoint weights belong to no Linear/Conv1D/Conv2d module "
+            f"of {arch} and were not analysed (e.g. {left[0]})"
+        )
+    for note in notes:
         log.warning("%s", note)
-    return LayerMap(layers, "architecture", arch, note)
+    return LayerMap(layers, "architecture", arch, "; ".join(notes))
 
 
-def _fallback(checkpoint: Checkpoint, *, include_embeddings: bool) -> LayerMap:
+def _matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str]:
+    """Checkpoint keys that look like analysable weights by name and shape alone."""
+    keys = []
+    for key in checkpoint.keys():  # noqa: SIM118 - Checkpoint is not a Mapping
+        if not key.endswith(".weight") or len(checkpoint.shape(key)) not in (2, 4):
+            continue
+        stem = key.removesuffix(".weight")
+        embedding = include_embeddings and _EMBEDDING_NAME.search(stem)
+        if _FALLBACK_SKIP.search(stem) and not embedding:
+            continue
+        keys.append(key)
+    return keys
+
+
+def _fallback(checkpoint: Checkpoint, *, include_embeddings: bool, reason: str) -> LayerMap:
     layers = []
-    for key in checkpoint.keys():
+    for key in _matrix_keys(checkpoint, include_embeddings=include_embeddings):
         shape = checkpoint.shape(key)
-        if not key.endswith(".weight") or len(shape) not in (2, 4):
-            continue
-        if _FALLBACK_SKIP.search(key.removesuffix(".weight")) and not (
-            include_embeddings and "embed" in key.lower()
-        ):
-            continue
-        layer_type = CONV2D if len(shape) == 4 else MATRIX
+        if len(shape) == 4:
+            layer_type = CONV2D
+        elif _EMBEDDING_NAME.search(key):
+            layer_type = EMBEDDING
+        else:
+            layer_type = MATRIX
         layers.append(LayerSpec(key.removesuffix(".weight"), key, layer_type, shape))
     if not layers:
         raise PermanentModelError("no analysable 2-D weights found in the checkpoint")
-    note = "architecture unknown to transformers: analysed 2-D/4-D *.weight tensors by name"
+    skipped = "norms" if include_embeddings else "embeddings and norms"
+    note = f"{reason}: analysed 2-D/4-D *.weight tensors by name, skipping {skipped}"
     log.warning("%s", note)
     return LayerMap(layers, "fallback", None, note)

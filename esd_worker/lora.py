@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +14,15 @@ from typing import Any
 import torch
 
 from esd_worker.errors import PermanentModelError, UnsupportedAdapterError
-from esd_worker.layers import CONV1D, CONV2D, EMBEDDING, LayerSpec, match_by_suffix, suffix_index
+from esd_worker.layers import (
+    CONV1D,
+    CONV2D,
+    EMBEDDING,
+    MATRIX,
+    LayerSpec,
+    match_by_suffix,
+    suffix_index,
+)
 from esd_worker.weights import Checkpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -22,18 +32,41 @@ _LORA_KEY = re.compile(
     r"(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
     r"(?:\.(?P<adapter>[^.]+?))??(?:\.weight)?$"
 )
-_SAVED_MODULE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)(?:\.modules_to_save\.[^.]+)?\.weight$")
+_SAVED_MODULE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+?)(?:\.modules_to_save\.[^.]+)?\.weight$"
+)
+
+# LoRA options whose merge is not W + scale·B@A (or that change which weights exist); an
+# adapter using one is refused rather than analysed wrongly. Option → what to call it.
+_UNSUPPORTED_OPTIONS = {
+    "use_dora": "DoRA (LoRA with use_dora=true: its merge rescales whole weight columns)",
+    "layer_replication": "LoRA with layer_replication (adds layers the base does not have)",
+    "target_parameters": "LoRA on target_parameters (parameters, not modules)",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora)",
+    "use_qalora": "QA-LoRA (use_qalora: quantisation-aware, pooled inputs)",
+    "kasa_config": "KaSA (kasa_config)",
+    "velora_config": "VeLoRA (velora_config)",
+    "monteclora_config": "MonteCLoRA (monteclora_config)",
+    "arrow_config": "Arrow routing (arrow_config)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens: cannot be merged)",
+    "trainable_token_indices": "LoRA with trainable tokens (trainable_token_indices)",
+}
 
 
 @dataclass(frozen=True)
 class LoraModule:
-    """The low-rank update of one module: delta = scale · B @ A (in the module's layout)."""
+    """The low-rank update of one module: delta = scale · B @ A (in the module's layout).
+
+    target_type: the layer type of the module the update belongs to, set when the adapter
+    is matched to the base model (it decides the layout of the delta).
+    """
 
     name: str
     A: torch.Tensor
     B: torch.Tensor
     scale: float
     embedding: bool = False
+    target_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +79,26 @@ class AdapterInfo:
     lora_alpha: float | None
     use_rslora: bool
     fan_in_fan_out: bool
+
+
+@dataclass(frozen=True)
+class AdapterMatch:
+    """Where an adapter's updates go in the base checkpoint.
+
+    merges: checkpoint key → the updates to add to that tensor (two when tied modules both
+    carry one); every layer read from the key gets them, as peft's in-place merge of a
+    tied weight changes both modules. replaced: layer name → full weight saved with the
+    adapter (modules_to_save). unanalysed: adapter modules whose base weight is not an
+    analysed layer (e.g. an embedding without --include-embeddings).
+    """
+
+    merges: dict[str, list[LoraModule]]
+    replaced: dict[str, torch.Tensor]
+    unanalysed: list[str]
+
+    @property
+    def merged_modules(self) -> int:
+        return sum(len(mods) for mods in self.merges.values())
 
 
 def read_adapter_config(directory: Path) -> dict[str, Any]:
@@ -61,20 +114,17 @@ def read_adapter_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def _check_supported(config: dict[str, Any]) -> None:
-    peft_type = str(config.get("peft_type", "")).upper()
+def check_supported(config: dict[str, Any]) -> None:
+    """Raise UnsupportedAdapterError naming the adapter type or option this merge cannot do."""
+    peft_type = str(config.get("peft_type") or "").upper()
     if peft_type != "LORA":
         raise UnsupportedAdapterError(
-            f"adapter type {peft_type or 'unknown'!r} is not supported (only LoRA adapters are "
-            "merged; DoRA, IA3, LoHa, LoKr, AdaLoRA and prompt-tuning adapters are not)"
+            f"adapter type {peft_type or 'unknown'!r} is not supported: only LoRA adapters are "
+            "merged (not IA3, LoHa, LoKr, AdaLoRA, VeRA, OFT, BOFT or prompt tuning)"
         )
-    if config.get("use_dora"):
-        raise UnsupportedAdapterError(
-            "adapter type 'DoRA' (LoRA with use_dora=true) is not supported: its merge rescales "
-            "whole weight columns"
-        )
-    if config.get("layer_replication"):
-        raise UnsupportedAdapterError("LoRA adapters with layer_replication are not supported")
+    for option, what in _UNSUPPORTED_OPTIONS.items():
+        if config.get(option):
+            raise UnsupportedAdapterError(f"adapter type {what} is not supported")
 
 
 def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
@@ -92,13 +142,13 @@ class LoraAdapter:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.config = read_adapter_config(directory)
-        _check_supported(self.config)
+        check_supported(self.config)
         self.fan_in_fan_out = bool(self.config.get("fan_in_fan_out", False))
         self.use_rslora = bool(self.config.get("use_rslora", False))
         self.modules: dict[str, LoraModule] = {}
         self.replaced: dict[str, torch.Tensor] = {}  # modules_to_save: full weights
         with Checkpoint(directory, adapter=True) as ckpt:
-            tensors = {k: ckpt.read(k) for k in ckpt.keys()}
+            tensors = {k: ckpt.read(k) for k in ckpt.keys()}  # noqa: SIM118 - not a Mapping
         self._collect(tensors)
         if not self.modules and not self.replaced:
             raise PermanentModelError(f"adapter in {directory} holds no LoRA weights")
@@ -129,7 +179,7 @@ class LoraAdapter:
         rank_pattern = self.config.get("rank_pattern") or {}
         alpha_pattern = self.config.get("alpha_pattern") or {}
         for name, p in parts.items():
-            embedding = "lora_embedding_A" in p
+            embedding = "lora_embedding_A" in p or "lora_embedding_B" in p
             a = p.get("lora_embedding_A" if embedding else "lora_A")
             b = p.get("lora_embedding_B" if embedding else "lora_B")
             if a is None or b is None:
@@ -144,49 +194,83 @@ class LoraAdapter:
             scale = alpha / math.sqrt(r) if self.use_rslora else alpha / r
             self.modules[name] = LoraModule(name, a, b, scale, embedding)
 
-    def match(self, layers: list[LayerSpec]) -> tuple[dict[str, LoraModule], dict[str, torch.Tensor]]:
-        """Pair adapter modules with layers (by module path suffix); unmatched ones are an error."""
-        index = suffix_index(spec.name for spec in layers)
-        merged: dict[str, LoraModule] = {}
+    def match(self, layers: list[LayerSpec], checkpoint_keys: Iterable[str]) -> AdapterMatch:
+        """Pair adapter modules with the base's tensors, by module path suffix.
+
+        A module that is an analysed layer updates that layer's checkpoint tensor (for a
+        tied lm_head: the embedding's). A module that is only a checkpoint tensor (not an
+        analysed layer) still updates the layers that read the same tensor. A module that
+        is neither means a wrong base model: an error.
+        """
+        by_name = {spec.name: spec for spec in layers}
+        name_index = suffix_index(by_name)
+        key_index = suffix_index(checkpoint_keys)
+        keys_read = {spec.key for spec in layers}
+        merges: dict[str, list[LoraModule]] = {}
+        unanalysed: list[str] = []
         for name, module in self.modules.items():
-            layer = match_by_suffix(name, index, min_parts=1)
-            if layer is None:
-                raise PermanentModelError(
-                    f"adapter module {name} matches no layer of the base model: wrong base model?"
-                )
-            merged[layer] = module
+            layer = match_by_suffix(name, name_index, min_parts=1)
+            target_type: str | None
+            if layer is not None:
+                spec = by_name[layer]
+                key, target_type = spec.key, spec.layer_type
+            else:
+                found = match_by_suffix(f"{name}.weight", key_index)
+                if found is None:
+                    raise PermanentModelError(
+                        f"adapter module {name} matches no weight of the base model: "
+                        "wrong base model?"
+                    )
+                key, target_type = found, EMBEDDING if module.embedding else None
+                if key not in keys_read:
+                    unanalysed.append(name)
+                    continue
+            merges.setdefault(key, []).append(dataclasses.replace(module, target_type=target_type))
         replaced: dict[str, torch.Tensor] = {}
         for name, tensor in self.replaced.items():
-            layer = match_by_suffix(name, index, min_parts=1)
+            layer = match_by_suffix(name, name_index, min_parts=1)
             if layer is not None:
                 replaced[layer] = tensor
-        return merged, replaced
+        return AdapterMatch(merges, replaced, unanalysed)
 
 
-def lora_delta(module: LoraModule, spec: LayerSpec, *, fan_in_fan_out: bool) -> torch.Tensor:
-    """scale · B @ A in the layout the base checkpoint stores the layer's weight in.
+def lora_delta(
+    module: LoraModule,
+    shape: tuple[int, ...],
+    *,
+    fan_in_fan_out: bool,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """scale · B @ A in the layout the base checkpoint stores the weight in, on `device`.
 
-    Matches peft's get_delta_weight: Linear (out x in) as is; Conv1D and fan_in_fan_out
-    layers store (in x out), so the product is transposed; Embedding deltas are (B @ A)ᵀ;
-    Conv2d uses the 1x1 product or the convolution of A by B.
+    Matches peft's get_delta_weight: Linear (out x in) as is; Conv1D stores (in x out), so
+    the product is transposed (peft forces fan_in_fan_out on for Conv1D and off for
+    Linear, whatever the config says; only a layer of unknown type follows the config);
+    Embedding deltas are (B @ A)ᵀ; Conv2d uses the 1x1 product or the convolution of A
+    by B. A and B are small: they are moved to the device and computed in `dtype` there.
     """
-    a = module.A.to(torch.float32) if module.A.dtype != torch.float64 else module.A
-    b = module.B.to(a.dtype)
-    if spec.layer_type == CONV2D:
+    a = module.A.to(device=device, dtype=dtype)
+    b = module.B.to(device=device, dtype=dtype)
+    target = module.target_type
+    if target == CONV2D or a.dim() == 4:
         if a.shape[2:] == (1, 1):
             delta = (b.flatten(1) @ a.flatten(1)).reshape(b.shape[0], a.shape[1], 1, 1)
         else:
             delta = torch.nn.functional.conv2d(a.permute(1, 0, 2, 3), b).permute(1, 0, 2, 3)
     else:
         delta = b @ a
-        if module.embedding or spec.layer_type == EMBEDDING:
-            delta = delta.t()
-        elif spec.layer_type == CONV1D or fan_in_fan_out:
+        transposed = (
+            module.embedding
+            or target in (EMBEDDING, CONV1D)
+            or (target in (MATRIX, None) and fan_in_fan_out)
+        )
+        if transposed:
             delta = delta.t()
     delta = delta * module.scale
-    if tuple(delta.shape) != tuple(spec.shape):
+    if tuple(delta.shape) != tuple(shape):
         raise PermanentModelError(
-            f"adapter delta for {spec.name} has shape {tuple(delta.shape)}, the base weight "
-            f"{tuple(spec.shape)}: wrong base model?"
+            f"adapter delta for {module.name} has shape {tuple(delta.shape)}, the base weight "
+            f"{tuple(shape)}: wrong base model?"
         )
     return delta

@@ -38,15 +38,34 @@ class ResolvedModel:
         return (self.directory / "adapter_config.json").is_file()
 
 
+def parse_model_ref(ref: str) -> tuple[str, str | None]:
+    """The model id and revision `resolve_model` will record for `ref` (no download).
+
+    An existing directory is its own id (with no revision, even if its name has an '@').
+    """
+    if Path(ref).expanduser().is_dir():
+        return ref, None
+    return split_model_ref(ref)
+
+
 def resolve_model(ref: str) -> ResolvedModel:
     """A local directory as is; anything else through the HF hub (cache first when offline)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         return ResolvedModel(ref, ref, None, None, path.resolve(), "local")
     model_id, revision = split_model_ref(ref)
-    looks_local = ref.startswith(("/", "./", "../", "~")) or path.suffix in (".safetensors",)
-    if looks_local or not _REPO_ID.match(model_id):
-        raise PermanentModelError(f"model not found: {ref} is neither a directory nor a hub id")
+    looks_local = (
+        ref.startswith(("/", "./", "../", "~", "."))
+        or "\\" in ref
+        or model_id.count("/") > 1
+        or path.suffix in (".safetensors", ".bin", ".json")
+    )
+    if looks_local:
+        raise PermanentModelError(f"model not found: no directory {ref}")
+    if not _REPO_ID.match(model_id):
+        raise PermanentModelError(
+            f"model not found: {ref} is neither a directory nor a hub id (org/name[@revision])"
+        )
     directory, sha = _download(model_id, revision)
     return ResolvedModel(ref, model_id, revision, sha, directory, "hub")
 
@@ -105,12 +124,13 @@ def _download(model_id: str, revision: str | None) -> tuple[Path, str | None]:
 
 def classify_hub_error(e: Exception, model_id: str, revision: str | None) -> WorkerError:
     """Map huggingface_hub / network errors to permanent or transient, with what to do next."""
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
     what = model_id if revision is None else f"{model_id}@{revision}"
     if isinstance(e, errors.GatedRepoError):
         return PermanentModelError(
-            f"{what} is gated: accept its licence on the hub and set HF_TOKEN to a token that has access"
+            f"{what} is gated: accept its licence on the hub and set HF_TOKEN to a token "
+            "that has access"
         )
     if isinstance(e, errors.RevisionNotFoundError):
         return PermanentModelError(f"revision not found: {what}")
@@ -118,10 +138,18 @@ def classify_hub_error(e: Exception, model_id: str, revision: str | None) -> Wor
         return PermanentModelError(
             f"model not found: {what} (private repos need HF_TOKEN)"
         )
-    if isinstance(e, (errors.EntryNotFoundError, errors.LocalEntryNotFoundError)):
+    if constants.HF_HUB_OFFLINE and isinstance(
+        e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)
+    ):
         return PermanentModelError(
-            f"{what}: files not available (with HF_HUB_OFFLINE=1 the model must be in the cache): {e}"
+            f"{what} is not in the HF cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 is "
+            "set: download it first, or unset HF_HUB_OFFLINE"
         )
+    if isinstance(e, errors.LocalEntryNotFoundError):
+        # Not offline by choice: the hub could not be reached and the cache lacks the files.
+        return TransientError(f"hub unreachable and {what} not (fully) cached: {_one_line(e)}")
+    if isinstance(e, errors.EntryNotFoundError):
+        return PermanentModelError(f"{what}: file not found on the hub: {_one_line(e)}")
     if isinstance(e, errors.OfflineModeIsEnabled):
         return PermanentModelError(f"{what} is not in the HF cache and HF_HUB_OFFLINE=1 is set")
     if isinstance(e, errors.HfHubHTTPError):
@@ -134,7 +162,11 @@ def classify_hub_error(e: Exception, model_id: str, revision: str | None) -> Wor
     if isinstance(e, (ConnectionError, TimeoutError, OSError)) or type(e).__module__.startswith(
         ("httpx", "httpcore", "requests", "urllib3")
     ):
-        return TransientError(f"network error fetching {what}: {type(e).__name__}: {e}")
+        return TransientError(f"network error fetching {what}: {type(e).__name__}: {_one_line(e)}")
     if isinstance(e, ValueError):  # e.g. HFValidationError for a malformed id
-        return PermanentModelError(f"invalid model id {what}: {e}")
-    return TransientError(f"unexpected error fetching {what}: {type(e).__name__}: {e}")
+        return PermanentModelError(f"invalid model id {what}: {_one_line(e)}")
+    return TransientError(f"unexpected error fetching {what}: {type(e).__name__}: {_one_line(e)}")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,15 +39,17 @@ class AnalysisSettings:
         """Raise one UsageError that names every bad field."""
         problems: list[str] = []
         if self.fix_fingers not in FIX_FINGERS:
-            problems.append(f"fix_fingers: {self.fix_fingers!r} is not one of {', '.join(FIX_FINGERS)}")
-        if not self.evals_thresh >= 0:
-            problems.append(f"evals_thresh: must be >= 0, got {self.evals_thresh}")
+            problems.append(
+                f"fix_fingers: {self.fix_fingers!r} is not one of {', '.join(FIX_FINGERS)}"
+            )
+        if not (math.isfinite(self.evals_thresh) and self.evals_thresh >= 0):
+            problems.append(f"evals_thresh: must be finite and >= 0, got {self.evals_thresh}")
         if self.bins < 1:
             problems.append(f"bins: must be >= 1, got {self.bins}")
         if self.min_evals < 2:
             problems.append(f"min_evals: must be >= 2, got {self.min_evals}")
-        if not self.conv_norm > 0:
-            problems.append(f"conv_norm: must be > 0, got {self.conv_norm}")
+        if not (math.isfinite(self.conv_norm) and self.conv_norm > 0):
+            problems.append(f"conv_norm: must be finite and > 0, got {self.conv_norm}")
         if self.precision not in PRECISIONS:
             problems.append(f"precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if problems:

@@ -54,13 +54,20 @@ def compute_spectrum(
     about 10x faster than an SVD on a GPU. float64: svdvals in float64, the reference.
     fp16/bf16 weights are upcast before any linear algebra.
     """
+    if precision not in ("float32", "float64"):
+        raise ValueError(f"precision must be float32 or float64, got {precision!r}")
     dtype = torch.float64 if precision == "float64" else torch.float32
     mats = as_matrices(weight.to(dtype), layer_type, conv_norm=conv_norm)
     _, M, N = mats.shape
-    if precision == "float64":
-        evals = torch.linalg.svdvals(mats).square()
-    else:
+    evals: torch.Tensor | None = None
+    if precision == "float32":
         gram = mats.mT @ mats if M >= N else mats @ mats.mT
-        evals = torch.linalg.eigvalsh(gram).clamp_min_(0.0)
+        try:
+            evals = torch.linalg.eigvalsh(gram).clamp_min_(0.0)
+        except torch.linalg.LinAlgError:
+            evals = None  # eigvalsh did not converge (rare, ill-conditioned): SVD below
+        del gram
+    if evals is None:
+        evals = torch.linalg.svdvals(mats.to(torch.float64)).square()
     flat = evals.reshape(-1).to("cpu", torch.float64).numpy()
     return Spectrum(np.sort(flat), int(M), int(N), int(max(M, N)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,18 @@ from esd_worker.errors import StoreError, UsageError
 LAYERS_NAME = "layers.csv"
 EIGS_NAME = "eigs.npz"
 MARKER_NAME = "result.json"
+
+# Lenient on purpose (older AWS buckets and S3-compatible stores allow more); the store has the
+# last word. No ':' so that `s3://host:9000/...` is caught: endpoints go in AWS_ENDPOINT_URL.
+_BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+
+
+def normalize_key(key: str) -> str:
+    """`key` with empty parts dropped; StoreError for an empty key or a '.' / '..' part."""
+    parts = [p for p in key.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise StoreError(f"invalid store key {key!r}")
+    return "/".join(parts)
 
 
 class Store(abc.ABC):
@@ -43,6 +56,9 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove a key; a missing key is not an error."""
 
+    def check(self) -> None:  # noqa: B027 (optional hook, nothing to check by default)
+        """Fail fast, before hours of work, when the store cannot be written as configured."""
+
 
 class LocalStore(Store):
     """A directory on this machine (or a shared filesystem)."""
@@ -52,10 +68,15 @@ class LocalStore(Store):
         self.url = str(root)
 
     def _path(self, key: str) -> Path:
-        parts = [p for p in key.split("/") if p]
-        if not parts or any(p in (".", "..") for p in parts):
-            raise StoreError(f"invalid store key {key!r}")
-        return self.root.joinpath(*parts)
+        return self.root.joinpath(*normalize_key(key).split("/"))
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create {self.root}: {e.strerror or e}") from e
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreError(f"cannot write to {self.root}: permission denied")
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -107,9 +128,38 @@ class LocalStore(Store):
             raise StoreError(f"cannot delete {key}: {e.strerror or e}") from e
 
 
-def open_store(url: str) -> Store:
-    """A Store for `./dir`, `/abs/dir` or `file:///abs/dir`."""
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Bucket and key prefix of `s3://bucket[/prefix]`; UsageError naming what is wrong."""
     parsed = urlparse(url)
+    if "@" in parsed.netloc:
+        # Never echo it: the part before '@' may be a secret.
+        raise UsageError("credentials in an s3:// URL are not supported: use the AWS "
+                         "credential chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / IRSA)")
+    bucket = parsed.netloc
+    if not _BUCKET_RE.fullmatch(bucket):
+        raise UsageError(
+            f"invalid bucket name {bucket!r} in {url}: use s3://bucket/prefix (3-63 letters, "
+            "digits, '.', '-'); an S3-compatible endpoint goes in AWS_ENDPOINT_URL"
+        )
+    if parsed.query or parsed.fragment or url.endswith(("?", "#")):
+        raise UsageError(f"'?' and '#' are not allowed in an s3:// URL: {url}")
+    parts = [p for p in parsed.path.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise UsageError(f"'.' and '..' are not allowed in an s3:// prefix: {url}")
+    return bucket, "/".join(parts)
+
+
+def open_store(url: str) -> Store:
+    """A Store for `./dir`, `/abs/dir`, `file:///abs/dir` or `s3://bucket/prefix`.
+
+    Opening checks the URL only; `Store.check()` asks the store itself.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        bucket, prefix = parse_s3_url(url)
+        from esd_worker.s3 import S3Store  # boto3 only for s3:// URLs
+
+        return S3Store(bucket, prefix)
     if parsed.scheme in ("", "file"):
         path = unquote(parsed.path) if parsed.scheme == "file" else url
         if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
@@ -117,4 +167,6 @@ def open_store(url: str) -> Store:
         return LocalStore(Path(path).expanduser().absolute())
     if len(parsed.scheme) == 1:  # a Windows drive letter, not a scheme
         return LocalStore(Path(url).absolute())
-    raise UsageError(f"unsupported output URL scheme {parsed.scheme!r} in {url} (use a directory)")
+    shown = "" if "@" in parsed.netloc else f" in {url}"  # user:password@ stays unprinted
+    raise UsageError(f"unsupported output URL scheme {parsed.scheme!r}{shown} "
+                     "(use a directory, file:// or s3://bucket/prefix)")

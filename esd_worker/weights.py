@@ -1,4 +1,4 @@
-"""Checkpoint files of one model: which tensors exist, their shapes, and reading them one at a time."""
+"""Checkpoint files of one model: which tensors exist, their shapes, reading them one by one."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import pickle
+import re
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,10 @@ def find_weight_files(directory: Path, *, adapter: bool = False) -> tuple[str, l
     any other root-level safetensors; `pytorch_model*.bin` only when no safetensors exist.
     """
     if adapter:
-        candidates = [("safetensors", ["adapter_model.safetensors"]), ("bin", ["adapter_model.bin"])]
+        candidates = [
+            ("safetensors", ["adapter_model.safetensors"]),
+            ("bin", ["adapter_model.bin"]),
+        ]
         for fmt, names in candidates:
             files = [directory / n for n in names if (directory / n).is_file()]
             if files:
@@ -156,7 +160,9 @@ def _load_bin(path: Path) -> dict[str, Any]:
             # Legacy (pre-zip) files cannot be memory-mapped.
             state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
-        raise PermanentModelError(f"corrupt or unsafe weights file {path.name}: {e}") from e
+        raise PermanentModelError(
+            f"corrupt or unsafe weights file {path.name}: {_load_error(e)}"
+        ) from e
     except OSError as e:
         raise PermanentModelError(f"cannot read weights file {path.name}: {e}") from e
     if not isinstance(state, dict):
@@ -164,3 +170,13 @@ def _load_bin(path: Path) -> dict[str, Any]:
     if "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     return state
+
+
+def _load_error(e: BaseException) -> str:
+    """torch.load's reason, without its advice to retry with weights_only=False (which would
+    run code from the file: never here)."""
+    text = " ".join(str(e).split())
+    found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
+    if found:
+        return f"not loadable with weights_only=True ({found.group(1).rstrip('. ')})"
+    return text[:300]

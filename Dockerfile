@@ -1,0 +1,47 @@
+# syntax=docker/dockerfile:1.7
+# Two targets from one file:
+#   worker (default): esd-worker + the GPU telemetry exporter, CUDA-enabled torch from PyPI
+#   controller:       esd-sweep without torch (slim), for the controller Job / CronJob
+# Build: docker build -t esd-sweep:0.1.0 .   |   docker build --target controller -t esd-sweep-controller:0.1.0 .
+ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY esd_worker ./esd_worker
+COPY controller ./controller
+RUN python -m pip install --no-cache-dir pip==26.3 \
+    && python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM ${PYTHON_IMAGE} AS controller
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
+COPY --from=build /wheels /wheels
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir pip==26.3 \
+    && /opt/venv/bin/pip install --no-cache-dir "$(ls /wheels/esd_sweep-*.whl)[s3,kube]" \
+    && rm -rf /wheels \
+    && useradd --uid 1000 --create-home --shell /usr/sbin/nologin esd
+COPY image/entrypoint.sh /usr/local/bin/entrypoint.sh
+USER 1000
+WORKDIR /home/esd
+ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
+CMD ["esd-sweep", "--help"]
+
+FROM ${PYTHON_IMAGE} AS worker
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
+    HF_HOME=/cache/hf HF_HUB_DISABLE_TELEMETRY=1 \
+    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+COPY --from=build /wheels /wheels
+# torch==2.13.0 from PyPI is the CUDA build on linux/x86_64 (its CUDA libraries come as
+# nvidia-* wheels); the driver comes from the node through the NVIDIA container runtime.
+RUN python -m venv /opt/venv \
+    && /opt/venv/bin/pip install --no-cache-dir pip==26.3 \
+    && /opt/venv/bin/pip install --no-cache-dir "$(ls /wheels/esd_sweep-*.whl)[worker,s3]" \
+    && rm -rf /wheels \
+    && useradd --uid 1000 --create-home --shell /usr/sbin/nologin esd \
+    && mkdir -p /cache/hf && chown 1000:1000 /cache/hf
+COPY image/entrypoint.sh /usr/local/bin/entrypoint.sh
+USER 1000
+WORKDIR /home/esd
+ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
+CMD ["esd-worker", "--help"]

@@ -1,0 +1,45 @@
+# One place for the project's commands. `make run` and `make test` work on a fresh machine:
+# they create .venv and install the pinned dependencies first (torch: the CPU build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+EXAMPLE ?= example
+RESULTS ?= results
+
+.PHONY: setup run example test test-fast lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3
+	$(PY) -m pip install --quiet -e ".[worker,s3,kube,dev]"
+	$(PY) -m pip check
+	touch $@
+
+setup: $(VENV)/.installed
+
+example: setup
+	$(PY) examples/make_example.py $(EXAMPLE)
+
+## The main job on the bundled example: build the offline example set, sweep it, show the summary.
+run: example
+	HF_HUB_OFFLINE=1 $(VENV)/bin/esd-sweep run --model-list $(EXAMPLE)/models.csv \
+		--output-dir $(RESULTS)
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/hadolint Dockerfile
+
+bench: setup
+	$(PY) benchmarks/bench_minilm_cpu.py
+	$(PY) benchmarks/bench_plan.py
+
+clean:
+	rm -rf $(VENV) $(EXAMPLE) $(RESULTS) .pytest_cache .mypy_cache .ruff_cache

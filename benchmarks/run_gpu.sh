@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The GPU part of the worker's benchmark and checks, for one machine with one CUDA GPU.
+#
+#   bash benchmarks/run_gpu.sh            # from anywhere; results go to $OUT (default .bench/out)
+#
+# Needs python3 with torch (CUDA), transformers, accelerate, safetensors, numpy, pytest and
+# nvidia-ml-py; no network and no install: the repo is put on PYTHONPATH and the worker is
+# started as `python3 -m esd_worker.cli` (no console script needed). Steps, ~6-7 minutes on
+# an H100 box (16 cores), under 9 minutes in all:
+#   1. versions and the GPU;
+#   2. correctness on the GPU: float32 Gram + eigvalsh on CUDA vs float64 SVD (4096×4096 and
+#      11008×4096; Gaussian and heavy-tailed spectra): max relative error of the top 500
+#      eigenvalues (ESD_SPEC.md: < 1e-6) and the α differences; plus kernel timings;
+#   3. tests/test_spectra.py, if present, with pytest (CUDA visible);
+#   4. bench_worker.py on the Llama-2-7B shape (checkpoint written to $CKPT on local disk):
+#      the worker end to end vs the whole-model svdvals baseline (its SVD loop capped at
+#      $BASELINE_MAX_S seconds, the rest extrapolated per shape, as the JSON says);
+#   5. the worker once more after dropping the page cache (cold reads), when allowed.
+# Every result lands in $OUT: gpu_checks.json, pytest_spectra.txt, bench_worker.json,
+# bench_worker_cold.json and the logs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/.bench/out}
+CKPT=${CKPT:-/tmp/esd-bench/llama7b}
+BASELINE_MAX_S=${BASELINE_MAX_S:-240}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+START=$SECONDS
+step() { echo; echo "== [$((SECONDS - START))s] $*"; }
+
+step "1. versions"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" - <<'EOF' | tee "$OUT/versions.txt"
+import importlib.metadata as md, os, platform, sys
+import torch
+print("python", platform.python_version(), sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("gpu", torch.cuda.get_device_name(0))
+print("cpus", os.cpu_count())
+for d in ("transformers", "accelerate", "safetensors", "numpy", "huggingface_hub", "peft",
+          "nvidia-ml-py", "pytest"):
+    try:
+        print(d, md.version(d))
+    except md.PackageNotFoundError:
+        print(d, "MISSING")
+import esd_worker.analyze  # noqa: F401  (fails here, not in the benchmark, if an import is missing)
+print("esd_worker importable from", esd_worker.analyze.__file__)
+EOF
+
+step "2. float32 Gram on CUDA vs float64 SVD"
+"$PY" - "$OUT/gpu_checks.json" <<'EOF' 2>&1 | tee "$OUT/gpu_checks.log"
+"""Top-500 relative error of the worker's float32 path on CUDA against float64 SVD, and timings."""
+import json, sys, time
+import numpy as np
+import torch
+from esd_worker.powerlaw import layer_metrics
+from esd_worker.spectra import compute_spectrum
+
+torch.backends.cuda.matmul.allow_tf32 = False  # as the worker sets it
+dev = torch.device("cuda:0")
+gen = torch.Generator(device=dev).manual_seed(0)
+
+def gaussian(m, n):
+    return (torch.randn(m, n, generator=gen, device=dev, dtype=torch.float64) * 0.02)
+
+def heavy_tailed(m, n):
+    """U diag(s) Vᵀ with Pareto(α=2.5)-like singular values: a trained layer's kind of tail."""
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, device=dev, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, device=dev, dtype=torch.float64))
+    r = torch.rand(k, generator=gen, device=dev, dtype=torch.float64)
+    lam = 0.05 * (1 - r) ** (-1 / 1.5)  # eigenvalues λ = s² with density ∝ λ^-2.5
+    return (u * lam.sqrt()) @ v.T
+
+def timed(fn, reps=3):
+    fn(); torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cases": []}
+for shape in [(4096, 4096), (11008, 4096)]:
+    for kind, make in [("gaussian", gaussian), ("heavy_tailed", heavy_tailed)]:
+        w = make(*shape).to(torch.bfloat16)  # the weights are bf16, as in the benchmark
+        ref = np.sort(torch.linalg.svdvals(w.double()).square().cpu().numpy())
+        got = compute_spectrum(w, "Linear", precision="float32").evals
+        top = slice(-500, None)
+        rel = np.abs(got[top] - ref[top]) / ref[top]
+        case = {"shape": list(shape), "kind": kind,
+                "top500_max_rel_err": float(rel.max()),
+                "all_max_abs_err_over_lmax": float(np.max(np.abs(got - ref)) / ref[-1]),
+                "lambda_max": float(ref[-1]), "lambda_min": float(ref[0])}
+        for ff in ("xmin_mid", "DKS"):
+            a32 = layer_metrics(got, max_dim=max(shape), fix_fingers=ff)["alpha"]
+            a64 = layer_metrics(ref, max_dim=max(shape), fix_fingers=ff)["alpha"]
+            case[f"alpha_{ff}_float32"] = a32
+            case[f"alpha_{ff}_float64"] = a64
+            case[f"alpha_{ff}_rel_diff"] = abs(a32 - a64) / abs(a64)
+        report["cases"].append(case)
+        print(json.dumps(case))
+
+# Kernel timings behind the worker's speed (best of 3, seconds).
+timings = {}
+for m, n in [(4096, 4096), (11008, 4096), (32000, 4096)]:
+    w = gaussian(m, n).float()
+    g = w.T @ w
+    timings[f"gram_{m}x{n}"] = timed(lambda: w.T @ w)
+    timings[f"eigvalsh_{n}x{n}"] = timed(lambda: torch.linalg.eigvalsh(g), reps=2)
+    timings[f"svdvals_f32_{m}x{n}"] = timed(lambda: torch.linalg.svdvals(w), reps=1)
+for lib in ("cusolver", "magma"):
+    try:
+        torch.backends.cuda.preferred_linalg_library(lib)
+        g = gaussian(4096, 4096).float(); g = g.T @ g
+        timings[f"eigvalsh_4096_{lib}"] = timed(lambda: torch.linalg.eigvalsh(g))
+    except Exception as e:  # magma may not be built in
+        timings[f"eigvalsh_4096_{lib}"] = f"unavailable: {e}"
+torch.backends.cuda.preferred_linalg_library("default")
+report["timings_s"] = timings
+report["top500_max_rel_err"] = max(c["top500_max_rel_err"] for c in report["cases"])
+report["spec_bound"] = 1e-6
+report["ok"] = report["top500_max_rel_err"] < 1e-6
+print(json.dumps(timings, indent=1))
+print(f"top-500 max relative error: {report['top500_max_rel_err']:.3e} "
+      f"(spec < 1e-6): {'OK' if report['ok'] else 'ABOVE THE SPEC'}")
+with open(sys.argv[1], "w") as f:
+    json.dump(report, f, indent=2)
+EOF
+
+step "3. tests/test_spectra.py on the GPU machine"
+if [ -f tests/test_spectra.py ]; then
+  set +e
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_spectra.py 2>&1 | tee "$OUT/pytest_spectra.txt"
+  echo "pytest exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_spectra.txt"
+  set -e
+else
+  echo "tests/test_spectra.py not present: skipped" | tee "$OUT/pytest_spectra.txt"
+fi
+
+step "4. bench_worker.py: Llama-2-7B shape, worker vs baseline"
+"$PY" benchmarks/bench_worker.py --out "$CKPT" --device cuda \
+  --worker-cmd "$PY -m esd_worker.cli" --baseline-max-s "$BASELINE_MAX_S" \
+  --json "$OUT/bench_worker.json" 2>&1 | tee "$OUT/bench_worker.log"
+
+step "5. the worker again with a cold page cache"
+if sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
+  "$PY" benchmarks/bench_worker.py --out "$CKPT" --device cuda --skip-baseline \
+    --worker-cmd "$PY -m esd_worker.cli" \
+    --json "$OUT/bench_worker_cold.json" 2>&1 | tee "$OUT/bench_worker_cold.log"
+else
+  echo "cannot drop the page cache here: cold run skipped"
+fi
+
+step "done; results in $OUT"
+ls -l "$OUT"

@@ -1,0 +1,228 @@
+"""Failure records (`_failures/<model_key>.json`): what failed, how, and whether a retry may help.
+
+Owns the record format, exit-code classification and secret redaction of stderr lines.
+Does not decide when to retry: the dispatcher does, from `retryable`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal as _signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from esd_worker.errors import (
+    EXIT_GPU_OOM,
+    EXIT_OK,
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    EXIT_USAGE,
+)
+from esd_worker.store import Store
+
+log = logging.getLogger(__name__)
+
+FAILURES_PREFIX = "_failures/"
+RECORD_SCHEMA = 1
+
+_EXIT_CLASSES: dict[int, tuple[str, bool]] = {
+    EXIT_OK: ("", False),
+    EXIT_USAGE: ("UsageError", False),
+    EXIT_PERMANENT: ("PermanentModelError", False),
+    EXIT_TRANSIENT: ("TransientError", True),
+    EXIT_GPU_OOM: ("GpuOutOfMemoryError", True),
+}
+KILLED_BY_SIGNAL = ("KilledBySignal", True)
+WORKER_CRASHED = ("WorkerCrashed", False)
+
+_REDACTED = "[REDACTED]"
+# Order matters: whole header values first, then bare tokens that may stand anywhere.
+_SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # Authorization: Bearer xyz / 'Authorization': 'token xyz' / authorization=Basic xyz
+    (
+        re.compile(
+            r"""(?i)(\bauthorization['"]?\s*[:=]\s*['"]?)(?:(?:bearer|token|basic)\s+)?[^\s'",;]+"""
+        ),
+        r"\1" + _REDACTED,
+    ),
+    (re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=\-]+"), r"\1" + _REDACTED),
+    # aws_secret_access_key = xyz, AWS_SECRET_ACCESS_KEY="xyz", aws_session_token: xyz
+    (
+        re.compile(
+            r"""(?i)(\baws_(?:secret_access_key|session_token|security_token)['"]?\s*[:=]\s*['"]?)"""
+            r"""[^\s'",;]+"""
+        ),
+        r"\1" + _REDACTED,
+    ),
+    # HF tokens (hf_..., api_org_...), AWS access key ids
+    (re.compile(r"\bhf_[A-Za-z0-9]{8,}"), "hf_" + _REDACTED),
+    (re.compile(r"\bapi_org_[A-Za-z0-9]{8,}"), "api_org_" + _REDACTED),
+    (re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b"), r"\1" + _REDACTED),
+)
+
+
+def redact(text: str) -> str:
+    """text with HF tokens, AWS keys and Authorization/Bearer values replaced by [REDACTED]."""
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def utc_timestamp(now: datetime | None = None) -> str:
+    """ISO-8601 UTC time to the second, e.g. 2026-11-23T07:05:01Z."""
+    now = now or datetime.now(timezone.utc)
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def classify_exit(exit_code: int | None, signal: int | None) -> tuple[str, bool]:
+    """(error class name, retryable) for how a worker ended.
+
+    0 → ("", False); 2 usage, 3 permanent: not retryable; 4 transient, 5 GPU OOM: retryable.
+    A signal kill counts as transient (preemption, OOM killer, Ctrl+C): that includes a
+    negative exit code (subprocess's -N for signal N) and 129..192 (128+N, what shells and
+    container runtimes report, e.g. 137 for SIGKILL). Any other code: WorkerCrashed, not
+    retryable (an uncaught bug, exit 1, fails the same way again).
+    """
+    if signal is not None and signal != 0:
+        return KILLED_BY_SIGNAL
+    if exit_code is None:
+        return WORKER_CRASHED
+    if exit_code in _EXIT_CLASSES:
+        return _EXIT_CLASSES[exit_code]
+    if exit_code < 0 or 128 < exit_code <= 128 + 64:
+        return KILLED_BY_SIGNAL
+    return WORKER_CRASHED
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9; 'signal 99' for numbers the platform does not name."""
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why a model failed, as stored in `_failures/<model_key>.json`.
+
+    error: error class name (classify_exit); exit_code / signal: how the worker ended
+    (None when not known); retryable: whether another attempt may help; attempts: how
+    many attempts failed so far; stderr_tail: last stderr lines, secrets redacted;
+    run_id: the sweep run that wrote it; time: ISO-8601 UTC.
+    """
+
+    model: str
+    model_key: str
+    error: str
+    exit_code: int | None
+    signal: int | None
+    retryable: bool
+    attempts: int
+    stderr_tail: tuple[str, ...]
+    run_id: str
+    time: str
+
+    def to_json(self) -> bytes:
+        """JSON of the record; stderr lines are redacted here, so nothing stored holds a secret."""
+        doc = {
+            "schema": RECORD_SCHEMA,
+            "model": self.model,
+            "model_key": self.model_key,
+            "error": self.error,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "retryable": self.retryable,
+            "attempts": self.attempts,
+            "stderr_tail": [redact(line) for line in self.stderr_tail],
+            "run_id": self.run_id,
+            "time": self.time,
+        }
+        return (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes) -> FailureRecord:
+        """Parse a stored record; ValueError naming the problem when it is not one."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"not a JSON failure record: {e}") from e
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON failure record: expected an object")
+        try:
+            tail = doc.get("stderr_tail") or []
+            if not isinstance(tail, list):
+                raise TypeError("stderr_tail must be a list")
+            return cls(
+                model=_as(doc["model"], str, "model"),
+                model_key=_as(doc["model_key"], str, "model_key"),
+                error=_as(doc.get("error", ""), str, "error"),
+                exit_code=_opt_int(doc.get("exit_code"), "exit_code"),
+                signal=_opt_int(doc.get("signal"), "signal"),
+                retryable=_as(doc.get("retryable", False), bool, "retryable"),
+                attempts=_as(doc.get("attempts", 0), int, "attempts"),
+                stderr_tail=tuple(str(line) for line in tail),
+                run_id=_as(doc.get("run_id", ""), str, "run_id"),
+                time=_as(doc.get("time", ""), str, "time"),
+            )
+        except KeyError as e:
+            raise ValueError(f"failure record lacks {e.args[0]!r}") from e
+        except TypeError as e:
+            raise ValueError(f"bad failure record: {e}") from e
+
+
+def _as(value: Any, kind: type, name: str) -> Any:
+    # bool is an int subclass: keep them apart both ways.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _opt_int(value: Any, name: str) -> int | None:
+    return None if value is None else int(_as(value, int, name))
+
+
+def failure_key(model_key: str) -> str:
+    """Store key of a model's failure record."""
+    if not model_key or "/" in model_key or model_key in (".", ".."):
+        raise ValueError(f"invalid model key {model_key!r}")
+    return f"{FAILURES_PREFIX}{model_key}.json"
+
+
+def write_failure(store: Store, record: FailureRecord) -> None:
+    store.put_bytes(failure_key(record.model_key), record.to_json())
+
+
+def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord]:
+    """model_key → record for every readable record, from one listing of _failures/.
+
+    Records are read concurrently (stores may be remote). An unreadable record is logged
+    and left out: it cannot say whether to retry, so the model is treated as having none.
+    """
+    keys: dict[str, str] = {}
+    for key in store.list_keys(FAILURES_PREFIX):
+        name = key[len(FAILURES_PREFIX):] if key.startswith(FAILURES_PREFIX) else ""
+        if name.endswith(".json") and "/" not in name and len(name) > len(".json"):
+            keys[name[: -len(".json")]] = key
+    if not keys:
+        return {}
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
+        blobs = dict(zip(keys, pool.map(store.get_bytes, keys.values()), strict=True))
+    records: dict[str, FailureRecord] = {}
+    for model_key, data in blobs.items():
+        if data is None:  # cleared since the listing
+            continue
+        try:
+            records[model_key] = FailureRecord.from_json(data)
+        except ValueError as e:
+            log.warning("failure record %s ignored: %s", keys[model_key], e)
+    return records
+
+
+def clear_failure(store: Store, model_key: str) -> None:
+    """Remove a model's failure record (after it succeeded); a missing record is fine."""
+    store.delete(failure_key(model_key))

@@ -1,0 +1,436 @@
+"""One sweep end to end: model list → plan → local workers → records, summary and run report."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from controller.gpus import GpuSettings, GpuTracker, open_nvml
+from controller.local import LocalBackend, LocalSettings, Outcome, Task, read_commands
+from controller.modellist import ModelList, ModelRow, make_single, read_model_list
+from controller.plan import Plan, plan_run
+from controller.progress import Progress
+from controller.records import FailureRecord, clear_failure, write_failure
+from controller.summary import new_run_id, write_run_report, write_summary
+from esd_worker.flags import analysis_argv
+from esd_worker.settings import AnalysisSettings
+from esd_worker.store import MARKER_NAME, Store, open_store
+
+log = logging.getLogger(__name__)
+
+# Exit statuses of `esd-sweep run` (what CI scripts rely on).
+EXIT_ALL_DONE = 0
+EXIT_SOME_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INFRA = 3
+EXIT_INTERRUPTED = 130
+
+
+class SweepError(Exception):
+    """A problem that stops the whole sweep before or while it runs; `exit_code` says which."""
+
+    exit_code = EXIT_USAGE
+
+
+class InfrastructureError(SweepError):
+    """The store or the machine cannot be used (unreachable, no permission)."""
+
+    exit_code = EXIT_INFRA
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """Everything `esd-sweep run` was asked to do (built in controller.cli from flags + env).
+
+    output: result store URL (directory, file://, s3://bucket/prefix).
+    model_list / single_model: where the models come from (exactly one is set), or
+    commands: a file of command lines (custom mode: run them under the same GPU management).
+    device: auto (GPUs when NVML sees any, else CPU), cpu, or cuda (GPUs required).
+    worker_cmd: how to start one worker; argv list, the model flags are appended.
+    """
+
+    output: str
+    model_list: Path | None = None
+    single_model: str | None = None
+    single_relation: str = ""
+    single_source: str | None = None
+    commands: Path | None = None
+    limit: int | None = None
+    strict: bool = False
+    overwrite: bool = False
+    skip_failed: bool = False
+    analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
+    device: str = "auto"
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+    local: LocalSettings = field(default_factory=LocalSettings)
+    log_dir: Path | None = None
+    save_eigs: bool = True
+    trust_remote_code: bool = False
+    worker_log_format: str = "text"
+    worker_cmd: tuple[str, ...] = field(
+        default_factory=lambda: (sys.executable, "-m", "esd_worker.cli")
+    )
+
+
+@dataclass
+class SweepResult:
+    """What a sweep did; `exit_code` follows the EXIT_* contract."""
+
+    run_id: str
+    exit_code: int
+    report: dict[str, Any]
+
+
+def load_models(settings: SweepSettings) -> ModelList:
+    """The model list (or the single model), with bad rows reported one line each."""
+    if settings.single_model:
+        models = make_single(
+            settings.single_model,
+            relation=settings.single_relation,
+            source_model=settings.single_source,
+        )
+    elif settings.model_list is not None:
+        models = read_model_list(settings.model_list, limit=settings.limit)
+    else:
+        raise SweepError("give --model-list FILE or --single-model ID")
+    for problem in models.problems:
+        log.error("%s", problem)
+    if models.problems and settings.strict:
+        raise SweepError(
+            f"{len(models.problems)} bad row(s) in the model list and --strict is set: "
+            "nothing was started"
+        )
+    if models.duplicates:
+        log.info("%d duplicate row(s) ignored (same id and revision)", models.duplicates)
+    return models
+
+
+def worker_argv(
+    row: ModelRow, settings: SweepSettings, store_url: str, device: str
+) -> tuple[str, ...]:
+    """The worker's argv for one model: a list, never a shell string (ids are not trusted)."""
+    argv = [
+        *settings.worker_cmd,
+        "--model", row.ref,
+        "--output", store_url,
+        "--model-key", row.key,
+        "--device", device,
+        "--log-format", settings.worker_log_format,
+        *analysis_argv(settings.analysis),
+    ]
+    if row.relation:
+        argv += ["--relation", row.relation]
+    if row.source_model:
+        argv += ["--base-model", row.source_model]
+    if not settings.save_eigs:
+        argv.append("--no-eigs")
+    if settings.trust_remote_code:
+        argv.append("--trust-remote-code")
+    return tuple(argv)
+
+
+def _open_tracker(settings: SweepSettings) -> GpuTracker | None:
+    """A GPU tracker, or None for CPU mode (asked for, or no GPU visible)."""
+    if settings.device == "cpu":
+        log.info("device=cpu: running %d CPU worker(s) at a time", settings.local.cpu_workers)
+        return None
+    nvml = open_nvml()
+    if nvml is None:
+        if settings.device == "cuda":
+            raise InfrastructureError(
+                "--device cuda asked for, but NVML finds no GPU (driver missing?): "
+                "use --device cpu to run on the CPU"
+            )
+        log.info(
+            "no GPU found: running on the CPU with %d worker(s) at a time (--cpu-workers)",
+            settings.local.cpu_workers,
+        )
+        return None
+    try:
+        tracker = GpuTracker(nvml, settings.gpu)
+    except ValueError as e:
+        nvml.close()
+        raise SweepError(str(e)) from e
+    log.info(
+        "GPUs %s managed: free after %d checks under %g MiB, %d per job",
+        ",".join(map(str, tracker.gpus)), settings.gpu.max_checks, settings.gpu.threshold_mib,
+        settings.gpu.gpus_per_job,
+    )
+    return tracker
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM while running: first stop dispatching, second terminate the workers."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend = backend
+        self.count = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count == 1:
+            print(
+                "\nstopping: no new models start; running workers finish "
+                "(press Ctrl+C again to terminate them)",
+                file=sys.stderr,
+            )
+        else:
+            print("\nterminating running workers", file=sys.stderr)
+        self.backend.request_stop()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class _Recorder:
+    """Turns worker outcomes into store records as they arrive (the run loop's callback)."""
+
+    def __init__(self, store: Store, run_id: str, rows: dict[str, ModelRow]) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.rows = rows
+        self.durations: dict[str, float] = {}
+        self.failed: dict[str, FailureRecord] = {}
+        self.done: list[str] = []
+        self.cancelled: list[str] = []
+        self.waits: list[float] = []
+
+    def __call__(self, outcome: Outcome) -> None:
+        key = outcome.task.key
+        row = self.rows.get(key)
+        label = row.ref if row is not None else outcome.task.label
+        self.waits.append(outcome.wait_s)
+        if outcome.status == "cancelled":
+            self.cancelled.append(key)
+            log.info("model=%s key=%s cancelled (no result; the next run does it)", label, key)
+            return
+        error, retryable = outcome.error, outcome.retryable
+        if outcome.status == "done" and row is not None and not self.store.exists(
+            f"{key}/{MARKER_NAME}"
+        ):
+            # The worker said yes but the store disagrees: never count it done.
+            error, retryable = "MarkerMissing: worker exited 0 but wrote no result.json", True
+        elif outcome.status == "done":
+            self.done.append(key)
+            self.durations[key] = round(outcome.duration_s, 3)
+            if row is not None:
+                clear_failure(self.store, key)
+            log.info("model=%s key=%s done in %.1fs gpus=%s", label, key, outcome.duration_s,
+                     ",".join(map(str, outcome.gpus)) or "cpu")
+            return
+        record = FailureRecord(
+            model=label,
+            model_key=key,
+            error=error,
+            exit_code=outcome.exit_code,
+            signal=outcome.signal,
+            retryable=retryable,
+            attempts=outcome.attempts,
+            stderr_tail=tuple(outcome.stderr_tail),
+            run_id=self.run_id,
+            time=_now(),
+        )
+        self.failed[key] = record
+        self.durations[key] = round(outcome.duration_s, 3)
+        if row is not None:
+            write_failure(self.store, record)
+        last = next((line for line in reversed(outcome.stderr_tail) if line.strip()), "")
+        log.error("model=%s key=%s failed after %d attempt(s): %s%s", label, key,
+                  outcome.attempts, error, f" | {last}" if last else "")
+
+
+def _tasks_for(plan: Plan, settings: SweepSettings, store_url: str, device: str) -> list[Task]:
+    return [
+        Task(key=row.key, argv=worker_argv(row, settings, store_url, device), label=row.ref)
+        for row in plan.todo
+    ]
+
+
+def run_sweep(
+    settings: SweepSettings, *, on_plan: Callable[[Plan], None] | None = None
+) -> SweepResult:
+    """Run the sweep as configured; never raises for a single model's failure."""
+    started = time.perf_counter()
+    started_at = _now()
+    run_id = new_run_id()
+    try:
+        store = open_store(settings.output)
+    except Exception as e:  # the store's own errors are already clear; keep them one line
+        raise InfrastructureError(f"cannot open the result store {settings.output}: {e}") from e
+
+    custom = settings.commands is not None
+    if custom:
+        assert settings.commands is not None
+        tasks = read_commands(settings.commands)
+        rows: dict[str, ModelRow] = {}
+        plan = None
+        problems = 0
+        log.info("custom mode: %d command(s) from %s", len(tasks), settings.commands)
+    else:
+        models = load_models(settings)
+        problems = len(models.problems)
+        plan = plan_run(
+            models.rows, store, settings.analysis.as_dict(),
+            overwrite=settings.overwrite, skip_failed=settings.skip_failed,
+        )
+        rows = {row.key: row for row in models.rows}
+        log.info(
+            "%d model(s): %d done already, %d to run (%d with other parameters), "
+            "%d skipped for a permanent failure record, %d bad row(s)",
+            len(models.rows), len(plan.done), len(plan.todo), len(plan.stale),
+            len(plan.skipped_failed), problems,
+        )
+        if on_plan is not None:
+            on_plan(plan)
+        tasks = []
+
+    tracker = _open_tracker(settings) if (custom or (plan and plan.todo)) else None
+    device = "cpu" if tracker is None else "cuda"
+    if plan is not None:
+        tasks = _tasks_for(plan, settings, store.url, device)
+
+    recorder = _Recorder(store, run_id, rows)
+    progress = Progress(len(tasks))
+    local = settings.local
+    backend = LocalBackend(
+        local, tracker, gpus_per_job=settings.gpu.gpus_per_job,
+        on_outcome=recorder, progress=progress,
+    )
+    interrupted = False
+    try:
+        with _Interrupts(backend) as interrupts:
+            backend.run(tasks)
+            interrupted = interrupts.count > 0
+    finally:
+        progress.close()
+        if tracker is not None:
+            tracker.nvml.close()
+
+    summary_rows = 0
+    if not custom:
+        summary_rows = write_summary(
+            store, list(rows.values()), parameters=settings.analysis.as_dict()
+        )
+    runtime = time.perf_counter() - started
+    attempted = len(recorder.done) + len(recorder.failed)
+    report: dict[str, Any] = {
+        "run_id": run_id,
+        "started_at": started_at,
+        "finished_at": _now(),
+        "output": store.url,
+        "mode": "custom" if custom else "esd",
+        "backend": "local",
+        "device": device,
+        "gpus": list(tracker.gpus) if tracker is not None else [],
+        "parameters": settings.analysis.as_dict(),
+        "counts": {
+            "models": len(rows) if not custom else len(tasks),
+            "bad_rows": problems,
+            "already_done": len(plan.done) if plan else 0,
+            "skipped_failed": len(plan.skipped_failed) if plan else 0,
+            "attempted": attempted,
+            "done": len(recorder.done),
+            "failed": len(recorder.failed),
+            "cancelled": len(recorder.cancelled),
+        },
+        "success_rate": round(len(recorder.done) / attempted, 4) if attempted else None,
+        "avg_wait_s": round(sum(recorder.waits) / len(recorder.waits), 3)
+        if recorder.waits else None,
+        "durations_s": recorder.durations,
+        "failures": {
+            key: {"model": r.model, "error": r.error, "exit_code": r.exit_code,
+                  "retryable": r.retryable, "attempts": r.attempts}
+            for key, r in recorder.failed.items()
+        },
+        "summary": "summary.csv" if summary_rows else None,
+        "summary_rows": summary_rows,
+        "total_runtime_s": round(runtime, 3),
+        "interrupted": interrupted,
+        "host": platform.node(),
+        "pid": os.getpid(),
+    }
+    write_run_report(store, run_id, report)
+    if interrupted:
+        code = EXIT_INTERRUPTED
+    elif recorder.failed or problems:
+        code = EXIT_SOME_FAILED
+    else:
+        code = EXIT_ALL_DONE
+    log.info(
+        "run %s: %d done, %d failed, %d cancelled, %d already done; report runs/%s.json%s",
+        run_id, len(recorder.done), len(recorder.failed), len(recorder.cancelled),
+        len(plan.done) if plan else 0, run_id,
+        f", summary.csv ({summary_rows} models)" if summary_rows else "",
+    )
+    return SweepResult(run_id=run_id, exit_code=code, report=report)
+
+
+def format_summary_table(store: Store, limit: int = 20) -> str:
+    """The first rows of summary.csv as an aligned text table, for people at a terminal."""
+    import csv
+    import io
+
+    data = store.get_bytes("summary.csv")
+    if not data:
+        return "(no summary.csv yet)"
+    rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
+    cols = ["model_id", "relation", "layers", "alpha_mean", "alpha_median",
+            "alpha_in_2_6_share", "stable_rank_mean", "log_spectral_norm_mean"]
+    table = [cols] + [[_short(r.get(c, "")) for c in cols] for r in rows[:limit]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
+             for line in table]
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in summary.csv")
+    return "\n".join(lines)
+
+
+def _short(value: str) -> str:
+    try:
+        f = float(value)
+    except ValueError:
+        return value if len(value) <= 48 else "…" + value[-47:]
+    return f"{f:.3f}" if not f.is_integer() else str(int(f))
+
+
+def models_status(settings: SweepSettings) -> dict[str, Any]:
+    """What `esd-sweep status` prints: done / to do / failed for the list against the store."""
+    store = open_store(settings.output)
+    models = load_models(settings)
+    plan = plan_run(models.rows, store, settings.analysis.as_dict(), skip_failed=True)
+    return {
+        "models": len(models.rows),
+        "bad_rows": len(models.problems),
+        "done": len(plan.done),
+        "todo": len(plan.todo),
+        "stale": len(plan.stale),
+        "failed_permanent": len(plan.skipped_failed),
+    }
+
+
+def summary_rows_for(
+    store: Store, rows: Sequence[ModelRow], parameters: dict[str, Any]
+) -> int:
+    """Rewrite summary.csv for `rows` (the `report` command)."""
+    return write_summary(store, list(rows), parameters=parameters)

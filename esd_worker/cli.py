@@ -1,0 +1,132 @@
+"""The `esd-worker` command: flags to settings, one analysis, each failure one line + exit code."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any, NoReturn
+
+from esd_worker import __version__
+from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, TransientError, WorkerError
+from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
+from esd_worker.logs import LOG_FORMATS, setup_logging
+from esd_worker.settings import DEVICES, WorkerSettings
+
+log = logging.getLogger("esd_worker")
+
+PROG = "esd-worker"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (the usage is in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Analyse the weight spectra (ESD, power-law fits) of one model and write "
+        "<model_key>/layers.csv, eigs.npz and result.json (last) to the output store.",
+    )
+    add_flag(p, "--model", "--model-id", required=True, metavar="ID[@REV]|DIR",
+             help="HF model id, optionally with @revision, or a local directory in HF layout")
+    add_flag(p, "--base-model", "--source-model", metavar="ID[@REV]|DIR",
+             help="base model of an adapter (default: base_model_name_or_path of "
+             "adapter_config.json)")
+    add_flag(p, "--relation", "--base-model-relation", default="",
+             help="base_model_relation from the model list (adapter/lora/peft: the model "
+             "must be an adapter)")
+    add_flag(p, "--output", "--output-dir", required=True, metavar="URL",
+             help="result store: a directory, file:// or s3:// URL")
+    add_flag(p, "--model-key", default=None, help=argparse.SUPPRESS)  # set by the controller
+    add_analysis_flags(p)
+    add_flag(p, "--device", choices=DEVICES, default="auto",
+             help="auto: CUDA when available, else CPU (default auto)")
+    add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
+    add_flag(p, "--trust-remote-code", action="store_true",
+             help="allow model code from the hub to build the layer map (off by default)")
+    add_flag(p, "--log-format", choices=LOG_FORMATS,
+             default=os.environ.get("ESD_LOG_FORMAT", "text"),
+             help="log lines for people (text) or clusters (json); env ESD_LOG_FORMAT")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    return WorkerSettings(
+        model=args.model,
+        output=args.output,
+        analysis=analysis_from_args(args),
+        base_model=args.base_model or None,
+        relation=args.relation or "",
+        device=args.device,
+        save_eigs=not args.no_eigs,
+        trust_remote_code=args.trust_remote_code,
+    )
+
+
+class Terminated(TransientError):
+    """SIGTERM (eviction, preemption, Ctrl+C from the controller): a retry can succeed."""
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Terminated(f"terminated by signal {signum} before the result was written")
+
+
+def _fail(message: str) -> None:
+    """The one line a person (or the controller's failure record) reads."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(verbose=args.verbose, fmt=args.log_format)
+    previous = _install_sigterm()
+    try:
+        settings = settings_from_args(args)
+        settings.validate()
+        # torch is imported here, after the flags are known to be good: --help stays fast.
+        from esd_worker.analyze import analyse_model
+
+        analyse_model(settings, model_key=args.model_key)
+    except WorkerError as e:
+        if args.log_format == "json":
+            log.error("%s", e, extra={"exit_code": e.exit_code})
+        _fail(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        _fail("interrupted; no result written")
+        return EXIT_TRANSIENT
+    except MemoryError:
+        _fail("out of host memory; retry on a larger machine")
+        return EXIT_TRANSIENT
+    except Exception as e:
+        # A bug, not a model problem: keep the traceback for the failure record.
+        log.exception("unexpected error analysing %s", args.model)
+        _fail(f"internal error analysing {args.model}: {type(e).__name__}: {e} "
+              "(a bug: see the traceback above)")
+        return WorkerError.exit_code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _install_sigterm() -> signal.Handlers | Any | None:
+    """Turn SIGTERM into Terminated; the previous handler, or None off the main thread."""
+    try:
+        return signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (main() called from a test or a thread pool)
+        return None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

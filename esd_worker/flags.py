@@ -1,0 +1,71 @@
+"""Command-line flags shared by `esd-worker` and `esd-sweep` (argparse only; no torch)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from esd_worker.powerlaw import FIX_FINGERS
+from esd_worker.settings import PRECISIONS, AnalysisSettings
+
+
+def add_flag(
+    parser: argparse.ArgumentParser | Any, name: str, *aliases: str, **kwargs: Any
+) -> None:
+    """A kebab-case flag plus its snake_case spelling (the old scripts' flags) as an alias."""
+    snake = "--" + name.removeprefix("--").replace("-", "_")
+    names = [name, *aliases]
+    for alias in aliases:
+        alias_snake = "--" + alias.removeprefix("--").replace("-", "_")
+        if alias_snake != alias and alias_snake not in names:
+            names.append(alias_snake)
+    if snake != name:
+        names.append(snake)
+    parser.add_argument(*names, **kwargs)
+
+
+def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """The ESD flags; their defaults are AnalysisSettings' (ESD_SPEC.md)."""
+    d = AnalysisSettings()
+    add_flag(parser, "--fix-fingers", choices=FIX_FINGERS, default=d.fix_fingers,
+             help=f"how xmin is chosen (default {d.fix_fingers})")
+    add_flag(parser, "--evals-thresh", type=float, default=d.evals_thresh,
+             help=f"eigenvalues <= this are left out of the fit (default {d.evals_thresh:g})")
+    add_flag(parser, "--bins", type=int, default=d.bins,
+             help=f"histogram bins for xmin_peak (default {d.bins})")
+    add_flag(parser, "--min-evals", type=int, default=d.min_evals,
+             help=f"layers whose smaller side is below this are reported too_small "
+             f"(default {d.min_evals})")
+    add_flag(parser, "--conv-norm", type=float, default=d.conv_norm,
+             help=f"Conv2d slices are scaled by sqrt(conv_norm) (default {d.conv_norm})")
+    add_flag(parser, "--precision", choices=PRECISIONS, default=d.precision,
+             help="float32: Gram matrix + eigvalsh (fast, default); float64: SVD (reference)")
+    add_flag(parser, "--include-embeddings", action="store_true",
+             help="analyse Embedding layers too")
+
+
+def analysis_from_args(args: argparse.Namespace) -> AnalysisSettings:
+    return AnalysisSettings(
+        fix_fingers=args.fix_fingers,
+        evals_thresh=args.evals_thresh,
+        bins=args.bins,
+        min_evals=args.min_evals,
+        conv_norm=args.conv_norm,
+        precision=args.precision,
+        include_embeddings=args.include_embeddings,
+    )
+
+
+def analysis_argv(analysis: AnalysisSettings) -> list[str]:
+    """The worker flags that reproduce `analysis` (the controller passes them on)."""
+    argv = [
+        "--fix-fingers", analysis.fix_fingers,
+        "--evals-thresh", repr(analysis.evals_thresh),
+        "--bins", str(analysis.bins),
+        "--min-evals", str(analysis.min_evals),
+        "--conv-norm", repr(analysis.conv_norm),
+        "--precision", analysis.precision,
+    ]
+    if analysis.include_embeddings:
+        argv.append("--include-embeddings")
+    return argv

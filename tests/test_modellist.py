@@ -1,0 +1,520 @@
+"""Tests of controller.modellist: both CSV layouts, ids and revisions, one problem per bad row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controller.modellist import (
+    ADAPTER_RELATIONS,
+    RELATIONS,
+    ModelList,
+    ModelListError,
+    ModelRow,
+    RowProblem,
+    make_single,
+    parse_ref,
+    read_model_list,
+    repo_id_problem,
+    revision_problem,
+)
+from esd_worker.naming import model_key
+
+# --- builders -------------------------------------------------------------------------------
+
+
+def write_list(tmp_path: Path, text: str, name: str = "models.csv", *, bom: bool = False) -> Path:
+    path = tmp_path / name
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode("utf-8"))
+    return path
+
+
+def make_adapter_dir(tmp_path: Path, name: str, config: dict[str, object] | None) -> Path:
+    """A local adapter directory; config None means no adapter_config.json at all."""
+    directory = tmp_path / name
+    directory.mkdir()
+    if config is not None:
+        (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def make_model_row(
+    model_id: str = "org/model", revision: str | None = None, *, relation: str = "",
+    source_model: str | None = None, line: int = 0,
+) -> ModelRow:
+    return ModelRow(model_id, revision, relation, source_model, line=line)
+
+
+# --- layouts --------------------------------------------------------------------------------
+
+
+def test_kinexp_layout_full_name_source_relation(tmp_path: Path) -> None:
+    """The gputracker pipeline's layout (full_name, source_model, base_model_relation) loads."""
+    path = write_list(
+        tmp_path,
+        "full_name,source_model,base_model_relation\n"
+        "openai-community/gpt2,,base\n"
+        "peft-internal-testing/gpt2-lora-random,openai-community/gpt2,adapter\n"
+        "meta-llama/Llama-2-7b-hf,,base\n",
+    )
+    result = read_model_list(path)
+    assert result.problems == ()
+    assert [(r.model_id, r.relation, r.source_model, r.line) for r in result.rows] == [
+        ("openai-community/gpt2", "base", None, 2),
+        ("peft-internal-testing/gpt2-lora-random", "adapter", "openai-community/gpt2", 3),
+        ("meta-llama/Llama-2-7b-hf", "base", None, 4),
+    ]
+
+
+def test_run_esd_layout_model_id_relation_source(tmp_path: Path) -> None:
+    """run_esd_experiment's layout (model_id, base_model_relation, source_model) loads the same."""
+    path = write_list(
+        tmp_path,
+        "model_id,base_model_relation,source_model\n"
+        "meta-llama/Llama-2-7b-hf,,\n"
+        "microsoft/phi-2,,\n"
+        "some/lora-adapter,adapter,meta-llama/Llama-2-7b-hf\n"
+        "another/adapter,lora,\n",
+    )
+    result = read_model_list(path)
+    assert result.problems == ()
+    assert [(r.model_id, r.relation, r.source_model) for r in result.rows] == [
+        ("meta-llama/Llama-2-7b-hf", "", None),
+        ("microsoft/phi-2", "", None),
+        ("some/lora-adapter", "adapter", "meta-llama/Llama-2-7b-hf"),
+        ("another/adapter", "lora", None),  # hub adapter: the worker reads its config
+    ]
+    assert [r.is_adapter for r in result.rows] == [False, False, True, True]
+
+
+def test_id_column_alone_is_enough(tmp_path: Path) -> None:
+    result = read_model_list(write_list(tmp_path, "model_id\norg/a\norg/b\n"))
+    assert [r.ref for r in result.rows] == ["org/a", "org/b"]
+    assert all(r.relation == "" and r.source_model is None for r in result.rows)
+
+
+def test_header_names_ignore_case_whitespace_and_bom(tmp_path: Path) -> None:
+    """A spreadsheet export: BOM, capitals, spaces around names, CRLF line ends."""
+    path = write_list(
+        tmp_path,
+        " Source_Model ,MODEL_ID , Base_Model_Relation\r\nbase/m,org/a,FineTune\r\n",
+        bom=True,
+    )
+    result = read_model_list(path)
+    assert result.problems == ()
+    (row,) = result.rows
+    assert (row.model_id, row.relation, row.source_model) == ("org/a", "finetune", "base/m")
+
+
+def test_model_id_wins_over_full_name_which_is_kept_as_metadata(tmp_path: Path) -> None:
+    path = write_list(tmp_path, "full_name,model_id\nold/name,new/name\n")
+    (row,) = read_model_list(path).rows
+    assert row.model_id == "new/name"
+    assert row.metadata == {"full_name": "old/name"}
+
+
+def test_extra_columns_kept_as_metadata(tmp_path: Path) -> None:
+    path = write_list(
+        tmp_path,
+        "downloads,model_id,Pipeline Tag,base_model_relation\n"
+        "1200,org/a,text-generation,base\n"
+        "7,org/b,,\n",
+    )
+    rows = read_model_list(path).rows
+    assert [dict(r.metadata) for r in rows] == [
+        {"downloads": "1200", "Pipeline Tag": "text-generation"},
+        {"downloads": "7", "Pipeline Tag": ""},
+    ]
+
+
+def test_metadata_does_not_take_part_in_equality_or_hashing() -> None:
+    """Rows are used as dict keys and set members; metadata is a plain dict."""
+    a = ModelRow("org/a", None, "", None, line=2, metadata={"x": "1"})
+    b = ModelRow("org/a", None, "", None, line=2, metadata={"x": "2"})
+    assert a == b and hash(a) == hash(b)
+
+
+def test_comments_and_blank_lines_are_skipped_and_lines_stay_true(tmp_path: Path) -> None:
+    """Line numbers count every physical line, so a problem points at the right one."""
+    path = write_list(
+        tmp_path,
+        "# exported 2026-11-23\n"
+        "\n"
+        "model_id,base_model_relation\n"
+        "# base models\n"
+        "org/a,base\n"
+        "   \n"
+        "org/b,nonsense\n"
+        '  # indented comment, "quoted"\n'
+        "org/c,\n",
+    )
+    result = read_model_list(path)
+    assert [(r.model_id, r.line) for r in result.rows] == [("org/a", 5), ("org/c", 9)]
+    assert [p.line for p in result.problems] == [7]
+
+
+def test_rows_of_empty_cells_are_blank_lines(tmp_path: Path) -> None:
+    """Spreadsheets export empty lines as ',,'; they are not rows with an empty id."""
+    result = read_model_list(write_list(tmp_path, HEADER + ",,\n , ,\norg/a,,\n"))
+    assert [(r.model_id, r.line) for r in result.rows] == [("org/a", 4)]
+    assert result.problems == ()
+
+
+def test_multiline_quoted_metadata_keeps_line_numbers(tmp_path: Path) -> None:
+    """A metadata cell spanning lines (pandas exports of model cards do this)."""
+    path = write_list(
+        tmp_path,
+        'model_id,description\norg/a,"line one\nline two"\norg/b,x\n,empty\n',
+    )
+    result = read_model_list(path)
+    assert [(r.model_id, r.line) for r in result.rows] == [("org/a", 2), ("org/b", 4)]
+    assert result.rows[0].metadata == {"description": "line one\nline two"}
+    assert [str(p) for p in result.problems] == [f"{path}:5: empty model id"]
+
+
+# --- revisions ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ref", "model_id", "revision"),
+    [
+        ("org/name", "org/name", None),
+        ("org/name@main", "org/name", "main"),
+        ("org/name@v1.0.2", "org/name", "v1.0.2"),
+        ("org/name@refs/pr/12", "org/name", "refs/pr/12"),
+        ("gpt2@6c0e6080953db56375760c0471a8c5f2929baf11", "gpt2",
+         "6c0e6080953db56375760c0471a8c5f2929baf11"),
+        ("org/name@release_2024-01", "org/name", "release_2024-01"),
+        ("  org/name@main  ", "org/name", "main"),
+        ("./models/tiny@v2", "./models/tiny@v2", None),  # local paths are taken as written
+        ("/abs/dir", "/abs/dir", None),
+        ("~/models/x", "~/models/x", None),
+        ("../up/x", "../up/x", None),
+    ],
+    ids=lambda v: str(v),
+)
+def test_parse_ref(ref: str, model_id: str, revision: str | None) -> None:
+    assert parse_ref(ref) == (model_id, revision, None)
+
+
+def test_revisions_give_distinct_keys_and_refs(tmp_path: Path) -> None:
+    path = write_list(tmp_path, "model_id\norg/a\norg/a@main\norg/a@abc1234\n")
+    rows = read_model_list(path).rows
+    assert [r.ref for r in rows] == ["org/a", "org/a@main", "org/a@abc1234"]
+    assert [r.key for r in rows] == [
+        model_key("org/a"), model_key("org/a", "main"), model_key("org/a", "abc1234")
+    ]
+    assert len({r.key for r in rows}) == 3
+
+
+@pytest.mark.parametrize(
+    "revision",
+    ["main", "v1.0", "refs/pr/1", "abc1234", "feature/x-y_z", "a" * 40],
+)
+def test_revision_ok(revision: str) -> None:
+    assert revision_problem(revision) is None
+
+
+@pytest.mark.parametrize(
+    "revision",
+    ["", "ma in", "tab\there", "x..y", "feat/", "/feat", "x.", "x.lock", ".hidden", "a/.b",
+     "x:y", "x~1", "x^", "x?", "x*", "x[", "x\\y", "a//b", "@", "x@{1}", "a" * 256],
+)
+def test_revision_rejected(revision: str) -> None:
+    assert revision_problem(revision)
+
+
+# --- repo id syntax -------------------------------------------------------------------------
+
+VALID_IDS = [
+    "gpt2", "org/name", "Foo-BAR_foo.bar123", "123", "a/b", "_x/_y", "org/name_",
+    "a" * 96, "o" * 96 + "/" + "n" * 96,
+]
+INVALID_IDS = [
+    "", "a/b/c", "-org/name", "org-/name", "org/name-", "org/.name", "org/name.",
+    "org--x/name", "org/na..me", "org/name.git", "org/na me", "café/x", "org/na!me",
+    "/name", "org/", "a" * 97, "org/" + "n" * 97,
+]
+
+
+@pytest.mark.parametrize("repo_id", VALID_IDS)
+def test_repo_id_ok(repo_id: str) -> None:
+    assert repo_id_problem(repo_id) is None
+
+
+@pytest.mark.parametrize("repo_id", INVALID_IDS)
+def test_repo_id_rejected(repo_id: str) -> None:
+    assert repo_id_problem(repo_id)
+
+
+@pytest.mark.parametrize("repo_id", VALID_IDS + INVALID_IDS)
+def test_repo_id_rules_match_huggingface_hub(repo_id: str) -> None:
+    """Our copy of the rules agrees with huggingface_hub's validate_repo_id (worker extra)."""
+    validators = pytest.importorskip("huggingface_hub.utils")
+    try:
+        validators.validate_repo_id(repo_id)
+        hub_ok = bool(repo_id)  # the hub skips None only; "" fails its regex
+    except validators.HFValidationError:
+        hub_ok = False
+    assert (repo_id_problem(repo_id) is None) == hub_ok
+
+
+# --- bad rows -------------------------------------------------------------------------------
+
+HEADER = "model_id,base_model_relation,source_model\n"
+GOOD = "org/good,base,\n"
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        pytest.param(",base,", "empty model id", id="empty-id"),
+        pytest.param("   ,base,", "empty model id", id="blank-id"),
+        pytest.param("org/na me,,", "malformed model id 'org/na me'", id="space-in-id"),
+        pytest.param("a/b/c,,", "malformed model id 'a/b/c'", id="three-parts"),
+        pytest.param("-org/name,,", "malformed model id '-org/name'", id="leading-dash"),
+        pytest.param("org--x/name,,", "'--' and '..' are not allowed", id="double-dash"),
+        pytest.param("org/name.git,,", "must not end with '.git'", id="dot-git"),
+        pytest.param("café/x,,", "malformed model id 'café/x'", id="non-ascii"),
+        pytest.param("org/a,finetuned,", "unknown base_model_relation 'finetuned'",
+                     id="unknown-relation"),
+        pytest.param("org/a,weights,", "expected empty or base, finetune", id="relation-hint"),
+        pytest.param("org/a@,,", "empty revision after '@' in 'org/a@'", id="empty-revision"),
+        pytest.param("@main,,", "empty model id before '@'", id="empty-id-before-at"),
+        pytest.param("org/a@ma in,,", "bad revision 'ma in' in 'org/a@ma in': whitespace",
+                     id="revision-whitespace"),
+        pytest.param("org/a@x..y,,", "bad revision 'x..y'", id="revision-dotdot"),
+        pytest.param("org/a@feat/,,", "bad revision 'feat/'", id="revision-trailing-slash"),
+        pytest.param("org/a@x.lock,,", "bad revision 'x.lock'", id="revision-lock"),
+        pytest.param("org/a,adapter,./no/such/base", "source model path does not exist: "
+                     "./no/such/base", id="local-source-missing"),
+        pytest.param("org/a,adapter,bad base!", "source_model: malformed model id 'bad base!'",
+                     id="malformed-source"),
+        pytest.param("org/a,adapter,org/base@", "source_model: empty revision",
+                     id="source-empty-revision"),
+        pytest.param("org/a,base,,surplus", "4 cells, but the header has 3", id="extra-cells"),
+    ],
+)
+def test_bad_row_gives_one_problem_and_others_load(
+    tmp_path: Path, row: str, expected: str
+) -> None:
+    path = write_list(tmp_path, HEADER + GOOD + row + "\n" + "org/after,,\n")
+    result = read_model_list(path)
+    assert [r.model_id for r in result.rows] == ["org/good", "org/after"]
+    (problem,) = result.problems
+    assert (problem.source, problem.line) == (str(path), 3)
+    assert expected in problem.message
+    assert str(problem).startswith(f"{path}:3: ")
+
+
+@pytest.mark.parametrize("relation", sorted(ADAPTER_RELATIONS))
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        pytest.param(None, "has no adapter_config.json and no source_model", id="no-config"),
+        pytest.param({"peft_type": "LORA"}, "names no base_model_name_or_path", id="no-base"),
+        pytest.param({"base_model_name_or_path": "  "}, "names no base_model_name_or_path",
+                     id="blank-base"),
+    ],
+)
+def test_local_adapter_without_base_is_a_problem(
+    tmp_path: Path, relation: str, config: dict[str, object] | None, expected: str
+) -> None:
+    """No source_model and a config that names no base: the worker could not find the base."""
+    adapter = make_adapter_dir(tmp_path, "adapter", config)
+    path = write_list(tmp_path, f"{HEADER}{adapter},{relation},\n")
+    result = read_model_list(path)
+    assert result.rows == ()
+    (problem,) = result.problems
+    assert problem.line == 2
+    assert expected in problem.message
+
+
+def test_local_adapter_with_unreadable_config_is_a_problem(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{not json")
+    result = read_model_list(write_list(tmp_path, f"{HEADER}{adapter},lora,\n"))
+    (problem,) = result.problems
+    assert "cannot read adapter_config.json" in problem.message
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param("{adapter},adapter,", id="base-in-config"),
+        pytest.param("{bare},adapter,{base}", id="source-given-local"),
+        pytest.param("{bare},peft,org/base@main", id="source-given-hub"),
+        pytest.param("{bare},base,", id="not-an-adapter"),
+        pytest.param("org/hub-adapter,lora,", id="hub-adapter-read-at-run-time"),
+        pytest.param("./not/here,adapter,", id="missing-local-model-is-the-workers-failure"),
+    ],
+)
+def test_adapter_rows_that_can_find_their_base(tmp_path: Path, row: str) -> None:
+    adapter = make_adapter_dir(tmp_path, "adapter", {"base_model_name_or_path": "org/base"})
+    bare = make_adapter_dir(tmp_path, "bare", None)
+    base = tmp_path / "base"
+    base.mkdir()
+    line = row.format(adapter=adapter, bare=bare, base=base)
+    result = read_model_list(write_list(tmp_path, HEADER + line + "\n"))
+    assert result.problems == ()
+    assert len(result.rows) == 1
+
+
+@pytest.mark.parametrize("relation", ["base", "finetune", "quantized", "merge"])
+def test_source_model_of_non_adapters_is_not_checked(tmp_path: Path, relation: str) -> None:
+    """Only adapters use source_model; hub metadata lists a merge's parents as a list there."""
+    path = write_list(
+        tmp_path,
+        f"{HEADER}org/a,{relation},\"['x/y', 'z/w']\"\norg/b,{relation},./no/such/dir\n",
+    )
+    result = read_model_list(path)
+    assert result.problems == ()
+    assert [r.source_model for r in result.rows] == ["['x/y', 'z/w']", "./no/such/dir"]
+
+
+@pytest.mark.parametrize("relation", ["", "adapter", "lora", "peft"])
+def test_source_model_checked_where_it_may_be_a_base(tmp_path: Path, relation: str) -> None:
+    """An empty relation may still be an adapter (the worker looks for adapter_config.json)."""
+    result = read_model_list(write_list(tmp_path, f"{HEADER}org/a,{relation},./no/such/dir\n"))
+    (problem,) = result.problems
+    assert problem.message == "source model path does not exist: ./no/such/dir"
+
+
+def test_many_bad_rows_each_reported(tmp_path: Path) -> None:
+    path = write_list(tmp_path, HEADER + ",lora,\norg/a,bogus,\norg/ok,,\norg/b@,,\n")
+    result = read_model_list(path)
+    assert [r.model_id for r in result.rows] == ["org/ok"]
+    assert [p.line for p in result.problems] == [2, 3, 5]
+
+
+# --- duplicates and limit -------------------------------------------------------------------
+
+
+def test_duplicates_dropped_first_kept(tmp_path: Path) -> None:
+    """Same id and revision twice is one model; the same id at another revision is not."""
+    path = write_list(
+        tmp_path,
+        HEADER
+        + "org/a,base,\n"
+        + "org/b,,\n"
+        + "org/a,finetune,\n"  # duplicate of line 2, different relation: first wins
+        + "org/a@main,,\n"
+        + "org/b,,\n",
+    )
+    result = read_model_list(path)
+    assert [(r.ref, r.line, r.relation) for r in result.rows] == [
+        ("org/a", 2, "base"), ("org/b", 3, ""), ("org/a@main", 5, ""),
+    ]
+    assert result.duplicates == 2
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [(None, ["org/a", "org/b", "org/c"]), (0, []), (1, ["org/a"]), (2, ["org/a", "org/b"]),
+     (10, ["org/a", "org/b", "org/c"])],
+)
+def test_limit_counts_valid_rows_after_dedup(
+    tmp_path: Path, limit: int | None, expected: list[str]
+) -> None:
+    """Bad rows and duplicates before the cut do not use up the limit."""
+    path = write_list(tmp_path, HEADER + ",base,\norg/a,,\norg/a,,\norg/b,,\nbad id,,\norg/c,,\n")
+    result = read_model_list(path, limit=limit)
+    assert [r.ref for r in result.rows] == expected
+    assert len(result.problems) == 2
+    assert result.duplicates == 1
+
+
+def test_negative_limit_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="limit"):
+        read_model_list(write_list(tmp_path, HEADER + GOOD), limit=-1)
+
+
+# --- file-level errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        pytest.param("", "is empty", id="empty-file"),
+        pytest.param("\n\n# only a comment\n", "is empty", id="only-comments"),
+        pytest.param("name,relation\norg/a,base\n", "no model_id or full_name column",
+                     id="no-id-column"),
+        pytest.param("model_id,base_model_relation\n# none yet\n", "has a header but no models",
+                     id="header-only"),
+    ],
+)
+def test_file_level_errors(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ModelListError, match=expected):
+        read_model_list(write_list(tmp_path, text))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelListError, match="model list not found"):
+        read_model_list(tmp_path / "nope.csv")
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelListError, match="is a directory"):
+        read_model_list(tmp_path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.csv"
+    path.write_bytes("model_id\norg/caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ModelListError, match="not UTF-8"):
+        read_model_list(path)
+
+
+def test_path_as_string(tmp_path: Path) -> None:
+    path = write_list(tmp_path, HEADER + GOOD)
+    assert read_model_list(str(path)).rows[0].model_id == "org/good"
+
+
+# --- single model ---------------------------------------------------------------------------
+
+
+def test_make_single() -> None:
+    result = make_single("org/a@v1", relation="LoRA", source_model="org/base")
+    assert result == ModelList(
+        rows=(ModelRow("org/a", "v1", "lora", "org/base", line=0),), problems=(), duplicates=0
+    )
+    assert result.rows[0].is_adapter
+
+
+@pytest.mark.parametrize(
+    ("ref", "kw", "expected"),
+    [
+        pytest.param("", {}, "--single-model: empty model id", id="empty"),
+        pytest.param("bad id", {}, "--single-model: malformed model id 'bad id'", id="malformed"),
+        pytest.param("org/a", {"relation": "nope"}, "--single-model: unknown base_model_relation",
+                     id="relation"),
+    ],
+)
+def test_make_single_problem(ref: str, kw: dict[str, str], expected: str) -> None:
+    result = make_single(ref, **kw)
+    assert result.rows == ()
+    (problem,) = result.problems
+    assert str(problem).startswith(expected)
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+
+def test_row_properties() -> None:
+    row = make_model_row("org/a", "main", relation="peft")
+    assert row.ref == "org/a@main"
+    assert row.key == model_key("org/a", "main")
+    assert row.is_adapter
+    plain = make_model_row("org/a")
+    assert (plain.ref, plain.key, plain.is_adapter) == ("org/a", model_key("org/a"), False)
+
+
+def test_relations_constant() -> None:
+    assert RELATIONS[0] == "" and set(ADAPTER_RELATIONS) <= set(RELATIONS)
+
+
+def test_row_problem_str() -> None:
+    assert str(RowProblem("models.csv", 7, "empty model id")) == "models.csv:7: empty model id"

@@ -1,0 +1,170 @@
+"""Tests of esd_worker.spectra: the float32 Gram fast path, the float64 SVD path, layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from esd_worker.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
+from esd_worker.spectra import as_matrices, compute_spectrum
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+# --- builders -------------------------------------------------------------------------------
+
+
+def make_weight(rows: int, cols: int, *, kind: str = "gauss", seed: int = 0) -> torch.Tensor:
+    """A float32 (rows x cols) weight: i.i.d. Gaussian, or with a power-law spectrum σ_i ∝ 1/i
+    (condition number ~min(rows, cols)², like a trained layer's heavy tail)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols))
+    if kind == "heavy":
+        u, s, vt = np.linalg.svd(w, full_matrices=False)
+        s = 10.0 / (1.0 + np.arange(s.size))
+        w = (u * s) @ vt
+    return torch.from_numpy(w).float()
+
+
+def reference_evals(w: torch.Tensor) -> np.ndarray:
+    """σ² of W in float64 numpy, ascending: what both paths must give."""
+    return np.sort(np.linalg.svd(w.double().numpy(), compute_uv=False) ** 2)
+
+
+# --- the two paths agree -------------------------------------------------------------------
+
+SHAPES = [
+    pytest.param(64, 48, "gauss", id="tall-gauss"),
+    pytest.param(48, 64, "gauss", id="wide-gauss"),
+    pytest.param(128, 32, "heavy", id="tall-heavy"),
+    pytest.param(32, 128, "heavy", id="wide-heavy"),
+    pytest.param(96, 96, "gauss", id="square-gauss"),
+    pytest.param(160, 40, "heavy", id="very-tall-heavy"),
+]
+
+
+@pytest.mark.parametrize(("rows", "cols", "kind"), SHAPES)
+def test_float32_gram_matches_float64_svd(rows: int, cols: int, kind: str) -> None:
+    """Tolerance: 1e-5 relative on the top 10% of eigenvalues, 1e-5·λ_max absolute on all.
+
+    Why: the Gram matrix is formed in float32 with inner dimension m = max(M, N) ≤ 160, and
+    eigvalsh is backward stable, so by Weyl's inequality every eigenvalue is off by at most
+    c·m·eps32·λ_max ≈ 2e-5·λ_max in the worst case; rounding errors being random, the
+    observed error is ~√m·eps32 (≤ 1.5e-6 here). Eigenvalues near λ_max are therefore good
+    to ~1e-6 relative, while tiny ones (λ ≪ λ_max) carry the same absolute error and so a
+    large relative one: that is why only the top of the spectrum is compared relatively.
+    The float64 path is an SVD in float64: good to ~1e-13 relative everywhere.
+    """
+    w = make_weight(rows, cols, kind=kind)
+    ref = reference_evals(w)
+    fast = compute_spectrum(w, LINEAR, precision="float32")
+    exact = compute_spectrum(w, LINEAR, precision="float64")
+    assert fast.evals.shape == exact.evals.shape == (min(rows, cols),)
+    top = slice(-max(1, ref.size // 10), None)
+    np.testing.assert_allclose(fast.evals[top], ref[top], rtol=1e-5)
+    np.testing.assert_allclose(fast.evals, ref, rtol=0, atol=1e-5 * ref[-1])
+    np.testing.assert_allclose(exact.evals, ref, rtol=1e-12, atol=1e-13 * ref[-1])
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_evals_ascending_nonnegative_float64(precision: str) -> None:
+    """A rank-deficient weight: the Gram path's round-off negatives are clamped to 0."""
+    w = make_weight(40, 3, seed=1) @ make_weight(3, 30, seed=2)  # rank 3
+    spectrum = compute_spectrum(w, LINEAR, precision=precision)
+    assert spectrum.evals.dtype == np.float64
+    assert np.all(spectrum.evals >= 0)
+    assert np.all(np.diff(spectrum.evals) >= 0)
+    assert (spectrum.M, spectrum.N, spectrum.max_dim) == (40, 30, 40)
+    assert spectrum.evals.size == 30
+    assert np.count_nonzero(spectrum.evals > 1e-4 * spectrum.evals[-1]) == 3
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_half_precision_weights_are_upcast(half: torch.dtype, precision: str) -> None:
+    """fp16/bf16 weights give exactly the spectrum of the float32 copy of the same values:
+    the upcast happens before any arithmetic (a half-precision Gram would lose ~3 digits)."""
+    w = make_weight(48, 32, kind="heavy", seed=3).to(half)
+    as_half = compute_spectrum(w, LINEAR, precision=precision)
+    as_float = compute_spectrum(w.float(), LINEAR, precision=precision)
+    np.testing.assert_array_equal(as_half.evals, as_float.evals)
+    np.testing.assert_allclose(
+        as_half.evals[-5:], reference_evals(w.float())[-5:], rtol=1e-5
+    )
+
+
+def test_eigvalsh_failure_falls_back_to_svd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If eigvalsh does not converge (LAPACK/cuSOLVER error) the layer still gets a spectrum."""
+
+    def fail(*args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.linalg.LinAlgError("failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", fail)
+    w = make_weight(30, 20, seed=4)
+    np.testing.assert_allclose(
+        compute_spectrum(w, LINEAR).evals, reference_evals(w), rtol=1e-12
+    )
+
+
+def test_unknown_precision_is_refused() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        compute_spectrum(make_weight(12, 12), LINEAR, precision="float16")
+
+
+# --- layouts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_conv1d_is_transposed_linear(precision: str) -> None:
+    """GPT-2's Conv1D stores (in x out): same singular values, but M, N are out x in."""
+    w = make_weight(32, 96, seed=5)  # in=32, out=96 as Conv1D stores it
+    conv1d = compute_spectrum(w, CONV1D, precision=precision)
+    linear = compute_spectrum(w.t().contiguous(), LINEAR, precision=precision)
+    assert (conv1d.M, conv1d.N) == (96, 32) == (linear.M, linear.N)
+    np.testing.assert_array_equal(conv1d.evals, linear.evals)
+
+
+@pytest.mark.parametrize("conv_norm", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_conv2d_pools_scaled_slices(conv_norm: float, precision: str) -> None:
+    """Conv2d (out, in, kh, kw): kh·kw matrices (out x in), each scaled by sqrt(conv_norm), all
+    eigenvalues pooled: conv_norm · σ²(W[:, :, i, j]) over every (i, j), as in numpy."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((24, 16, 3, 2))
+    expected = np.sort(
+        np.concatenate(
+            [
+                conv_norm * np.linalg.svd(w[:, :, i, j], compute_uv=False) ** 2
+                for i in range(3)
+                for j in range(2)
+            ]
+        )
+    )
+    spectrum = compute_spectrum(
+        torch.from_numpy(w).float(), CONV2D, precision=precision, conv_norm=conv_norm
+    )
+    assert (spectrum.M, spectrum.N, spectrum.max_dim) == (24, 16, 24)
+    assert spectrum.evals.size == 16 * 6
+    rtol = 1e-12 if precision == "float64" else 1e-5
+    np.testing.assert_allclose(spectrum.evals, expected, rtol=rtol, atol=1e-5 * expected[-1])
+
+
+@pytest.mark.parametrize("layer_type", [LINEAR, EMBEDDING, MATRIX])
+def test_other_types_are_analysed_as_stored(layer_type: str) -> None:
+    w = make_weight(20, 12, seed=7)
+    mats = as_matrices(w, layer_type, conv_norm=0.5)
+    assert mats.shape == (1, 20, 12)
+    assert torch.equal(mats[0], w)
+
+
+@pytest.mark.parametrize(
+    ("layer_type", "shape"),
+    [
+        pytest.param(LINEAR, (4, 5, 6), id="linear-3d"),
+        pytest.param(CONV1D, (7,), id="conv1d-1d"),
+        pytest.param(CONV2D, (4, 5), id="conv2d-2d"),
+    ],
+)
+def test_wrong_rank_is_refused(layer_type: str, shape: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        as_matrices(torch.zeros(shape), layer_type, conv_norm=0.5)

@@ -1,0 +1,213 @@
+"""Tests of esd_worker.store: the LocalStore contract and output-URL parsing (no network)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, StoreError, UsageError
+from esd_worker.store import LocalStore, Store, normalize_key, open_store, parse_s3_url
+
+# --- LocalStore -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "results")
+
+
+def test_put_get_exists_delete_round_trip(store: LocalStore) -> None:
+    """The Store contract: a missing key reads None, a written one reads back exactly."""
+    assert store.get_bytes("m/result.json") is None
+    assert not store.exists("m/result.json")
+    store.put_bytes("m/result.json", b"{}\n")
+    assert store.get_bytes("m/result.json") == b"{}\n"
+    assert store.exists("m/result.json")
+    assert (store.root / "m" / "result.json").read_bytes() == b"{}\n"
+    store.put_bytes("m/result.json", b"new")
+    assert store.get_bytes("m/result.json") == b"new"
+    store.delete("m/result.json")
+    assert not store.exists("m/result.json")
+    store.delete("m/result.json")  # a missing key is not an error
+
+
+def test_put_is_atomic_for_readers(store: LocalStore) -> None:
+    """A reader racing many rewrites sees one whole value or the other, never a part of one."""
+    a, b = b"a" * 1_000_000, b"b" * 1_000_000
+    store.put_bytes("k", a)
+    seen: set[bytes] = set()
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            value = store.get_bytes("k")
+            assert value is not None
+            seen.add(value[:1] + value[-1:] + str(len(value)).encode())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for i in range(30):
+        store.put_bytes("k", b if i % 2 else a)
+    done.set()
+    reader.join()
+    assert seen <= {b"aa1000000", b"bb1000000"}
+    assert not [p for p in store.root.iterdir() if p.name.endswith(".tmp")]  # no leftovers
+
+
+def test_list_keys_by_folder(store: LocalStore) -> None:
+    """list_keys(prefix) means the folder `prefix`: 'a' does not match 'ab/...'."""
+    for key in ("a/result.json", "a/layers.csv", "ab/result.json", "_failures/a.json", "top"):
+        store.put_bytes(key, b"x")
+    assert sorted(store.list_keys()) == sorted(
+        ["a/result.json", "a/layers.csv", "ab/result.json", "_failures/a.json", "top"]
+    )
+    assert sorted(store.list_keys("a")) == ["a/layers.csv", "a/result.json"]
+    assert list(store.list_keys("_failures")) == ["_failures/a.json"]
+    assert list(store.list_keys("missing")) == []
+
+
+def test_list_keys_of_a_store_not_yet_written(tmp_path: Path) -> None:
+    assert list(LocalStore(tmp_path / "never").list_keys()) == []
+
+
+def test_list_keys_skips_unfinished_writes(store: LocalStore) -> None:
+    """A temp file of an interrupted put (.<name>.<random>.tmp) is not a key."""
+    store.put_bytes("m/layers.csv", b"x")
+    (store.root / "m" / ".result.json.abc123.tmp").write_bytes(b"partial")
+    assert list(store.list_keys()) == ["m/layers.csv"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("/", id="only-slash"),
+        pytest.param("../escape", id="dotdot"),
+        pytest.param("a/../../b", id="inner-dotdot"),
+        pytest.param("./a", id="dot"),
+    ],
+)
+def test_invalid_keys_are_refused(store: LocalStore, key: str) -> None:
+    for call in (lambda: store.put_bytes(key, b"x"), lambda: store.get_bytes(key),
+                 lambda: store.exists(key), lambda: store.delete(key)):
+        with pytest.raises(StoreError, match="invalid store key"):
+            call()
+    assert not store.root.exists()
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        pytest.param("a/b", "a/b", id="plain"),
+        pytest.param("/a//b/", "a/b", id="extra-slashes"),
+        pytest.param("a.b/..c", "a.b/..c", id="dots-inside-names"),
+    ],
+)
+def test_normalize_key(key: str, expected: str) -> None:
+    assert normalize_key(key) == expected
+
+
+def test_unwritable_root_is_a_store_error(tmp_path: Path) -> None:
+    """A root that cannot be a directory (a file is in the way): StoreError, exit 4.
+
+    A file in the path rather than chmod, so the test holds when run as root too.
+    """
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    store = LocalStore(blocker / "results")
+    with pytest.raises(StoreError, match="cannot write") as info:
+        store.put_bytes("m/result.json", b"{}")
+    assert info.value.exit_code == EXIT_TRANSIENT
+    with pytest.raises(StoreError, match="cannot create"):
+        store.check()
+
+
+def test_check_creates_the_root(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "a" / "b")
+    store.check()
+    assert store.root.is_dir()
+
+
+# --- open_store -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        pytest.param("results", "{cwd}/results", id="relative"),
+        pytest.param("./out/run1", "{cwd}/out/run1", id="dot-relative"),
+        pytest.param("/abs/dir", "/abs/dir", id="absolute"),
+        pytest.param("file:///abs/dir", "/abs/dir", id="file-url"),
+        pytest.param("file://localhost/abs/dir", "/abs/dir", id="file-url-localhost"),
+        pytest.param("file:///abs/with%20space", "/abs/with space", id="file-url-quoted"),
+    ],
+)
+def test_open_store_local(url: str, expected: str, monkeypatch: pytest.MonkeyPatch,
+                          tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = open_store(url)
+    assert isinstance(store, LocalStore)
+    assert store.root == Path(expected.format(cwd=tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix"),
+    [
+        pytest.param("s3://bucket", "bucket", "", id="bucket-only"),
+        pytest.param("s3://bucket/", "bucket", "", id="bucket-slash"),
+        pytest.param("s3://bucket/results", "bucket", "results", id="prefix"),
+        pytest.param("s3://my.bucket-1/a/b/c/", "my.bucket-1", "a/b/c", id="deep-prefix"),
+        pytest.param("s3://bucket//a//b", "bucket", "a/b", id="double-slashes"),
+        pytest.param("S3://bucket/x", "bucket", "x", id="scheme-case"),
+    ],
+)
+def test_parse_s3_url(url: str, bucket: str, prefix: str) -> None:
+    assert parse_s3_url(url) == (bucket, prefix)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        pytest.param("s3://", "invalid bucket name", id="no-bucket"),
+        pytest.param("s3:///prefix", "invalid bucket name", id="empty-bucket"),
+        pytest.param("s3://ab/x", "invalid bucket name", id="bucket-too-short"),
+        pytest.param("s3://localhost:9000/b", "AWS_ENDPOINT_URL", id="endpoint-in-url"),
+        pytest.param("s3://bucket/x?versionId=1", "not allowed", id="query"),
+        pytest.param("s3://bucket/x#frag", "not allowed", id="fragment"),
+        pytest.param("s3://bucket/a/../b", "not allowed", id="dotdot"),
+        pytest.param("s3://AKIAEXAMPLE:s3cr3t@bucket/x", "credentials in an s3:// URL",
+                     id="credentials"),
+        pytest.param("gs://bucket/x", "unsupported output URL scheme 'gs'", id="other-scheme"),
+        pytest.param("file://host/dir", "file URL with a host", id="file-host"),
+    ],
+)
+def test_open_store_refuses_bad_urls(url: str, message: str) -> None:
+    """A usage error (exit 2) naming the problem; credentials in a URL are never echoed."""
+    with pytest.raises(UsageError, match=message) as info:
+        open_store(url)
+    assert info.value.exit_code == EXIT_USAGE
+    assert "s3cr3t" not in str(info.value)
+
+
+def test_userinfo_is_never_echoed_for_other_schemes() -> None:
+    with pytest.raises(UsageError) as info:
+        open_store("https://user:s3cr3t@example.org/x")
+    assert "s3cr3t" not in str(info.value)
+
+
+def test_store_module_does_not_import_boto3() -> None:
+    """`import esd_worker.store` stays cheap: boto3 only when an s3:// URL is opened."""
+    code = ("import sys, esd_worker.store; "
+            "print(sorted(m for m in ('boto3', 'botocore', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_check_is_optional_for_stores() -> None:
+    """Store.check() has a default (nothing to check), so other stores need not define it."""
+    assert "check" not in Store.__abstractmethods__

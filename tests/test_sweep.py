@@ -1,0 +1,174 @@
+"""The sweep end to end on this machine: real CPU worker subprocesses on locally built models.
+
+What users rely on: one command analyses the list, a failing model does not stop the others,
+the exit status says whether all succeeded, a rerun does only what is missing, and a
+controller killed at any moment loses nothing and analyses nothing twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from esd_worker.naming import model_key
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_tiny_gpt2(path: Path, seed: int) -> Path:
+    """A 2-block GPT-2 (n_embd 32) saved with save_pretrained: seconds to analyse on a CPU."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                        bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def write_model_list(path: Path, rows: Sequence[tuple[str, str, str]]) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model_id", "base_model_relation", "source_model"])
+        writer.writerows(rows)
+    return path
+
+
+def sweep_argv(model_list: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "controller.cli", "run",
+        "--model-list", str(model_list), "--output-dir", str(out),
+        "--device", "cpu", "--retry-backoff", "0.1", *extra,
+    ]
+
+
+def run_sweep(model_list: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        sweep_argv(model_list, out, *extra), capture_output=True, text=True, env=env,
+        cwd=ROOT, timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    base = tmp_path_factory.mktemp("models")
+    return [make_tiny_gpt2(base / f"gpt2-{i}", seed=i) for i in range(4)]
+
+
+def test_sweep_runs_list_records_failure_and_resumes(
+    tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """Two good models and a missing one: exit 1, two markers, one permanent failure record;
+    the summary has the two good models; a rerun skips the done ones (exit 1 again, because
+    the missing model still fails) and leaves their markers untouched."""
+    missing = tmp_path / "no-such-model"
+    models = write_model_list(tmp_path / "models.csv", [
+        (str(tiny_models[0]), "base", ""),
+        (str(missing), "", ""),
+        (str(tiny_models[1]), "finetune", ""),
+    ])
+    out = tmp_path / "results"
+    first = run_sweep(models, out, "--cpu-workers", "2")
+    assert first.returncode == 1, first.stderr
+    keys = [model_key(str(p)) for p in tiny_models[:2]]
+    for key in keys:
+        marker = json.loads((out / key / "result.json").read_text())
+        # 2 blocks × (attn c_attn, attn c_proj, mlp c_fc, mlp c_proj) + lm_head (a Linear)
+        assert marker["status_counts"] == {"ok": 9}
+        assert (out / key / "layers.csv").is_file()
+    failure = json.loads((out / "_failures" / f"{model_key(str(missing))}.json").read_text())
+    assert failure["exit_code"] == 3 and failure["retryable"] is False
+    assert failure["attempts"] == 1  # permanent: never retried
+    assert any("not found" in line for line in failure["stderr_tail"])
+    with open(out / "summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert [row["model_key"] for row in summary] == keys
+    report_files = list((out / "runs").glob("*.json"))
+    assert len(report_files) == 1
+    report = json.loads(report_files[0].read_text())
+    assert report["counts"]["done"] == 2 and report["counts"]["failed"] == 1
+
+    before = {key: (out / key / "result.json").read_bytes() for key in keys}
+    second = run_sweep(models, out, "--cpu-workers", "2")
+    assert second.returncode == 1, second.stderr
+    assert {key: (out / key / "result.json").read_bytes() for key in keys} == before
+    reports = sorted((out / "runs").glob("*.json"))
+    assert len(reports) == 2
+    latest = json.loads(reports[-1].read_text())
+    assert latest["counts"]["already_done"] == 2 and latest["counts"]["attempted"] == 1
+
+
+def test_sweep_all_done_exits_zero_and_skip_failed(
+    tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """All good → exit 0. With a permanent failure recorded, --skip-failed does not try it
+    again (its record keeps attempts == 1 from the first run), so the rerun exits 0."""
+    missing = tmp_path / "gone"
+    models = write_model_list(tmp_path / "models.csv", [(str(tiny_models[2]), "", "")])
+    out = tmp_path / "results"
+    assert run_sweep(models, out).returncode == 0
+    both = write_model_list(tmp_path / "both.csv",
+                            [(str(tiny_models[2]), "", ""), (str(missing), "", "")])
+    assert run_sweep(both, out).returncode == 1
+    record = out / "_failures" / f"{model_key(str(missing))}.json"
+    first_record = record.read_bytes()
+    skipped = run_sweep(both, out, "--skip-failed")
+    assert skipped.returncode == 0, skipped.stderr
+    assert record.read_bytes() == first_record
+
+
+def _done_lines(log_dir: Path) -> dict[str, int]:
+    """How many times each model's worker logged a completed analysis, over all runs."""
+    counts: dict[str, int] = {}
+    for log in (log_dir / "workers").glob("*.log"):
+        counts[log.stem] = log.read_text().count(" done: ")
+    return counts
+
+
+def test_controller_killed_mid_run_loses_nothing(tiny_models: list[Path], tmp_path: Path) -> None:
+    """SIGKILL the controller once the first marker exists, run again: every model ends done
+    exactly once. Workers die with their controller (so no orphan finishes a model the rerun
+    also starts), markers written before the kill are untouched, and no model is analysed
+    again after its marker was written (each worker log shows one completed analysis)."""
+    models = write_model_list(tmp_path / "models.csv",
+                              [(str(p), "", "") for p in tiny_models])
+    out = tmp_path / "results"
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(sweep_argv(models, out), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    keys = [model_key(str(p)) for p in tiny_models]
+    deadline = time.monotonic() + 300
+    while not any((out / k / "result.json").exists() for k in keys):
+        assert proc.poll() is None, "the sweep ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(1.0)  # orphaned workers (if any) would get on with it here
+    written = {k: (out / k / "result.json").read_bytes()
+               for k in keys if (out / k / "result.json").exists()}
+    assert 1 <= len(written) < len(keys)
+
+    again = run_sweep(models, out)
+    assert again.returncode == 0, again.stderr
+    for key in keys:
+        assert (out / key / "result.json").is_file()
+    assert {k: (out / k / "result.json").read_bytes() for k in written} == written
+    # A worker killed between its marker and its last log line logs no "done"; none logs two.
+    done = _done_lines(out / "logs")
+    assert all(done.get(k, 0) <= 1 for k in written)
+    assert all(done.get(k, 0) == 1 for k in keys if k not in written)
+    assert not list(out.rglob("*.tmp"))
