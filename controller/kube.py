@@ -171,7 +171,7 @@ def _permission_message(op: _Op, status: int, server_message: str) -> str:
     group = op.group or ""
     base = op.resource.split("/")[0]
     rule = (f'add verb {op.verb} on {op.resource} (apiGroups: ["{group}"], resources: '
-            f'["{op.resource}"]) to its Role')
+            f'["{op.resource}"]) to a Role bound to it')
     if "/" in op.resource:
         rule += f" (the subresource {op.resource}, not just {base})"
     return (f"RBAC: {_subject(server_message)} cannot {op.verb} {op.qualified} {where}: "
@@ -336,7 +336,8 @@ class KubeClient:
         self, namespace: str, label_selector: str, resource_version: str | None,
         timeout_s: int = 300,
     ) -> Iterator[WatchEvent]:
-        """Job events after `resource_version`, for up to `timeout_s` seconds.
+        """Job events after `resource_version` (None: every current Job as ADDED first),
+        for up to `timeout_s` seconds.
 
         Ends quietly when the server closes the watch (its timeout) or the connection drops:
         watch again from the last event's resource_version. 410 Gone (the version is too old)
@@ -405,12 +406,13 @@ class KubeClient:
         return items
 
     def read_pod_log(self, namespace: str, name: str, tail_lines: int = 50) -> str:
-        """The last `tail_lines` lines of the pod's worker log ("" when the pod is gone)."""
+        """The last `tail_lines` lines of the pod's worker log; "" when the pod is gone or
+        its container never started (the API answers 400 then)."""
         op = _Op("get", "pods/log", "", namespace)
         try:
             resp = self._call(op, self._core.read_namespaced_pod_log, name, namespace,
                               tail_lines=tail_lines, _preload_content=False)
-        except KubeNotFoundError:
+        except (KubeNotFoundError, KubeInvalidError):
             return ""
         try:
             data: bytes = resp.data or b""

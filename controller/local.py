@@ -26,14 +26,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
+from controller import records
 from controller.gpus import GpuTracker
 from controller.progress import Progress
 from esd_worker.errors import (  # the exit-code contract; the module does not import torch
-    EXIT_GPU_OOM,
     EXIT_OK,
-    EXIT_PERMANENT,
-    EXIT_TRANSIENT,
-    EXIT_USAGE,
 )
 
 log = logging.getLogger(__name__)
@@ -133,30 +130,30 @@ class LocalSettings:
             raise ValueError("invalid local backend settings: " + "; ".join(problems))
 
 
+_MEANINGS = {
+    "UsageError": "the worker rejected its command line",
+    "PermanentModelError": "retrying cannot help",
+    "TransientError": "network, storage or preemption trouble",
+    "GpuOutOfMemoryError": "the GPU ran out of memory",
+    "WorkerCrashed": "the worker failed outside its own error handling",
+}
+
+
 def classify_exit(returncode: int) -> tuple[str, bool]:
     """(error, retryable) for a Popen return code; ("", False) for success.
 
-    0 ok; 2 usage and 3 permanent: never retried; 4 transient and 5 out of GPU memory:
-    retried; killed by a signal (negative code): transient; anything else: the worker
-    crashed outside its own error handling, which a retry is not expected to fix.
+    The class and whether to retry come from records.classify_exit (the one place that
+    maps the worker's exit-code contract); this adds what happened, for people.
     """
-    if returncode == EXIT_OK:
+    exit_code, sig = (None, -returncode) if returncode < 0 else (returncode, None)
+    cls, retryable = records.classify_exit(exit_code, sig)
+    if not cls:
         return "", False
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"KilledBySignal: the worker was killed by {name}", True
-    if returncode == EXIT_USAGE:
-        return "UsageError: the worker rejected its command line (exit 2)", False
-    if returncode == EXIT_PERMANENT:
-        return "PermanentError: retrying cannot help (exit 3)", False
-    if returncode == EXIT_TRANSIENT:
-        return "TransientError: network, storage or preemption trouble (exit 4)", True
-    if returncode == EXIT_GPU_OOM:
-        return "GpuOutOfMemory: the GPU ran out of memory (exit 5)", True
-    return f"WorkerCrashed: the worker exited {returncode}", False
+    if sig is not None:
+        return f"{cls}: the worker was killed by {records.signal_name(sig)}", retryable
+    meaning = _MEANINGS.get(cls)
+    detail = f"{meaning} (exit {returncode})" if meaning else f"the worker exited {returncode}"
+    return f"{cls}: {detail}", retryable
 
 
 def read_commands(path: Path) -> list[Task]:

@@ -162,9 +162,14 @@ class S3Store(Store):
                              what=what, bucket_level=bucket_level) from e
 
     def check(self) -> None:
-        """Fail fast (before a long analysis) when the bucket is missing or not ours."""
+        """Fail fast (before a long analysis) when the bucket is missing or not ours.
+
+        A one-key listing rather than HeadBucket: both need s3:ListBucket, but a HEAD reply
+        has no body, so a bad key id, a bad secret and a denying policy would all read "403".
+        """
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1,
+                                         Prefix=f"{self.prefix}/" if self.prefix else "")
         except _BOTO_ERRORS as e:
             self._fail(e, "check the bucket", bucket_level=True)
         self._bucket_seen = True

@@ -17,12 +17,14 @@ fetched from a hub. Public names (stable; the controller tests and `make run` re
                     fan_in_fan_out, rank_pattern, alpha_pattern, modules_to_save,
                     base_model_name_or_path, seed) -> Path   non-zero lora_B
 - make_peft_adapter(base, directory, peft_config, *, base_model_name_or_path, seed) -> Path
-- peft_merged_weights(base, adapter) -> dict[str, torch.Tensor]   merge_and_unload()'s weights
+- peft_merged_weights(base, adapter, *, dtype=float64) -> dict[str, Tensor]  peft's merge
 - make_hf_cache(cache_dir, repo_id, model_dir, *, commit, refs) -> str    offline hub cache
 - corrupt_safetensors(directory) -> Path                     overwrite model.safetensors' header
 - fake_commit(text) -> str                                   a 40-hex commit id
 - run_analysis(model, output, **settings) -> WorkerResult   the worker in this process (CPU)
 - read_result(output, model_key) -> WorkerResult             marker, layers.csv rows, eigs.npz
+- worker_command() -> list[str]                              argv prefix of the real worker
+- BackgroundRun(args, output, env).result() -> CliResult     the worker in a subprocess
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,7 +233,7 @@ def _load_base(base: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Modul
     return model.eval()
 
 
-def _finish_adapter(directory: Path, base: Path, base_model_name_or_path: str | None) -> None:
+def _finish_adapter(directory: Path, base_model_name_or_path: str | None) -> None:
     """Set (or remove) base_model_name_or_path in the saved adapter_config.json."""
     path = directory / "adapter_config.json"
     config = json.loads(path.read_text())
@@ -261,8 +265,8 @@ def make_peft_adapter(
     _randomize_lora_b(model, seed + 1)
     model.save_pretrained(str(directory))
     _finish_adapter(
-        directory, base, str(base) if base_model_name_or_path == _DEFAULT_BASE else
-        base_model_name_or_path
+        directory,
+        str(base) if base_model_name_or_path == _DEFAULT_BASE else base_model_name_or_path,
     )
     return directory
 
@@ -417,3 +421,55 @@ def run_analysis(model: Path | str, output: Path, **settings: Any) -> WorkerResu
         WorkerSettings(model=str(model), output=str(output), analysis=analysis, **worker)
     )
     return read_result(output, marker["model_key"])
+
+
+def worker_command() -> list[str]:
+    """How to start the real worker: the installed console script, else the module."""
+    script = shutil.which("esd-worker", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "esd_worker.cli"]
+
+
+@dataclass(frozen=True)
+class CliResult:
+    """Exit code and stderr of one `esd-worker` process, and the output it was given."""
+
+    code: int
+    stderr: str
+    output: Path
+
+    @property
+    def lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.strip()]
+
+    @property
+    def errors(self) -> list[str]:
+        """The one-line failure messages (`esd-worker: error: …`)."""
+        return [line for line in self.lines if line.startswith("esd-worker: error:")]
+
+
+class BackgroundRun:
+    """`esd-worker ARGS --output OUTPUT` started now in a fresh interpreter; `result()` waits.
+
+    Starting every subprocess run of a test session together lets them use the second core
+    while the in-process tests use the first.
+    """
+
+    def __init__(self, args: Sequence[str], output: Path, env: Mapping[str, str] | None = None):
+        self.output = output
+        self._proc = subprocess.Popen(
+            [*worker_command(), *args, "--output", str(output)],
+            env=dict(env) if env is not None else None,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+        self._result: CliResult | None = None
+
+    def result(self, timeout: float = 600) -> CliResult:
+        if self._result is None:
+            _, err = self._proc.communicate(timeout=timeout)
+            self._result = CliResult(self._proc.returncode, err, self.output)
+        return self._result
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate()

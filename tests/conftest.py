@@ -1,12 +1,26 @@
-"""Session fixtures: tiny local models built once per test run (see tests/builders.py)."""
+"""Session fixtures: tiny local models built once per test run (see tests/builders.py), and
+the suite's real-subprocess worker runs, all started together."""
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # builders import torch: only the tests that use them pay for it
+    from tests.builders import BackgroundRun
+
+HUB_REPO = "esd-test/tiny-llama"
+HUB_ADAPTER_REPO = "esd-test/tiny-llama-lora"
+HUB_MISSING_REPO = "esd-test/not-in-cache"
+# Variables that would point huggingface_hub at another cache, a token or the network.
+_HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT",
+            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME")
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +59,84 @@ def resnet_dir(model_root: Path) -> Path:
     from tests.builders import make_resnet
 
     return make_resnet(model_root / "resnet")
+
+
+@dataclass(frozen=True)
+class HubCache:
+    """An offline HF cache (HF_HOME/hub) holding HUB_REPO and HUB_ADAPTER_REPO (a LoRA whose
+    adapter_config names HUB_REPO as its base); `env` runs the worker against it offline."""
+
+    home: Path
+    commit: str
+    adapter_commit: str
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def hub_cache(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> HubCache:
+    from tests.builders import fake_commit, make_hf_cache, make_lora_adapter
+
+    root = tmp_path_factory.mktemp("hub")
+    home = root / "hf"
+    commit = make_hf_cache(home / "hub", HUB_REPO, llama_dir)
+    adapter = make_lora_adapter(
+        llama_dir, root / "adapter", target_modules=("q_proj",),
+        base_model_name_or_path=HUB_REPO,
+    )
+    adapter_commit = make_hf_cache(
+        home / "hub", HUB_ADAPTER_REPO, adapter, commit=fake_commit("lora")
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
+    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return HubCache(home, commit, adapter_commit, env)
+
+
+@pytest.fixture(scope="session")
+def worker_runs(
+    hub_cache: HubCache, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, BackgroundRun]]:
+    """Every run of the real `esd-worker` in a fresh interpreter that the suite needs, started
+    together the first time one is asked for (each costs seconds of imports; side by side
+    they use both cores). Values are tests.builders.BackgroundRun; call .result()."""
+    from tests.builders import BackgroundRun, minilm_path
+
+    out = tmp_path_factory.mktemp("runs")
+    cpu = ["--device", "cpu"]
+    # One BLAS/OpenMP thread each: six processes spinning two threads each on two cores
+    # would mostly wait for each other.
+    threads = {var: "1" for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    local = {**os.environ, **threads}
+    hub = {**hub_cache.env, **threads}
+    runs = {
+        "minilm": BackgroundRun(["--model", str(minilm_path()), *cpu], out / "minilm", local),
+        "missing-path": BackgroundRun(
+            ["--model", str(out / "no" / "such" / "model"), *cpu], out / "missing-path", local
+        ),
+        "hub-id": BackgroundRun(["--model", HUB_REPO, *cpu], out / "hub-id", hub),
+        "hub-id@sha": BackgroundRun(
+            ["--model", f"{HUB_REPO}@{hub_cache.commit}", *cpu], out / "hub-sha", hub
+        ),
+        "hub-missing": BackgroundRun(["--model", HUB_MISSING_REPO, *cpu], out / "hub-missing", hub),
+        "hub-adapter": BackgroundRun(["--model", HUB_ADAPTER_REPO, *cpu], out / "hub-adapter", hub),
+    }
+    # While they run, this process computes with one thread too (tiny matrices gain nothing
+    # from two, and two spinning OpenMP threads beside six processes slow everything down).
+    import torch
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield dict(runs)
+    torch.set_num_threads(threads_before)
+    for run in runs.values():
+        run.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_worker_runs_early(request: pytest.FixtureRequest) -> None:
+    """Start worker_runs with the session's first test when any selected test needs them, so
+    they run beside the in-process tests instead of after them."""
+    if any("worker_runs" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("worker_runs")
 
 
 @pytest.fixture

@@ -293,7 +293,8 @@ def request_matcher(
     namespace: str | None = None, subresource: str | None = None,
 ) -> Callable[[rendering.Request], bool]:
     """Match requests by verb (create/get/list/watch/patch/delete), resource plural
-    (jobs, pods, events; "pods/log" for a subresource), name and namespace."""
+    (jobs, pods, events) or subresource ("pods/log", "jobs/status": like RBAC, "pods" does
+    not cover "pods/log"), name and namespace."""
     if resource and "/" in resource:
         resource, subresource = resource.split("/", 1)
 
@@ -301,9 +302,8 @@ def request_matcher(
         if verb is not None and _verb(request) != verb:
             return False
         if resource is not None and (request.resource is None
-                                     or request.resource.plural != resource):
-            return False
-        if subresource is not None and request.subresource != subresource:
+                                     or request.resource.plural != resource
+                                     or request.subresource != subresource):
             return False
         if name is not None and request.name != name:
             return False
@@ -339,6 +339,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _log: list[_Logged] = attrs.field(factory=list, init=False)
     _compacted_rv: int = attrs.field(default=0, init=False)
     _watch_epoch: int = attrs.field(default=0, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
     _changed: asyncio.Condition | None = attrs.field(default=None, init=False)
     _write_lock: asyncio.Lock | None = attrs.field(default=None, init=False)
     _faults: list[Fault] = attrs.field(factory=list, init=False)
@@ -347,6 +348,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _down_mode: str = attrs.field(default="reset", init=False)
     _pod_logs: dict[tuple[str, str], str] = attrs.field(factory=dict, init=False)
     _pods_by_owner: dict[str, set[Any]] = attrs.field(factory=dict, init=False)
+    _by_resource: dict[str, set[Any]] = attrs.field(factory=dict, init=False)
+    _by_label: dict[tuple[str, str, str], set[Any]] = attrs.field(factory=dict, init=False)
+    _indexed: dict[Any, tuple[tuple[str, str], ...]] = attrs.field(factory=dict, init=False)
     validator: StrictValidator = attrs.field(init=False)
     validated: collections.Counter[str] = attrs.field(factory=collections.Counter, init=False)
     counts: collections.Counter[tuple[str, str]] = attrs.field(
@@ -364,6 +368,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if isinstance(details, dict) and "retryAfterSeconds" in details:
             response.headers["Retry-After"] = str(details["retryAfterSeconds"])
         return response
+
+    async def close_watches(self) -> None:
+        """End every open watch (the server is stopping; aiohttp waits for its handlers)."""
+        self._closing = True
+        async with self._cond():
+            self._cond().notify_all()
 
     # -- state helpers (call in the loop) --
 
@@ -535,18 +545,21 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if kind == "DELETED" and not obj.deleted:
             kind = "MODIFIED"  # finalizers: only marked for deletion
         await self._append(resource.plural, kind, last)
+        self._index(key, None if kind == "DELETED" else last)
         self._trim(key)
         if kind == "ADDED" and resource.plural == "pods":
             for owner in (last.get("metadata") or {}).get("ownerReferences") or []:
                 self._pods_by_owner.setdefault(str(owner.get("uid")), set()).add(key)
         if kind == "DELETED" and resource.plural == "jobs":
+            # batch/v1 Jobs orphan their pods unless the delete asks otherwise (API default).
             policy = (request.data or {}).get("propagationPolicy") if isinstance(
                 request.data, dict) else None
-            if policy != "Orphan":
+            if policy in ("Background", "Foreground"):
                 await self._collect_pods(last)
 
     async def _collect_pods(self, job: Mapping[str, Any]) -> None:
-        """Garbage collection: a deleted Job's pods go too (unless orphaned)."""
+        """Garbage collection: a Job deleted with Background/Foreground propagation takes
+        its pods along."""
         uid = str((job.get("metadata") or {}).get("uid"))
         for key in sorted(self._pods_by_owner.pop(uid, set()), key=lambda k: k[2]):
             if key not in self.objects or self.objects[key].deleted:
@@ -556,6 +569,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             raw = obj.last.raw
             obj.delete()
             await self._append("pods", "DELETED", raw)
+            self._index(key, None)
             self._trim(key)
 
     def _check_schema(self, obj: Mapping[str, Any], *, verb: str) -> None:
@@ -593,11 +607,43 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     # -- reads --
 
+    def reindex(self) -> None:
+        """Rebuild the list index from `objects` (after writing objects there directly)."""
+        self._by_resource.clear()
+        self._by_label.clear()
+        self._indexed.clear()
+        for key, obj in list(self.objects.items()):
+            self._index(key, None if obj.deleted else obj.last.raw)
+
+    def _index(self, key: Any, raw: Mapping[str, Any] | None) -> None:
+        """Keep the list index (resource → keys, (resource, label, value) → keys) current."""
+        plural = str(key[0].plural)
+        for label in self._indexed.pop(key, ()):
+            self._by_label.get((plural, *label), set()).discard(key)
+        self._by_resource.setdefault(plural, set()).discard(key)
+        if raw is None:
+            return
+        labels = tuple(((raw.get("metadata") or {}).get("labels") or {}).items())
+        self._indexed[key] = labels
+        self._by_resource[plural].add(key)
+        for label in labels:
+            self._by_label.setdefault((plural, *label), set()).add(key)
+
     def _matching(self, request: rendering.Request) -> list[dict[str, Any]]:
         selector = Selector.parse(request.params.get("labelSelector"),
                                   request.params.get("fieldSelector"))
+        plural = str(request.resource.plural if request.resource is not None else "")
+        candidates = self._by_resource.get(plural, set())
+        for term in selector.labels:  # narrow by the label index (exact matches)
+            if term.op == "in" and len(term.values) == 1:
+                (value,) = term.values
+                candidates = candidates & self._by_label.get((plural, term.key, value), set())
         out = []
-        for (resource, namespace, name), obj in self.objects.items():
+        for key in candidates:
+            resource, namespace, name = key
+            if key not in self.objects:
+                continue
+            obj = self.objects[key]
             if resource != request.resource or obj.deleted:
                 continue
             if request.namespace is not None and namespace != request.namespace:
@@ -643,11 +689,51 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return {"apiVersion": api_version, "kind": f"{info.kind}List", "metadata": meta,
                 "items": page}
 
+    # kmock's own fetch/create/update/delete answers scan every stored object (linear per
+    # request); these look the object up by its key.
+
+    def _stored(self, request: rendering.Request) -> Any:
+        data = request.data if isinstance(request.data, dict) else {}
+        meta = data.get("metadata") or {}
+        assert request.resource is not None
+        key = (request.resource, request.namespace or meta.get("namespace"),
+               str(request.name or meta.get("name")))
+        if key not in self.objects or self.objects[key].empty:
+            raise kmock.KubernetesObjectNotFoundError()
+        return self.objects[key]
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        obj = self._stored(request)
+        if obj.deleted:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message=f'"{request.name}" not found')
+        raw: dict[str, Any] = obj.raw
+        return raw
+
+    async def _serve_create(self, request: rendering.Request) -> rendering.Payload:
+        raw: dict[str, Any] = self._stored(request).last.raw
+        return raw
+
+    async def _serve_update(self, request: rendering.Request) -> rendering.Payload:
+        raw: dict[str, Any] = self._stored(request).last.raw
+        return raw
+
+    async def _serve_delete(self, request: rendering.Request) -> rendering.Payload:
+        raw: dict[str, Any] = self._stored(request).last.raw
+        return raw
+
     def _serve_log(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         assert request.resource is not None
-        if self._live(request.resource, request.namespace, str(request.name)) is None:
+        pod = self._live(request.resource, request.namespace, str(request.name))
+        if pod is None:
             raise kmock.KubernetesError(status=404, reason="NotFound",
                                         message=f'pods "{request.name}" not found')
+        statuses = (pod.last.raw.get("status") or {}).get("containerStatuses") or []
+        if not any({"running", "terminated"} & set(cs.get("state") or {}) for cs in statuses):
+            raise kmock.KubernetesError(
+                status=400, reason="BadRequest",
+                message=f'container "worker" in pod "{request.name}" is waiting to start: '
+                        "ContainerCreating")
         text = self._pod_logs.get((str(request.namespace), str(request.name)), "")
         tail = request.params.get("tailLines")
         if tail:
@@ -699,6 +785,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             cursor = self._log[index].seq if index < len(self._log) else self._seq + 1
         last_rv = self._rv
         while True:
+            if self._closing:
+                return
             if self._watch_epoch != epoch:
                 yield gone(last_rv)
                 return
@@ -774,6 +862,7 @@ class KubeSim:
             self.url = str(srv.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
+            await emulator.close_watches()
 
     def start(self) -> KubeSim:
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -877,6 +966,7 @@ class KubeSim:
                          namespace=namespace)
 
     def clear_faults(self) -> None:
+        """Drop the pending faults (not committed=True ones: they run out by `times`)."""
         with self.emulator._faults_lock:
             self.emulator._faults.clear()
 

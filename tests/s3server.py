@@ -3,7 +3,7 @@
 Clients are real boto3, pointed at the server by AWS_ENDPOINT_URL (no mock_aws, no patching),
 so what is tested is what runs against AWS, MinIO or Ceph. On top of moto the server can
 inject faults the way a real service shows them: 503 SlowDown replies, and stopping dead
-(listener closed, open keep-alive connections cut) right after a chosen request.
+(requests dropped without a reply, then the listener closed) right after a chosen request.
 
 In a test module (one server per module, a fresh bucket per test):
 
@@ -25,8 +25,8 @@ In a process of its own (benchmarks, trying `esd-sweep run --output-dir s3://...
 `python -m tests.s3server [--bucket NAME]` prints `export AWS_...=...` lines (the first is
 AWS_ENDPOINT_URL) and serves until its standard input closes or it is interrupted.
 
-Fault injection (tests that use it should start their own `S3Server()` so that other tests'
-server stays up):
+Fault injection (to stop a server, start an `S3Server()` of the test's own, so that the
+module's server stays up for the other tests):
 - `fail_next(n, status=503, code="SlowDown")`: the next n requests get that S3 error reply.
 - `stop_after(predicate)`: stop dead right after the first request for which
   `predicate(method, path)` is true has been answered, e.g. after the PUT of layers.csv.
@@ -94,7 +94,6 @@ class S3Server:
         self._stop_after: Callable[[str, str], bool] | None = None
         self._down = threading.Event()
         self._stopped = threading.Event()
-        self._connections: set[socket.socket] = set()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -109,18 +108,13 @@ class S3Server:
         return self
 
     def stop(self) -> None:
-        """Stop dead: cut open connections, close the listener (clients get 'refused')."""
+        """Stop dead: drop requests still arriving, close the listener (then 'refused')."""
         self._down.set()
         if self._stopped.is_set():
             return
         self._stopped.set()
         wsgi = self._moto._server
         self._moto.stop()
-        # Handler threads wait on keep-alive connections, and server_close() joins them.
-        with self._lock:
-            connections, self._connections = self._connections, set()
-        for connection in connections:
-            _cut(connection)
         if wsgi is not None:
             wsgi.server_close()
 
@@ -239,16 +233,22 @@ class S3Server:
         with self._lock:
             return self._failures.pop(0) if self._failures else None
 
-    def _answered(self, method: str, path: str) -> None:
+    def _last_request(self, method: str, path: str) -> bool:
+        """True for the request that stop_after waits for: it is answered, later ones are not.
+
+        Set on arrival, not after the reply: werkzeug lingers ~10 ms after a reply, long
+        enough for a fast client's next request to arrive on a new connection.
+        """
         predicate = self._stop_after
-        if predicate is not None and predicate(method, path):
-            self._stop_after = None
-            self._down.set()  # from now on every request is cut, even on open connections
-            threading.Thread(target=self.stop, daemon=True).start()
+        if predicate is None or not predicate(method, path):
+            return False
+        self._stop_after = None
+        self._down.set()
+        return True
 
 
 class _Middleware:
-    """WSGI wrapper around moto: records requests, injects errors, plays dead when stopped."""
+    """WSGI wrapper around moto: records requests, injects errors, plays dead once stopped."""
 
     def __init__(self, server: S3Server, app: Any) -> None:
         self.server = server
@@ -257,13 +257,13 @@ class _Middleware:
     def __call__(self, environ: MutableMapping[str, Any], start_response: Any) -> Iterable[bytes]:
         server = self.server
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
-        connection = environ["werkzeug.socket"]
         if server._down.is_set():
-            _cut(connection)  # a dead server: no reply, the client sees the connection drop
+            # A dead server: the connection drops without a reply (werkzeug's dev server
+            # closes every connection after one reply, so only new ones get here).
+            with suppress(OSError):
+                environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
             start_response("503 Down", [("Content-Length", "0")])  # written to nobody
             return []
-        with server._lock:
-            server._connections.add(connection)
         server.requests.append((method, path, environ.get("QUERY_STRING", "")))
         failure = server._injected_failure()
         if failure is not None:
@@ -272,12 +272,10 @@ class _Middleware:
             start_response(f"{status} Injected", [("Content-Type", "application/xml"),
                                                    ("Content-Length", str(len(body)))])
             return [body]
-        return _OnClose(self.app(environ, start_response), lambda: server._answered(method, path))
-
-
-def _cut(connection: socket.socket) -> None:
-    with suppress(OSError):  # already closed by the client
-        connection.shutdown(socket.SHUT_RDWR)
+        if server._last_request(method, path):
+            body = self.app(environ, start_response)
+            return _OnClose(body, lambda: threading.Thread(target=server.stop, daemon=True).start())
+        return self.app(environ, start_response)
 
 
 class _OnClose:

@@ -17,6 +17,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from kubernetes import client as k8s
 
 from controller.jobs import JobSettings, build_job, job_name, run_selector
 from controller.kube import (
@@ -201,10 +202,16 @@ def test_watch_ends_quietly_on_timeout_and_on_a_dropped_connection(
     assert [e.type for e in events] == ["BOOKMARK"]
     assert int(str(events[0].resource_version)) >= int(version)
 
-    stream = kube.watch_jobs(NS, run_selector(RUN), version, timeout_s=5)
-    threading.Timer(0.2, sim.api_down, args=(0.5,)).start()
+    seen: list[list[WatchEvent]] = []
+    consumer = threading.Thread(target=lambda: seen.append(
+        list(kube.watch_jobs(NS, run_selector(RUN), version, timeout_s=5))))
     started = time.monotonic()
-    assert list(stream) == []
+    consumer.start()
+    while sim.count("watch", "jobs") < 2:  # the second watch is open
+        time.sleep(0.01)
+    sim.api_down(0.5)
+    consumer.join(5)
+    assert seen == [[]]
     assert time.monotonic() - started < 3
 
 
@@ -387,6 +394,7 @@ def test_failure_log_and_events(sim: KubeSim, kube: KubeClient, cluster: JobSimu
     (event,) = kube.list_events(NS, f"involvedObject.name={pod_name}")
     assert event["reason"] == "FailedScheduling" and "nvidia.com/gpu" in event["message"]
     assert kube.list_events(NS, "involvedObject.name=someone-else") == []
+    assert kube.read_pod_log(NS, pod_name) == ""  # 400: the container never started
 
     log = "".join(f"line {i}\n" for i in range(100)) + "PermanentModelError: gated\n"
     cluster.run(name)
@@ -508,3 +516,15 @@ def test_emulator_label_selectors(selector: str, labels: dict[str, str], expecte
     assert Selector.parse(selector, None).matches(obj) is expected
     assert Selector.parse(selector, "involvedObject.name=p").matches(obj) is expected
     assert Selector.parse(None, "involvedObject.name!=p").matches(obj) is False
+
+
+def test_delete_without_propagation_orphans_pods(sim: KubeSim, kube: KubeClient,
+                                                 cluster: JobSimulator) -> None:
+    """Why delete_job sends propagationPolicy=Background: the API's default for batch/v1
+    Jobs orphans the pods, which would keep holding their GPUs."""
+    job = make_job()
+    name = job["metadata"]["name"]
+    kube.create_job(NS, job)
+    cluster.run(name)
+    k8s.BatchV1Api(sim.api_client()).delete_namespaced_job(name, NS, _preload_content=False)
+    assert len(kube.list_pods(NS, f"batch.kubernetes.io/job-name={name}")) == 1

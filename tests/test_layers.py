@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from esd_worker.layers import match_by_suffix, suffix_index
 from tests.builders import (
     WorkerResult,
+    make_bert,
     make_llama,
     make_tensor_model,
     make_unknown_arch,
@@ -143,6 +143,15 @@ def test_gpt2_conv1d(gpt2_dir: Path, tmp_path: Path) -> None:
     )
 
 
+def test_bert_encoder(tmp_path: Path) -> None:
+    """BertModel (tests.builders.make_bert): 6 Linear layers per block plus the pooler."""
+    result = run_analysis(make_bert(tmp_path / "bert"), tmp_path / "out")
+    assert result.marker["architecture"] == "BertModel"
+    assert len(result.layers) == 2 * 6 + 1
+    assert result.layers[-1] == "pooler.dense"
+    assert result.row("encoder.layer.1.intermediate.dense")["M"] == "64"
+
+
 def test_resnet_conv2d(resnet_dir: Path, tmp_path: Path) -> None:
     """Conv2d: kh·kw slices (out x in) scaled by sqrt(conv_norm), eigenvalues pooled (compared
     with numpy); the 7x7 stem has 3 input channels, fewer than min_evals: too_small."""
@@ -192,6 +201,25 @@ def test_bin_only_checkpoint(llama_result: WorkerResult, tmp_path: Path) -> None
     binary = make_llama(tmp_path / "bin", weights_format="bin")
     assert not list(binary.glob("*.safetensors"))
     assert_same_analysis(run_analysis(binary, tmp_path / "out", precision="float64"),
+                         llama_result)
+
+
+def test_sharded_bin_checkpoint(
+    llama_dir: Path, llama_result: WorkerResult, tmp_path: Path
+) -> None:
+    """pytorch_model.bin.index.json with two .bin shards (what older transformers wrote)."""
+    tensors = read_tensors(llama_dir)
+    model = tmp_path / "bin-shards"
+    model.mkdir()
+    (model / "config.json").write_text((llama_dir / "config.json").read_text())
+    keys = sorted(tensors)
+    shards = {"pytorch_model-00001-of-00002.bin": keys[::2],
+              "pytorch_model-00002-of-00002.bin": keys[1::2]}
+    for name, part in shards.items():
+        torch.save({k: tensors[k] for k in part}, model / name)
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (model / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert_same_analysis(run_analysis(model, tmp_path / "out", precision="float64"),
                          llama_result)
 
 

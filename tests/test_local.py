@@ -122,10 +122,10 @@ def by_key(outcomes: list[Outcome]) -> dict[str, Outcome]:
     ("script", "status", "attempts", "exit_code", "sig", "retryable", "error"),
     [
         ("import sys; sys.exit(0)", "done", 1, 0, None, False, ""),
-        ("import sys; sys.exit(3)", "failed", 1, 3, None, False, "PermanentError"),
+        ("import sys; sys.exit(3)", "failed", 1, 3, None, False, "PermanentModelError"),
         ("import sys; sys.exit(2)", "failed", 1, 2, None, False, "UsageError"),
         ("import sys; sys.exit(4)", "failed", 3, 4, None, True, "TransientError"),
-        ("import sys; sys.exit(5)", "failed", 3, 5, None, True, "GpuOutOfMemory"),
+        ("import sys; sys.exit(5)", "failed", 3, 5, None, True, "GpuOutOfMemoryError"),
         ("import sys; sys.exit(7)", "failed", 1, 7, None, False, "WorkerCrashed"),
         ("raise SystemExit('boom')", "failed", 1, 1, None, False, "WorkerCrashed"),
         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "failed", 3, None, 9, True,
@@ -189,7 +189,7 @@ def test_command_that_cannot_start_is_a_permanent_failure() -> None:
 
 @pytest.mark.parametrize(
     ("returncode", "retryable"),
-    [(0, False), (2, False), (3, False), (4, True), (5, True), (1, False), (137, False),
+    [(0, False), (2, False), (3, False), (4, True), (5, True), (1, False), (137, True),
      (-15, True), (-9, True)],
 )
 def test_classify_exit(returncode: int, retryable: bool) -> None:

@@ -22,6 +22,14 @@ from tests.builders import (
     run_analysis,
 )
 
+# peft and transformers warn about things these tests do on purpose (tied targets, saving
+# embedding layers) or that are theirs to fix (deprecations).
+_QUIET = (
+    pytest.mark.filterwarnings("ignore::UserWarning:peft"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:transformers"),
+)
+pytestmark = list(_QUIET)
+
 
 def svd_evals(w: torch.Tensor, *, conv_norm: float = 0.5) -> np.ndarray:
     """σ² of a weight in float64, Conv2d slices pooled as ESD_SPEC.md says."""
@@ -280,3 +288,19 @@ def test_lora_options_that_change_the_merge_are_refused(option: str) -> None:
 def test_non_lora_types_are_refused(peft_type: str | None) -> None:
     with pytest.raises(UnsupportedAdapterError, match="only LoRA adapters"):
         check_supported({"peft_type": peft_type})
+
+
+def test_adapter_bin_equals_safetensors(
+    lora_dir: Path, lora_result: WorkerResult, tmp_path: Path
+) -> None:
+    """An older adapter saved as adapter_model.bin (torch.save) merges the same."""
+    from safetensors.torch import load_file
+
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "adapter_config.json").write_text((lora_dir / "adapter_config.json").read_text())
+    torch.save(load_file(str(lora_dir / "adapter_model.safetensors")),
+               legacy / "adapter_model.bin")
+    result = run_analysis(legacy, tmp_path / "out", precision="float64")
+    for name, evals in lora_result.eigs.items():
+        np.testing.assert_array_equal(result.eigs[name], evals)

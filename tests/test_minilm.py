@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,44 +12,38 @@ from safetensors import safe_open
 
 from esd_worker.naming import model_key
 from esd_worker.powerlaw import layer_metrics
-from tests.builders import MINILM_LINEAR_LAYERS, WorkerResult, minilm_path, read_result
+from tests.builders import (
+    MINILM_LINEAR_LAYERS,
+    BackgroundRun,
+    CliResult,
+    WorkerResult,
+    minilm_path,
+    read_result,
+)
 
 BLOCK = ("attention.self.query", "attention.self.key", "attention.self.value",
          "attention.output.dense", "intermediate.dense", "output.dense")
 LAYERS = [f"encoder.layer.{i}.{m}" for i in range(6) for m in BLOCK] + ["pooler.dense"]
 
 
-def worker_command() -> list[str]:
-    """The installed console script when there is one, else the module."""
-    script = shutil.which("esd-worker", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "esd_worker.cli"]
+@pytest.fixture(scope="module")
+def run(worker_runs: dict[str, BackgroundRun]) -> CliResult:
+    """`esd-worker --model <MiniLM dir> --output … --device cpu`, started with the session's
+    other subprocess runs (conftest.worker_runs)."""
+    return worker_runs["minilm"].result()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str],
-                                                          Path]:
-    out = tmp_path_factory.mktemp("minilm")
-    proc = subprocess.run(
-        [*worker_command(), "--model", str(minilm_path()), "--output", str(out),
-         "--device", "cpu"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )
-    return proc, out
+def result(run: CliResult) -> WorkerResult:
+    assert run.code == 0, run.stderr
+    return read_result(run.output, model_key(str(minilm_path())))
 
 
-@pytest.fixture(scope="module")
-def result(run: tuple[subprocess.CompletedProcess[str], Path]) -> WorkerResult:
-    proc, out = run
-    assert proc.returncode == 0, proc.stderr
-    return read_result(out, model_key(str(minilm_path())))
-
-
-def test_exit_zero_without_errors(run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
-    proc, _ = run
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert "error" not in proc.stderr.lower()
-    assert "device used: cpu" in proc.stderr
+def test_exit_zero_without_errors(run: CliResult) -> None:
+    assert run.code == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "error" not in run.stderr.lower()
+    assert "device used: cpu" in run.stderr
 
 
 def test_key_is_short_and_readable() -> None:
@@ -86,11 +76,8 @@ def test_plausible_alphas(result: WorkerResult) -> None:
     assert summary["alpha_mean"] == pytest.approx(float(np.mean(alphas)), rel=1e-12)
 
 
-def test_result_json_is_last_and_complete(
-    run: tuple[subprocess.CompletedProcess[str], Path], result: WorkerResult
-) -> None:
-    _, out = run
-    folder = out / result.marker["model_key"]
+def test_result_json_is_last_and_complete(run: CliResult, result: WorkerResult) -> None:
+    folder = run.output / result.marker["model_key"]
     written = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     assert set(written) == {"layers.csv", "eigs.npz", "result.json"}
     assert written["result.json"] >= max(written["layers.csv"], written["eigs.npz"])
@@ -122,14 +109,15 @@ def test_eigs_agree_with_the_layer_table(result: WorkerResult) -> None:
 
 
 def test_eigs_are_the_trained_weights_spectra(result: WorkerResult) -> None:
-    """Independent check: σ² of the stored weights by numpy's float64 SVD (fast-path
-    tolerance as in test_spectra)."""
+    """Independent check: eigenvalues of the stored weights' smaller Gram matrix in float64
+    numpy (float64 rounding is far below the fast path's tolerance, as in test_spectra)."""
     with safe_open(str(minilm_path() / "model.safetensors"), framework="np") as f:
-        keys = set(f.keys())  # noqa: SIM118 - safe_open is not a Mapping
+        keys = set(f.keys())
         for layer in ("encoder.layer.0.attention.self.query", "encoder.layer.5.output.dense",
                       "pooler.dense"):
             key = next(k for k in keys if k.endswith(f"{layer}.weight"))
             w = f.get_tensor(key).astype(np.float64)
-            ref = np.sort(np.linalg.svd(w, compute_uv=False) ** 2)
+            gram = w.T @ w if w.shape[0] >= w.shape[1] else w @ w.T
+            ref = np.linalg.eigvalsh(gram)
             np.testing.assert_allclose(result.eigs[layer], ref, rtol=0, atol=1e-5 * ref[-1])
             np.testing.assert_allclose(result.eigs[layer][-10:], ref[-10:], rtol=1e-5)

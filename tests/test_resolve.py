@@ -4,121 +4,82 @@ HF_HUB_OFFLINE=1 (no network), local paths, and hub errors mapped to exit codes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from esd_worker.errors import PermanentModelError, TransientError
 from esd_worker.naming import model_key
 from esd_worker.resolve import classify_hub_error, parse_model_ref, resolve_model
-from tests.builders import fake_commit, make_hf_cache, make_llama, make_lora_adapter
-
-REPO = "esd-test/tiny-llama"
-ADAPTER_REPO = "esd-test/tiny-llama-lora"
-_HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT",
-            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME")
+from tests.builders import BackgroundRun, CliResult
+from tests.conftest import HUB_ADAPTER_REPO, HUB_MISSING_REPO, HUB_REPO, HubCache
 
 
-@dataclass(frozen=True)
-class Run:
-    code: int
-    stderr: str
-    output: Path
-
-    def marker(self, key: str) -> dict[str, object]:
-        data: dict[str, object] = json.loads((self.output / key / "result.json").read_text())
-        return data
-
-
-@dataclass(frozen=True)
-class HubRuns:
-    commit: str
-    adapter_commit: str
-    runs: Mapping[str, Run]
+def marker(run: CliResult, key: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((run.output / key / "result.json").read_text())
+    return data
 
 
 @pytest.fixture(scope="module")
-def hub(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> HubRuns:
-    """An HF cache (HF_HOME/hub) holding a model and a LoRA adapter whose adapter_config
-    names the model by hub id; four worker runs against it, offline, side by side."""
-    root = tmp_path_factory.mktemp("hub")
-    cache = root / "hf" / "hub"
-    commit = make_hf_cache(cache, REPO, llama_dir)
-    adapter = make_lora_adapter(
-        llama_dir, root / "adapter", target_modules=("q_proj",), base_model_name_or_path=REPO
-    )
-    adapter_commit = make_hf_cache(cache, ADAPTER_REPO, adapter, commit=fake_commit("lora"))
-    env = {k: v for k, v in os.environ.items() if k not in _HF_VARS}
-    env |= {"HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    refs = {
-        "id": REPO,
-        "id@sha": f"{REPO}@{commit}",
-        "missing": "esd-test/not-in-cache",
-        "adapter": ADAPTER_REPO,
-    }
-    procs = {}
-    for name, ref in refs.items():
-        out = root / f"out-{name}"
-        procs[name] = (out, subprocess.Popen(
-            [sys.executable, "-m", "esd_worker.cli", "--model", ref, "--output", str(out),
-             "--device", "cpu"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
-    runs = {}
-    for name, (out, proc) in procs.items():
-        _, err = proc.communicate(timeout=300)
-        runs[name] = Run(proc.returncode, err, out)
-    return HubRuns(commit, adapter_commit, runs)
+def hub(hub_cache: HubCache, worker_runs: dict[str, BackgroundRun]) -> HubCache:
+    """conftest.hub_cache: an HF cache (HF_HOME/hub) holding HUB_REPO and HUB_ADAPTER_REPO.
+
+    The worker ran against it offline (HF_HUB_OFFLINE=1) in four subprocesses, started
+    with the session's other runs (conftest.worker_runs): `--model HUB_REPO`,
+    `HUB_REPO@<commit>`, HUB_MISSING_REPO and HUB_ADAPTER_REPO. huggingface_hub's offline
+    snapshot_download needs only refs/<revision> (the commit, no newline) and
+    snapshots/<commit>/ with the files (tests.builders.make_hf_cache).
+    """
+    return hub_cache
 
 
-def test_hub_id_from_offline_cache(hub: HubRuns) -> None:
+def test_hub_id_from_offline_cache(hub: HubCache, worker_runs: dict[str, BackgroundRun]) -> None:
     """`--model org/name`: refs/main gives the commit, recorded as resolved_revision."""
-    run = hub.runs["id"]
+    run = worker_runs["hub-id"].result()
     assert run.code == 0, run.stderr
-    marker = run.marker(model_key(REPO))
-    assert marker["source"] == "hub"
-    assert (marker["model_id"], marker["revision"]) == (REPO, None)
-    assert marker["resolved_revision"] == hub.commit
-    assert marker["layer_count"] == 15
-    rows = (run.output / model_key(REPO) / "layers.csv").read_text().splitlines()
+    result = marker(run, model_key(HUB_REPO))
+    assert result["source"] == "hub"
+    assert (result["model_id"], result["revision"]) == (HUB_REPO, None)
+    assert result["resolved_revision"] == hub.commit
+    assert result["layer_count"] == 15
+    rows = (run.output / model_key(HUB_REPO) / "layers.csv").read_text().splitlines()
     assert all(line.split(",")[1] == hub.commit for line in rows[1:])  # revision column
 
 
-def test_hub_id_at_commit(hub: HubRuns) -> None:
+def test_hub_id_at_commit(hub: HubCache, worker_runs: dict[str, BackgroundRun]) -> None:
     """`--model org/name@<sha>`: the snapshot of that commit; the key includes the revision."""
-    run = hub.runs["id@sha"]
+    run = worker_runs["hub-id@sha"].result()
     assert run.code == 0, run.stderr
-    marker = run.marker(model_key(REPO, hub.commit))
-    assert (marker["model_id"], marker["revision"]) == (REPO, hub.commit)
-    assert marker["resolved_revision"] == hub.commit
-    assert str(marker["model_key"]).startswith(f"esd-test--tiny-llama--{hub.commit[:12]}-")
+    result = marker(run, model_key(HUB_REPO, hub.commit))
+    assert (result["model_id"], result["revision"]) == (HUB_REPO, hub.commit)
+    assert result["resolved_revision"] == hub.commit
+    assert str(result["model_key"]).startswith(f"esd-test--tiny-llama--{hub.commit[:12]}-")
 
 
-def test_missing_id_offline(hub: HubRuns) -> None:
-    run = hub.runs["missing"]
+def test_missing_id_offline(hub: HubCache, worker_runs: dict[str, BackgroundRun]) -> None:
+    run = worker_runs["hub-missing"].result()
     assert run.code == 3
     assert "Traceback" not in run.stderr
-    last = run.stderr.strip().splitlines()[-1]
-    assert last.startswith("esd-worker: error: esd-test/not-in-cache is not in the HF cache")
-    assert "HF_HUB_OFFLINE=1" in last
+    assert run.errors == [run.lines[-1]]
+    assert run.errors[0].startswith(
+        f"esd-worker: error: {HUB_MISSING_REPO} is not in the HF cache ({hub.home / 'hub'})"
+    )
+    assert "HF_HUB_OFFLINE=1" in run.errors[0]
     assert not run.output.exists() or not any(run.output.rglob("result.json"))
 
 
-def test_adapter_base_by_hub_id(hub: HubRuns) -> None:
+def test_adapter_base_by_hub_id(hub: HubCache, worker_runs: dict[str, BackgroundRun]) -> None:
     """An adapter from the cache whose adapter_config names its base by hub id: the base is
     resolved the same way and recorded with its commit."""
-    run = hub.runs["adapter"]
+    run = worker_runs["hub-adapter"].result()
     assert run.code == 0, run.stderr
-    marker = run.marker(model_key(ADAPTER_REPO))
-    assert marker["resolved_revision"] == hub.adapter_commit
-    assert marker["base_model"] == {
-        "model": REPO, "resolved_revision": hub.commit, "source": "hub"
+    result = marker(run, model_key(HUB_ADAPTER_REPO))
+    assert result["resolved_revision"] == hub.adapter_commit
+    assert result["base_model"] == {
+        "model": HUB_REPO, "resolved_revision": hub.commit, "source": "hub"
     }
+    assert result["adapter"]["merged_modules"] == 2
 
 
 # --- references that never reach the hub ---------------------------------------------------
@@ -198,3 +159,41 @@ def test_hub_errors_map_to_exit_codes(name: str, kind: type[Exception], fragment
     assert type(error) is kind
     assert fragment in str(error)
     assert "\n" not in str(error)
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        pytest.param(["config.json", "model.safetensors", "pytorch_model.bin", "tokenizer.json",
+                      "onnx/model.onnx"], ["config.json", "model.safetensors"],
+                     id="single-safetensors-only"),
+        pytest.param(["config.json", "model.safetensors.index.json",
+                      "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                      "pytorch_model.bin.index.json"],
+                     ["config.json", "model.safetensors.index.json", "model*.safetensors"],
+                     id="sharded"),
+        pytest.param(["adapter_config.json", "adapter_model.safetensors", "README.md"],
+                     ["adapter_config.json", "adapter_model.safetensors"], id="adapter"),
+        pytest.param(["config.json", "pytorch_model.bin"], ["config.json", "pytorch_model.bin"],
+                     id="bin-only"),
+        pytest.param(["config.json", "pytorch_model.bin.index.json",
+                      "pytorch_model-00001-of-00002.bin"],
+                     ["config.json", "pytorch_model.bin.index.json", "pytorch_model*.bin"],
+                     id="sharded-bin"),
+        pytest.param(["adapter_config.json", "adapter_model.bin"],
+                     ["adapter_config.json", "adapter_model.bin"], id="adapter-bin"),
+    ],
+)
+def test_download_only_what_the_analysis_reads(files: list[str], expected: list[str]) -> None:
+    """Online, the worker asks the hub for configs and one weight format only: never
+    tokenizers, ONNX/GGUF variants, or .bin files next to safetensors."""
+    from esd_worker.resolve import _choose_files
+
+    assert _choose_files(files) == expected
+
+
+def test_repo_without_weights_is_unsupported() -> None:
+    from esd_worker.resolve import _choose_files
+
+    with pytest.raises(PermanentModelError, match="unsupported format"):
+        _choose_files(["config.json", "model.gguf", "unet/diffusion_pytorch_model.safetensors"])

@@ -2,17 +2,20 @@
 
 No mock_aws and no patching: boto3 finds the server through AWS_ENDPOINT_URL, as it finds
 MinIO or AWS itself, and faults are what a server does (error replies, dying mid-run;
-tests/s3server.py). The worker runs end to end as the `esd-worker` command on a tiny GPT-2.
+tests/s3server.py). The worker runs end to end as the `esd-worker` command on a tiny GPT-2
+(conftest's gpt2_dir).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +33,6 @@ from esd_worker.errors import (
 from esd_worker.results import layers_from_csv
 from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store
 from esd_worker.store import EIGS_NAME, LAYERS_NAME, MARKER_NAME, open_store
-from tests.builders import make_gpt2
 from tests.s3server import S3Server, serve_s3
 
 # --- builders -------------------------------------------------------------------------------
@@ -105,13 +107,13 @@ def test_list_keys_is_by_folder_and_leaves_out_other_prefixes(s3_server: S3Serve
 
 
 def test_list_keys_pages_through_listobjectsv2(s3_server: S3Server) -> None:
-    """250 keys in pages of 100: exactly 3 ListObjectsV2 requests, not one per key.
+    """120 keys in pages of 50: exactly 3 ListObjectsV2 requests, not one per key.
 
     The page size is lowered from 1000 (S3's maximum, the default) so the test stays fast;
     benchmarks/bench_s3_list.py lists 10,000 markers with the default.
     """
-    store = make_store(s3_server, "paged", list_page_size=100)
-    keys = [f"m{i:04d}/{MARKER_NAME}" for i in range(250)]
+    store = make_store(s3_server, "paged", list_page_size=50)
+    keys = [f"m{i:04d}/{MARKER_NAME}" for i in range(120)]
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(store.put_bytes, keys, [b"{}"] * len(keys)))
     before = len(s3_server.requests)
@@ -143,7 +145,7 @@ def test_small_values_are_one_put(s3_server: S3Server) -> None:
 def test_concurrent_reads_share_one_client(s3_server: S3Server) -> None:
     """The controller reads markers from many threads through one store."""
     store = make_store(s3_server)
-    keys = [f"m{i}/{MARKER_NAME}" for i in range(64)]
+    keys = [f"m{i}/{MARKER_NAME}" for i in range(32)]
     for key in keys:
         store.put_bytes(key, key.encode())
     with ThreadPoolExecutor(32) as pool:
@@ -224,7 +226,11 @@ class Auth:
 
 @pytest.fixture
 def auth(s3_server: S3Server) -> Iterator[Auth]:
-    """moto checks signatures and IAM policies (as AWS does) for the test's duration."""
+    """moto checks signatures and IAM policies (as AWS does) for the test's duration.
+
+    The switch is process-wide: the worker runs below finish first, or they would be refused.
+    """
+    wait_for_workers()
     setup = Auth(s3_server.new_bucket(), s3_server.make_user(["s3:*"]),
                  s3_server.make_user(["s3:GetObject"]))
     with s3_server.require_auth():
@@ -275,11 +281,21 @@ def test_bad_credentials_are_permanent(s3_server: S3Server, auth: Auth,
     assert secret not in str(info.value)
 
 
-def test_head_bucket_denied_names_access(s3_server: S3Server, auth: Auth,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """check() uses HEAD, whose 403 has no body: the message says access denied."""
-    use_credentials(monkeypatch, *auth.readonly)
-    with pytest.raises(StorePermanentError, match=r"access denied .* check the bucket"):
+@pytest.mark.parametrize(
+    ("who", "message"),
+    [
+        pytest.param("unknown-key", "(InvalidAccessKeyId, HTTP 403)", id="unknown-key"),
+        pytest.param("readonly", "access denied (AccessDenied, HTTP 403) trying to check the "
+                     "bucket", id="policy-denies"),
+    ],
+)
+def test_check_names_the_credential_problem(s3_server: S3Server, auth: Auth,
+                                            monkeypatch: pytest.MonkeyPatch, who: str,
+                                            message: str) -> None:
+    """check() (run before any analysis) tells a bad key from a denying policy."""
+    use_credentials(monkeypatch, *(("AKIAEXAMPLEUNKNOWN01", "x") if who == "unknown-key"
+                                   else auth.readonly))
+    with pytest.raises(StorePermanentError, match=re.escape(message)):
         open_store(s3_server.url(auth.bucket, "results")).check()
 
 
@@ -354,148 +370,168 @@ def test_unreachable_endpoint_is_transient(monkeypatch: pytest.MonkeyPatch,
 
 
 # --- the worker end to end ------------------------------------------------------------------
+#
+# Each scenario is a real `esd-worker` process; they all start with the module's first test and
+# run beside the in-process tests (seconds of imports each). They talk to servers of their own,
+# so the faults injected above never reach them; `auth` waits for them, because moto's auth
+# switch is process-wide.
 
 ESD_WORKER = Path(sys.executable).with_name("esd-worker")
+PREFIX = "sweep/atlas"
+_STARTED: list[WorkerRun] = []
 
 
 @dataclass
 class WorkerRun:
-    """One `esd-worker` run: its output URL, the secret it was given, what it printed."""
+    """One `esd-worker` process writing to s3://bucket/PREFIX on `server`."""
 
+    server: S3Server
     bucket: str
-    prefix: str
     secret: str
-    returncode: int = -1
+    proc: subprocess.Popen[str]
+    returncode: int | None = None
     stdout: str = ""
     stderr: str = ""
 
+    def result(self) -> WorkerRun:
+        if self.returncode is None:
+            self.stdout, self.stderr = self.proc.communicate(timeout=300)
+            self.returncode = self.proc.returncode
+        return self
+
     @property
     def error_lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines()
+        return [line for line in self.result().stderr.splitlines()
                 if line.startswith("esd-worker: error:")]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_gpt2(tmp_path_factory.mktemp("models") / "tiny-gpt2")
+def start_worker(server: S3Server, bucket: str, model: Path) -> WorkerRun:
+    """`esd-worker -v` on `model` into s3://bucket/PREFIX, with a secret of its own."""
+    secret = f"esd-secret-{uuid.uuid4().hex}"
+    env = server.subprocess_env(AWS_SECRET_ACCESS_KEY=secret, AWS_MAX_ATTEMPTS="2",
+                                HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [str(ESD_WORKER), "--model", str(model), "--device", "cpu", "-v",
+         "--output", server.url(bucket, PREFIX)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    run = WorkerRun(server, bucket, secret, proc)
+    _STARTED.append(run)
+    return run
+
+
+def wait_for_workers() -> None:
+    for run in _STARTED:
+        run.result()
 
 
 @pytest.fixture(scope="module")
-def worker_runs(s3_server: S3Server, model_dir: Path) -> Iterator[dict[str, WorkerRun]]:
-    """Every worker scenario, each an `esd-worker` process, all at once (to keep this fast).
+def s3_worker_runs(gpt2_dir: Path) -> Iterator[dict[str, WorkerRun]]:
+    """The scenarios, by name:
 
-    moto checks signatures and IAM policies throughout, so the credentials are real ones
-    (IAM users made on the server) and the bad ones are refused as AWS would refuse them.
-    "dying" writes to a second server that stops dead right after it has stored
-    layers.csv (moto's state is per process: its objects are seen through s3_server too).
+    ok           a healthy server: layers.csv, eigs.npz, result.json (last).
+    no-bucket    the bucket does not exist.
+    unknown-key  a server that refuses every request as S3 refuses an unknown access key id
+                 (moto's real signature checks are process-wide, so they are exercised
+                 in-process above: test_bad_credentials_are_permanent).
+    dying        a server that stops dead right after storing layers.csv.
     """
-    full = s3_server.make_user(["s3:*"])
-    dying = S3Server().start()
+    healthy, refusing, dying = S3Server().start(), S3Server().start(), S3Server().start()
+    refusing.fail_next(1000, status=403, code="InvalidAccessKeyId")
     dying.stop_after(lambda method, path: method == "PUT" and path.endswith("/" + LAYERS_NAME))
-    scenarios = {
-        # name: (bucket, credentials, endpoint)
-        "ok": (s3_server.new_bucket(), full, s3_server.endpoint),
-        "no-bucket": ("esd-no-such-bucket", full, s3_server.endpoint),
-        "unknown-key": (s3_server.new_bucket(), ("AKIAEXAMPLEUNKNOWN02", "unknown-secret-7c1d"),
-                        s3_server.endpoint),
-        "dying": (s3_server.new_bucket(), full, dying.endpoint),
+    runs = {
+        "ok": start_worker(healthy, healthy.new_bucket(), gpt2_dir),
+        "no-bucket": start_worker(healthy, "esd-no-such-bucket", gpt2_dir),
+        "unknown-key": start_worker(refusing, "esd-any-bucket", gpt2_dir),
+        "dying": start_worker(dying, healthy.new_bucket(), gpt2_dir),  # moto's state is shared
     }
-    runs: dict[str, WorkerRun] = {}
-    procs: dict[str, subprocess.Popen[str]] = {}
-    try:
-        with s3_server.require_auth():
-            for name, (bucket, (key_id, secret), endpoint) in scenarios.items():
-                runs[name] = run = WorkerRun(bucket, "sweep/atlas", secret)
-                env = s3_server.subprocess_env(
-                    AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=key_id,
-                    AWS_SECRET_ACCESS_KEY=secret, AWS_MAX_ATTEMPTS="2", HF_HUB_OFFLINE="1",
-                )
-                procs[name] = subprocess.Popen(
-                    [str(ESD_WORKER), "--model", str(model_dir), "--device", "cpu", "-v",
-                     "--output", s3_server.url(bucket, run.prefix)],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                )
-            for name, proc in procs.items():
-                runs[name].stdout, runs[name].stderr = proc.communicate(timeout=180)
-                runs[name].returncode = proc.returncode
-        yield runs
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        dying.stop()
+    yield runs
+    for run in runs.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+        run.proc.communicate()
+    for server in (healthy, refusing, dying):
+        server.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_worker_runs_early(request: pytest.FixtureRequest) -> None:
+    """Start the worker runs with the module's first test when a selected test needs them."""
+    if any("s3_worker_runs" in getattr(item, "fixturenames", ())
+           for item in request.session.items if item.path == request.path):
+        request.getfixturevalue("s3_worker_runs")
 
 
 def marker_of(server: S3Server, run: WorkerRun) -> dict[str, object]:
-    keys = [k for k in server.keys(run.bucket, run.prefix) if k.endswith("/" + MARKER_NAME)]
+    keys = [k for k in server.keys(run.bucket, PREFIX) if k.endswith("/" + MARKER_NAME)]
     assert len(keys) == 1, keys
     body = server.client().get_object(Bucket=run.bucket, Key=keys[0])["Body"].read()
     return dict(json.loads(body))
 
 
-def test_worker_writes_its_results_to_s3(s3_server: S3Server,
-                                         worker_runs: dict[str, WorkerRun]) -> None:
+def test_worker_writes_its_results_to_s3(s3_worker_runs: dict[str, WorkerRun]) -> None:
     """layers.csv, eigs.npz and result.json under <prefix>/<model_key>/, the marker last."""
-    run = worker_runs["ok"]
-    assert run.returncode == 0, run.stderr
-    marker = marker_of(s3_server, run)
+    run = s3_worker_runs["ok"].result()
+    assert run.returncode == 0, run.stderr[-3000:]
+    server = run.server
+    marker = marker_of(server, run)
     key = marker["model_key"]
-    assert sorted(s3_server.keys(run.bucket)) == sorted(
-        f"{run.prefix}/{key}/{name}" for name in (LAYERS_NAME, EIGS_NAME, MARKER_NAME)
+    assert sorted(server.keys(run.bucket)) == sorted(
+        f"{PREFIX}/{key}/{name}" for name in (LAYERS_NAME, EIGS_NAME, MARKER_NAME)
     )
-    puts = [path for method, path, _ in s3_server.requests
+    puts = [path for method, path, _ in server.requests
             if method == "PUT" and path.startswith(f"/{run.bucket}/")]
-    assert puts[-1] == f"/{run.bucket}/{run.prefix}/{key}/{MARKER_NAME}"
+    assert puts[-1] == f"/{run.bucket}/{PREFIX}/{key}/{MARKER_NAME}"
     assert marker["outputs"] == {"layers": LAYERS_NAME, "eigs": EIGS_NAME}
-    store = open_store(s3_server.url(run.bucket, run.prefix))
-    rows = layers_from_csv(store.get_bytes(f"{key}/{LAYERS_NAME}") or b"")
+    layers = server.client().get_object(Bucket=run.bucket, Key=f"{PREFIX}/{key}/{LAYERS_NAME}")
+    rows = layers_from_csv(layers["Body"].read())
     assert len(rows) == marker["layer_count"] == 9  # 2 blocks x 4 Conv1D + lm_head
 
 
 @pytest.mark.parametrize("scenario", ["ok", "no-bucket", "unknown-key", "dying"])
-def test_worker_never_prints_or_stores_the_secret(s3_server: S3Server,
-                                                  worker_runs: dict[str, WorkerRun],
+def test_worker_never_prints_or_stores_the_secret(s3_worker_runs: dict[str, WorkerRun],
                                                   scenario: str) -> None:
     """Not in stdout, not in stderr (the runs use -v), not in any object written."""
-    run = worker_runs[scenario]
+    run = s3_worker_runs[scenario].result()
     assert run.secret not in run.stdout
     assert run.secret not in run.stderr
-    client = s3_server.client()
-    for key in s3_server.keys(run.bucket) if scenario != "no-bucket" else ():
-        body = client.get_object(Bucket=run.bucket, Key=key)["Body"].read()
-        assert run.secret.encode() not in body
+    if scenario in ("ok", "dying"):
+        client = s3_worker_runs["ok"].server.client()
+        for key in s3_worker_runs["ok"].server.keys(run.bucket):
+            assert run.secret.encode() not in client.get_object(
+                Bucket=run.bucket, Key=key)["Body"].read()
 
 
 @pytest.mark.parametrize(
     ("scenario", "message"),
     [
         pytest.param("no-bucket", "s3://esd-no-such-bucket: bucket does not exist or is not "
-                     "yours (", id="no-bucket"),
-        pytest.param("unknown-key", "the access key id is not known to the store "
-                     "(InvalidAccessKeyId, HTTP 403)", id="unknown-key"),
+                     "yours (NoSuchBucket, HTTP 404)", id="no-bucket"),
+        pytest.param("unknown-key", "s3://esd-any-bucket/sweep/atlas: the access key id is not "
+                     "known to the store (InvalidAccessKeyId, HTTP 403)", id="unknown-key"),
     ],
 )
-def test_worker_store_misconfiguration_exits_3(worker_runs: dict[str, WorkerRun],
+def test_worker_store_misconfiguration_exits_3(s3_worker_runs: dict[str, WorkerRun],
                                                scenario: str, message: str) -> None:
     """Retrying cannot help: exit 3 and one line saying what to fix."""
-    run = worker_runs[scenario]
-    assert run.returncode == EXIT_PERMANENT, run.stderr
-    assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr[-2000:]
+    run = s3_worker_runs[scenario].result()
+    assert run.returncode == EXIT_PERMANENT, run.stderr[-3000:]
+    assert len(run.error_lines) == 1 and message in run.error_lines[0], run.stderr[-3000:]
 
 
 def test_worker_exits_4_without_marker_when_the_store_dies(
-    s3_server: S3Server, worker_runs: dict[str, WorkerRun], model_dir: Path,
+    s3_server: S3Server, s3_worker_runs: dict[str, WorkerRun], gpt2_dir: Path,
 ) -> None:
     """Server gone after layers.csv: exit 4 (retry), no marker; the next run finishes."""
-    run = worker_runs["dying"]
-    assert run.returncode == EXIT_TRANSIENT, run.stderr[-2000:]
+    run = s3_worker_runs["dying"].result()
+    assert run.returncode == EXIT_TRANSIENT, run.stderr[-3000:]
     assert len(run.error_lines) == 1 and "cannot reach the store" in run.error_lines[0]
-    keys = s3_server.keys(run.bucket)
+    keys = s3_server.keys(run.bucket)  # the dead server's objects, through the live one
     assert [k.rsplit("/", 1)[1] for k in keys] == [LAYERS_NAME]  # not done: no result.json
 
     from esd_worker.analyze import analyse_model
     from esd_worker.settings import WorkerSettings
 
-    url = s3_server.url(run.bucket, run.prefix)
-    marker = analyse_model(WorkerSettings(model=str(model_dir), output=url, device="cpu"))
+    url = s3_server.url(run.bucket, PREFIX)
+    marker = analyse_model(WorkerSettings(model=str(gpt2_dir), output=url, device="cpu"))
     assert marker_of(s3_server, run)["model_key"] == marker["model_key"]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,47 +15,40 @@ from esd_worker import cli
 from esd_worker.errors import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.naming import model_key
 from tests.builders import (
+    BackgroundRun,
+    CliResult,
     corrupt_safetensors,
     make_lora_adapter,
     make_peft_adapter,
     make_tensor_model,
     read_result,
+    worker_command,
 )
 
-pytestmark = pytest.mark.usefixtures("restore_logging")
+# peft and transformers warn about things these tests do on purpose (tied targets, saving
+# embedding layers) or that are theirs to fix (deprecations).
+_QUIET = (
+    pytest.mark.filterwarnings("ignore::UserWarning:peft"),
+    pytest.mark.filterwarnings("ignore::FutureWarning:transformers"),
+)
+pytestmark = [pytest.mark.usefixtures("restore_logging"), *_QUIET]
 
 
-@dataclass(frozen=True)
-class CliRun:
-    code: int
-    stderr: str
-
-    @property
-    def lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
-
-    @property
-    def errors(self) -> list[str]:
-        return [line for line in self.lines if line.startswith("esd-worker: error:")]
-
-
-def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> CliRun:
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> CliResult:
     """cli.main in this process (torch is imported once for the whole test session)."""
     code = cli.main(["--device", "cpu", *argv])
-    return CliRun(code, capsys.readouterr().err)
+    return CliResult(code, capsys.readouterr().err, Path())
 
 
-def run_subprocess(*argv: str, env: dict[str, str] | None = None) -> CliRun:
+def run_subprocess(*argv: str) -> CliResult:
     """The real console entry point in a fresh interpreter."""
     proc = subprocess.run(
-        [sys.executable, "-m", "esd_worker.cli", *argv],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
-        check=False,
+        [*worker_command(), *argv], capture_output=True, text=True, timeout=120, check=False
     )
-    return CliRun(proc.returncode, proc.stderr)
+    return CliResult(proc.returncode, proc.stderr, Path())
 
 
-def assert_one_clear_line(run: CliRun, code: int, *fragments: str) -> str:
+def assert_one_clear_line(run: CliResult, code: int, *fragments: str) -> str:
     """Exit code as expected, exactly one error line (the last line), no traceback."""
     assert run.code == code, run.stderr
     assert "Traceback" not in run.stderr
@@ -96,7 +87,7 @@ def test_bad_settings(
     with pytest.raises(SystemExit) as exc:
         code = cli.main(["--model", "x", "--output", str(tmp_path), *argv])
         raise SystemExit(code)
-    run = CliRun(int(exc.value.code or 0), capsys.readouterr().err)
+    run = CliResult(int(exc.value.code or 0), capsys.readouterr().err, tmp_path)
     line = assert_one_clear_line(run, EXIT_USAGE, fragment)
     if "--min-evals" in argv and "--bins" in argv:
         assert "min_evals" in line
@@ -106,19 +97,20 @@ def test_bad_settings(
 def test_cuda_without_gpu_is_a_usage_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    run = CliRun(cli.main(["--model", str(tmp_path), "--output", str(tmp_path / "o"),
-                           "--device", "cuda"]), capsys.readouterr().err)
+    code = cli.main(["--model", str(tmp_path), "--output", str(tmp_path / "o"),
+                     "--device", "cuda"])
+    run = CliResult(code, capsys.readouterr().err, tmp_path)
     assert_one_clear_line(run, EXIT_USAGE, "CUDA is not available")
 
 
 # --- permanent model errors (exit 3) -------------------------------------------------------
 
 
-def test_missing_path_subprocess(tmp_path: Path) -> None:
-    missing = tmp_path / "no" / "such" / "model"
-    run = run_subprocess("--model", str(missing), "--output", str(tmp_path / "out"))
-    assert_one_clear_line(run, EXIT_PERMANENT, "model not found", str(missing))
-    assert not (tmp_path / "out" / model_key(str(missing))).exists()
+def test_missing_path_subprocess(worker_runs: dict[str, BackgroundRun]) -> None:
+    """The real console script on a path that does not exist (conftest.worker_runs)."""
+    run = worker_runs["missing-path"].result()
+    assert_one_clear_line(run, EXIT_PERMANENT, "model not found: no directory")
+    assert not run.output.exists() or not any(run.output.rglob("result.json"))
 
 
 def test_corrupt_safetensors(
@@ -236,10 +228,11 @@ def test_success_logs_device_diagnostics(
     capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
 ) -> None:
     """Old snake_case flags work; the device diagnostics users asked for are logged."""
-    run = CliRun(
+    run = CliResult(
         cli.main(["--model_id", str(llama_dir), "--output_dir", str(tmp_path), "--no-eigs",
                   "--device", "cpu", "--fix_fingers", "DKS", "--model-key", "custom-key"]),
         capsys.readouterr().err,
+        tmp_path,
     )
     assert run.code == 0, run.stderr
     assert run.errors == []
