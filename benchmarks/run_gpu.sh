@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/.bench/out}
 CKPT=${CKPT:-/tmp/esd-bench/llama7b}
-BASELINE_MAX_S=${BASELINE_MAX_S:-240}
+BASELINE_MAX_S=${BASELINE_MAX_S:-180}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -89,19 +89,24 @@ for shape in [(4096, 4096), (11008, 4096)]:
     for kind, make in [("gaussian", gaussian), ("heavy_tailed", heavy_tailed)]:
         w = make(*shape).to(torch.bfloat16)  # the weights are bf16, as in the benchmark
         ref = np.sort(torch.linalg.svdvals(w.double()).square().cpu().numpy())
-        got = compute_spectrum(w, "Linear", precision="float32").evals
+        got = compute_spectrum(w, "Linear", precision="float32").evals  # the worker's path
+        # Candidate: the same float32 Gram, its eigenvalues in float64 (on the CPU the
+        # float32 eigensolver, not the Gram, is what loses accuracy: ~5e-5 at n = 4096).
+        w32 = w.float()
+        gram = w32.T @ w32 if shape[0] >= shape[1] else w32 @ w32.T
+        alt = np.sort(torch.linalg.eigvalsh(gram.double()).clamp_min(0).cpu().numpy())
         top = slice(-500, None)
-        rel = np.abs(got[top] - ref[top]) / ref[top]
-        case = {"shape": list(shape), "kind": kind,
-                "top500_max_rel_err": float(rel.max()),
-                "all_max_abs_err_over_lmax": float(np.max(np.abs(got - ref)) / ref[-1]),
-                "lambda_max": float(ref[-1]), "lambda_min": float(ref[0])}
-        for ff in ("xmin_mid", "DKS"):
-            a32 = layer_metrics(got, max_dim=max(shape), fix_fingers=ff)["alpha"]
-            a64 = layer_metrics(ref, max_dim=max(shape), fix_fingers=ff)["alpha"]
-            case[f"alpha_{ff}_float32"] = a32
-            case[f"alpha_{ff}_float64"] = a64
-            case[f"alpha_{ff}_rel_diff"] = abs(a32 - a64) / abs(a64)
+        case = {"shape": list(shape), "kind": kind, "lambda_max": float(ref[-1]),
+                "lambda_min": float(ref[0])}
+        for label, lam in (("f32gram_f32eig", got), ("f32gram_f64eig", alt)):
+            rel = np.abs(lam[top] - ref[top]) / ref[top]
+            case[f"top500_max_rel_err_{label}"] = float(rel.max())
+            case[f"max_abs_err_over_lmax_{label}"] = float(np.max(np.abs(lam - ref)) / ref[-1])
+            for ff in ("xmin_mid", "DKS"):
+                a = layer_metrics(lam, max_dim=max(shape), fix_fingers=ff)["alpha"]
+                a64 = layer_metrics(ref, max_dim=max(shape), fix_fingers=ff)["alpha"]
+                case[f"alpha_{ff}_float64"] = a64
+                case[f"alpha_{ff}_rel_diff_{label}"] = abs(a - a64) / abs(a64)
         report["cases"].append(case)
         print(json.dumps(case))
 
@@ -111,7 +116,10 @@ for m, n in [(4096, 4096), (11008, 4096), (32000, 4096)]:
     w = gaussian(m, n).float()
     g = w.T @ w
     timings[f"gram_{m}x{n}"] = timed(lambda: w.T @ w)
-    timings[f"eigvalsh_{n}x{n}"] = timed(lambda: torch.linalg.eigvalsh(g), reps=2)
+    if f"eigvalsh_f32_{n}x{n}" not in timings:
+        timings[f"eigvalsh_f32_{n}x{n}"] = timed(lambda: torch.linalg.eigvalsh(g), reps=2)
+        g64 = g.double()
+        timings[f"eigvalsh_f64_{n}x{n}"] = timed(lambda: torch.linalg.eigvalsh(g64), reps=2)
     timings[f"svdvals_f32_{m}x{n}"] = timed(lambda: torch.linalg.svdvals(w), reps=1)
 for lib in ("cusolver", "magma"):
     try:
@@ -122,12 +130,14 @@ for lib in ("cusolver", "magma"):
         timings[f"eigvalsh_4096_{lib}"] = f"unavailable: {e}"
 torch.backends.cuda.preferred_linalg_library("default")
 report["timings_s"] = timings
-report["top500_max_rel_err"] = max(c["top500_max_rel_err"] for c in report["cases"])
 report["spec_bound"] = 1e-6
-report["ok"] = report["top500_max_rel_err"] < 1e-6
+for label in ("f32gram_f32eig", "f32gram_f64eig"):
+    worst = max(c[f"top500_max_rel_err_{label}"] for c in report["cases"])
+    report[f"top500_max_rel_err_{label}"] = worst
+    print(f"top-500 max relative error, {label}: {worst:.3e} (spec < 1e-6): "
+          f"{'OK' if worst < 1e-6 else 'ABOVE THE SPEC'}")
+report["ok"] = report["top500_max_rel_err_f32gram_f32eig"] < 1e-6  # the worker's path
 print(json.dumps(timings, indent=1))
-print(f"top-500 max relative error: {report['top500_max_rel_err']:.3e} "
-      f"(spec < 1e-6): {'OK' if report['ok'] else 'ABOVE THE SPEC'}")
 with open(sys.argv[1], "w") as f:
     json.dump(report, f, indent=2)
 EOF

@@ -9,8 +9,18 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from controller import __version__
+from controller.cluster import (
+    DEFAULT_NAMESPACE,
+    DEFAULT_SERVICE_ACCOUNT,
+    DEFAULT_TELEMETRY_PORT,
+    DEFAULT_TELEMETRY_SELECTOR,
+    ClusterSettings,
+    default_image,
+    job_setting_problems,
+)
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
 from controller.local import LocalSettings
@@ -35,7 +45,10 @@ from esd_worker.store import open_store
 log = logging.getLogger("controller")
 
 
-def _add_source_flags(p: argparse.ArgumentParser) -> None:
+def _add_source_flags(
+    p: argparse.ArgumentParser, *, analysis: Any = None, output: Any = None
+) -> None:
+    """Model list, output and analysis flags (groups of `run --help` when given)."""
     add_flag(p, "--model-list", type=Path, metavar="CSV",
              help="CSV of models: model_id or full_name (org/name[@rev] or a local dir), "
              "optional base_model_relation and source_model")
@@ -45,10 +58,70 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
              help="base_model_relation of --single-model")
     add_flag(p, "--source-model", metavar="ID[@REV]|DIR",
              help="base model of --single-model when it is an adapter")
-    add_flag(p, "--output-dir", "--output", required=True, metavar="URL",
-             help="result store: a directory, file:// URL or s3://bucket/prefix")
     add_flag(p, "--limit", type=int, metavar="N", help="only the first N valid rows")
-    add_analysis_flags(p)
+    add_flag(output or p, "--output-dir", "--output", required=True, metavar="URL",
+             help="result store: a directory, file:// URL or s3://bucket/prefix")
+    add_analysis_flags(analysis or p)
+
+
+def _add_kube_flags(g: Any) -> None:
+    add_flag(g, "--namespace", default=DEFAULT_NAMESPACE,
+             help=f"namespace of the Jobs (default {DEFAULT_NAMESPACE})")
+    add_flag(g, "--kube-context", metavar="NAME",
+             help="kubeconfig context (default: the current one; in a pod: its service account)")
+    add_flag(g, "--image", default=os.environ.get("ESD_IMAGE") or default_image(),
+             help="worker image with esd-worker (default: env ESD_IMAGE, else "
+             f"{default_image()})")
+    add_flag(g, "--node-selector", action="append", default=[], metavar="KEY=VALUE",
+             help="only nodes with this label (repeatable)")
+    add_flag(g, "--priority-class", metavar="NAME", help="priorityClassName of the pods")
+    add_flag(g, "--service-account", default=DEFAULT_SERVICE_ACCOUNT, metavar="NAME",
+             help=f"service account of the pods (default {DEFAULT_SERVICE_ACCOUNT})")
+    add_flag(g, "--hf-token-secret", metavar="NAME[:KEY]",
+             help="Secret holding the HF token (key default: token); given to pods by "
+             "reference, never in arguments")
+    add_flag(g, "--s3-secret", metavar="NAME",
+             help="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (by reference; "
+             "leave out for IRSA / pod identity)")
+    add_flag(g, "--hf-cache-pvc", metavar="CLAIM",
+             help="PersistentVolumeClaim shared as the HF cache (default: emptyDir per pod)")
+    add_flag(g, "--cpu-request", default="2", metavar="Q", help="CPU request (default 2)")
+    add_flag(g, "--memory-request", default="16Gi", metavar="Q",
+             help="memory request (default 16Gi)")
+    add_flag(g, "--job-deadline", type=int, default=6 * 3600, metavar="S",
+             help="activeDeadlineSeconds of each Job (default 21600)")
+    add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
+             help="unfinished Jobs of this sweep at once (default 100)")
+    add_flag(g, "--allow-pending", action="store_true",
+             help="autoscaling clusters: submit without pinning to existing nodes when none "
+             "has room, so the autoscaler adds nodes")
+    add_flag(g, "--max-pending", type=int, metavar="N",
+             help="with --allow-pending: at most N Jobs not running yet")
+    add_flag(g, "--do-not-disrupt", action="store_true",
+             help="pods carry karpenter.sh/do-not-disrupt (no consolidation under a worker)")
+    add_flag(g, "--kueue-queue", metavar="NAME",
+             help="Kueue LocalQueue; Jobs are created suspended and Kueue admits them")
+    add_flag(g, "--telemetry-selector", default=DEFAULT_TELEMETRY_SELECTOR, metavar="SELECTOR",
+             help=f"label selector of the GPU exporter pods (default {DEFAULT_TELEMETRY_SELECTOR})")
+    add_flag(g, "--telemetry-namespace", metavar="NS",
+             help="namespace of the exporter pods (default: --namespace)")
+    add_flag(g, "--telemetry-port", type=int, default=DEFAULT_TELEMETRY_PORT, metavar="PORT",
+             help=f"exporter port (default {DEFAULT_TELEMETRY_PORT})")
+    add_flag(g, "--telemetry-url", action="append", default=[], metavar="URL",
+             help="scrape these /metrics URLs instead of exporter pods (repeatable)")
+    add_flag(g, "--no-telemetry", action="store_true",
+             help="no GPU telemetry: Jobs only request nvidia.com/gpu")
+    add_flag(g, "--pending-timeout", type=float, default=600.0, metavar="S",
+             help="report why a Job is not running after S seconds (default 600)")
+    add_flag(g, "--allow-local-output", action="store_true",
+             help="accept a local --output-dir (a volume mounted at that path in every pod)")
+    add_flag(g, "--dry-run", action="store_true",
+             help="print the Jobs as YAML (kubectl apply -f -) and create nothing")
+    wait = g.add_mutually_exclusive_group()
+    add_flag(wait, "--wait", dest="wait", action="store_true", default=True,
+             help="wait until every Job has ended (default)")
+    add_flag(wait, "--no-wait", dest="wait", action="store_false",
+             help="submit what fits and exit 0; Jobs keep running and a later run adopts them")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -67,48 +140,69 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"esd-sweep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the sweep: analyse every model not done yet")
-    _add_source_flags(run)
-    add_flag(run, "--mode", choices=("esd", "custom"), default="esd",
+    run = sub.add_parser(
+        "run", help="run the sweep: analyse every model not done yet",
+        description="Analyse every listed model that has no result yet, on this machine "
+        "(--backend local) or as one Kubernetes Job per model (--backend kubernetes). "
+        "Exit status: 0 all done, 1 some models failed, 2 usage or configuration error, "
+        "3 infrastructure error (store or cluster unreachable, RBAC), 130 interrupted.",
+    )
+    inputs = run.add_argument_group("input")
+    analysis = run.add_argument_group("analysis (passed to every worker)")
+    running = run.add_argument_group("running")
+    local = run.add_argument_group("local GPUs (--backend local; the GPU rule also "
+                                   "applies to cluster telemetry)")
+    kube = run.add_argument_group("kubernetes (--backend kubernetes)")
+    output = run.add_argument_group("output")
+    _add_source_flags(inputs, analysis=analysis, output=output)  # type: ignore[arg-type]
+    add_flag(inputs, "--mode", choices=("esd", "custom"), default="esd",
              help="esd: analyse the model list; custom: run --commands under GPU management")
-    add_flag(run, "--commands", type=Path, metavar="FILE",
+    add_flag(inputs, "--commands", type=Path, metavar="FILE",
              help="custom mode: one command line per line")
-    add_flag(run, "--backend", choices=("local",), default="local",
-             help="where workers run: local = subprocesses on this machine's GPUs or CPU")
-    add_flag(run, "--device", choices=DEVICES, default="auto",
-             help="auto: free GPUs when NVML sees any, else CPU; cpu; cuda (GPUs required)")
-    add_flag(run, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
-             metavar="MIB", help="a GPU is free while its used memory stays under this "
-             "(MiB, default 500)")
-    add_flag(run, "--max-checks", "--max-check", type=int, default=10, metavar="N",
-             help="consecutive free polls before a GPU is used (default 10)")
-    add_flag(run, "--gpu-poll-interval", type=float, default=1.0, metavar="S",
-             help="seconds between GPU memory polls (default 1)")
-    add_flag(run, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
-             help="GPU indices to use, in order of preference (default: all)")
-    add_flag(run, "--max-gpus", type=int, metavar="N", help="use at most N GPUs")
-    add_flag(run, "--gpus-per-job", "--num-gpus-per-job", type=int, default=1, metavar="N",
-             help="GPUs per model (default 1)")
-    add_flag(run, "--cpu-workers", type=int, default=1, metavar="N",
-             help="models analysed at once on the CPU when no GPU is used (default 1)")
-    add_flag(run, "--max-retries", type=int, default=2, metavar="N",
-             help="extra attempts for transient failures (network, storage, GPU OOM; default 2)")
-    add_flag(run, "--retry-backoff", type=float, default=5.0, metavar="S",
-             help="first retry delay in seconds, doubled each attempt, with jitter (default 5)")
-    add_flag(run, "--overwrite", action="store_true", help="recompute models that are done")
-    failed = run.add_mutually_exclusive_group()
+    add_flag(inputs, "--strict", action="store_true",
+             help="any bad row in the model list stops the sweep before it starts")
+    add_flag(running, "--backend", choices=("local", "kubernetes"), default="local",
+             help="local: subprocesses on this machine's GPUs or CPU; kubernetes: one "
+             "batch/v1 Job per model")
+    add_flag(running, "--max-retries", type=int, default=2, metavar="N",
+             help="extra attempts for transient failures (network, storage, GPU OOM, "
+             "evictions; default 2)")
+    add_flag(running, "--retry-backoff", type=float, default=5.0, metavar="S",
+             help="local: first retry delay in seconds, doubled each attempt, with jitter "
+             "(default 5)")
+    add_flag(running, "--overwrite", action="store_true", help="recompute models that are done")
+    failed = running.add_mutually_exclusive_group()
     add_flag(failed, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record (not found, gated, corrupt)")
     add_flag(failed, "--retry-failed", action="store_true",
              help="try models with a failure record again (the default)")
-    add_flag(run, "--strict", action="store_true",
-             help="any bad row in the model list stops the sweep before it starts")
-    add_flag(run, "--log-dir", type=Path, metavar="DIR",
+    add_flag(running, "--trust-remote-code", action="store_true",
+             help="let workers run model code from the hub to find layers (off by default)")
+    add_flag(local, "--device", choices=DEVICES, default="auto",
+             help="auto: free GPUs when NVML sees any, else CPU; cpu; cuda (GPUs required)")
+    add_flag(local, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
+             metavar="MIB", help="a GPU is free while its used memory stays under this "
+             "(MiB, default 500)")
+    add_flag(local, "--max-checks", "--max-check", type=int, default=10, metavar="N",
+             help="consecutive free polls before a GPU is used (default 10)")
+    add_flag(local, "--gpu-poll-interval", type=float, default=1.0, metavar="S",
+             help="seconds between GPU memory polls (default 1)")
+    add_flag(local, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
+             help="GPU indices to use, in order of preference (default: all)")
+    add_flag(local, "--max-gpus", type=int, metavar="N", help="use at most N GPUs")
+    add_flag(local, "--gpus-per-job", "--num-gpus-per-job", type=int, default=1, metavar="N",
+             help="GPUs per model (default 1)")
+    add_flag(local, "--cpu-workers", type=int, default=1, metavar="N",
+             help="models analysed at once on the CPU when no GPU is used (default 1)")
+    _add_kube_flags(kube)
+    add_flag(output, "--report", type=Path, metavar="FILE.json",
+             help="also write the run's outcome (counts, failures with reasons, summary "
+             "location, run id, exit status) to this file, also when the run fails")
+    add_flag(output, "--log-dir", type=Path, metavar="DIR",
              help="controller log and one log per worker (default: <output-dir>/logs for "
              "local outputs)")
-    add_flag(run, "--no-eigs", action="store_true", help="do not store eigenvalues (eigs.npz)")
-    add_flag(run, "--trust-remote-code", action="store_true",
-             help="let workers run model code from the hub to find layers (off by default)")
+    add_flag(output, "--no-eigs", action="store_true",
+             help="do not store eigenvalues (eigs.npz)")
     _add_common(run)
 
     status = sub.add_parser("status", help="how many models of the list are done, to do, failed")
@@ -140,6 +234,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         problems.append(f"--limit: must be >= 1, got {args.limit}")
     gpu = GpuSettings()
     local = LocalSettings()
+    cluster = ClusterSettings()
     log_dir = None
     if args.command == "run":
         gpu = GpuSettings(
@@ -167,6 +262,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
             cpu_workers=max(args.cpu_workers, 1),
             log_dir=log_dir,
         )
+        cluster = _cluster_from_args(args, problems)
     analysis = analysis_from_args(args)
     try:
         analysis.validate()
@@ -193,7 +289,46 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         save_eigs=not getattr(args, "no_eigs", False),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         worker_log_format=args.log_format,
+        backend=getattr(args, "backend", "local"),
+        cluster=cluster,
     )
+
+
+def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterSettings:
+    """ClusterSettings from the kubernetes flags; their problems go to `problems`."""
+    selector: dict[str, str] = {}
+    for item in args.node_selector:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(f"--node-selector: {item!r} is not KEY=VALUE")
+        else:
+            selector[key.strip()] = value.strip()
+    token = args.hf_token_secret
+    if token and ":" not in token:
+        token = f"{token}:token"
+    cluster = ClusterSettings(
+        namespace=args.namespace, kube_context=args.kube_context, image=args.image,
+        node_selector=selector, priority_class=args.priority_class,
+        service_account=args.service_account or None, hf_token_secret=token,
+        s3_secret=args.s3_secret, hf_cache_pvc=args.hf_cache_pvc,
+        cpu_request=args.cpu_request, memory_request=args.memory_request,
+        job_deadline_s=args.job_deadline, max_active_jobs=args.max_active_jobs,
+        allow_pending=args.allow_pending, max_pending=args.max_pending,
+        do_not_disrupt=args.do_not_disrupt, kueue_queue=args.kueue_queue,
+        telemetry=not args.no_telemetry, telemetry_selector=args.telemetry_selector,
+        telemetry_namespace=args.telemetry_namespace, telemetry_port=args.telemetry_port,
+        telemetry_urls=tuple(args.telemetry_url), pending_timeout_s=args.pending_timeout,
+        wait=args.wait, dry_run=args.dry_run, allow_local_output=args.allow_local_output,
+    )
+    if args.backend == "kubernetes":
+        problems.extend(cluster.problems())
+        gpus = 0 if args.device == "cpu" else args.gpus_per_job
+        problems.extend(job_setting_problems(cluster, gpus))
+        if args.mode == "custom":
+            problems.append("--mode custom runs on the local backend only")
+    elif args.dry_run:
+        problems.append("--dry-run prints Kubernetes Jobs: use it with --backend kubernetes")
+    return cluster
 
 
 def _default_log_dir(output: str) -> Path | None:
@@ -206,6 +341,9 @@ def _default_log_dir(output: str) -> Path | None:
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     result = run_sweep(settings)
+    args.result = result
+    if result.report.get("dry_run"):
+        return result.exit_code
     if settings.commands is None:
         print(format_summary_table(open_store(settings.output)))
     counts = result.report["counts"]
@@ -244,19 +382,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"esd-sweep: error: cannot write the log in {log_file}: {e}", file=sys.stderr)
         return EXIT_USAGE
+    code, message = _dispatch(args)
+    if message:
+        print(f"esd-sweep: error: {message}", file=sys.stderr)
+    report_file = getattr(args, "report", None)
+    if args.command == "run" and report_file is not None:
+        try:
+            write_report_file(report_file, getattr(args, "result", None), code, message)
+        except OSError as e:
+            print(f"esd-sweep: error: cannot write --report {report_file}: {e}",
+                  file=sys.stderr)
+            return code or EXIT_USAGE
+    return code
+
+
+def _dispatch(args: argparse.Namespace) -> tuple[int, str]:
+    """Run the subcommand: (exit status, one-line error message or "")."""
     handlers = {"run": _run, "status": _status, "report": _report, "gpu-exporter": run_exporter}
     try:
-        return handlers[args.command](args)
+        return handlers[args.command](args), ""
     except (SweepError, ModelListError) as e:
-        code = getattr(e, "exit_code", EXIT_USAGE)
-        print(f"esd-sweep: error: {e}", file=sys.stderr)
-        return code
+        return getattr(e, "exit_code", EXIT_USAGE), str(e)
     except StoreError as e:
-        print(f"esd-sweep: error: result store: {e}", file=sys.stderr)
-        return EXIT_INFRA
+        return EXIT_INFRA, f"result store: {e}"
     except WorkerError as e:  # the store's permanent errors (bad bucket, no access)
-        print(f"esd-sweep: error: {e}", file=sys.stderr)
-        return EXIT_INFRA if "store" in type(e).__name__.lower() else EXIT_USAGE
+        return (EXIT_INFRA if "store" in type(e).__name__.lower() else EXIT_USAGE), str(e)
+
+
+def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
+    """--report FILE.json: the outcome for CI (also when the run failed before it began).
+
+    Always: exit_code, ok, error, run_id (None when no run started), counts and failures
+    (empty without a run); with a run: summary / run_report (store URLs) and the report.
+    """
+    doc: dict[str, Any] = {"exit_code": code, "ok": code == 0, "error": error or None,
+                           "run_id": None, "counts": {}, "failures": {}, "summary": None,
+                           "run_report": None}
+    if result is not None:
+        report = result.report
+        output = str(report.get("output") or "").rstrip("/")
+        doc.update({
+            "run_id": result.run_id,
+            "counts": report.get("counts") or {},
+            "failures": report.get("failures") or {},
+            "summary": f"{output}/summary.csv" if report.get("summary") else None,
+            "run_report": None if report.get("dry_run") else f"{output}/runs/{result.run_id}.json",
+            "report": report,
+        })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -474,6 +474,8 @@ def load_client(
         except OSError:
             namespace = None
         return KubeClient(cfg, retry=retry, default_namespace=namespace)
+    # The client reads KUBECONFIG once, when it is imported; read it at call time instead.
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
     try:
         k8s_config.load_kube_config(config_file=kubeconfig, context=context,
                                     client_configuration=cfg, persist_config=False)

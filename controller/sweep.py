@@ -7,14 +7,19 @@ import os
 import platform
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+if TYPE_CHECKING:
+    from controller.kube import KubeClient
+
+from controller.cluster import ClusterBackend, ClusterSettings, sweep_instance
 from controller.gpus import GpuSettings, GpuTracker, open_nvml
 from controller.local import LocalBackend, LocalSettings, Outcome, Task, read_commands
 from controller.modellist import ModelList, ModelRow, make_single, read_model_list
@@ -57,6 +62,7 @@ class SweepSettings:
     commands: a file of command lines (custom mode: run them under the same GPU management).
     device: auto (GPUs when NVML sees any, else CPU), cpu, or cuda (GPUs required).
     worker_cmd: how to start one worker; argv list, the model flags are appended.
+    backend: "local" (subprocesses here) or "kubernetes" (one Job per model; `cluster`).
     """
 
     output: str
@@ -80,6 +86,8 @@ class SweepSettings:
     worker_cmd: tuple[str, ...] = field(
         default_factory=lambda: (sys.executable, "-m", "esd_worker.cli")
     )
+    backend: str = "local"
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
 
 @dataclass
@@ -126,17 +134,22 @@ def worker_argv(
         "--model-key", row.key,
         "--device", device,
         "--log-format", settings.worker_log_format,
-        *analysis_argv(settings.analysis),
     ]
     if row.relation:
         argv += ["--relation", row.relation]
     if row.source_model:
         argv += ["--base-model", row.source_model]
+    return tuple(argv + worker_flags(settings))
+
+
+def worker_flags(settings: SweepSettings) -> list[str]:
+    """The worker flags that do not depend on the model (analysis, eigenvalues, code)."""
+    argv = analysis_argv(settings.analysis)
     if not settings.save_eigs:
         argv.append("--no-eigs")
     if settings.trust_remote_code:
         argv.append("--trust-remote-code")
-    return tuple(argv)
+    return argv
 
 
 def _open_tracker(settings: SweepSettings) -> GpuTracker | None:
@@ -169,15 +182,22 @@ def _open_tracker(settings: SweepSettings) -> GpuTracker | None:
     return tracker
 
 
+class _Stoppable(Protocol):
+    def request_stop(self) -> None: ...
+
+
 class _Interrupts:
     """SIGINT/SIGTERM while running: first stop dispatching, second terminate the workers."""
 
-    def __init__(self, backend: LocalBackend) -> None:
+    def __init__(self, backend: _Stoppable, *, cluster: bool = False) -> None:
         self.backend = backend
+        self.cluster = cluster
         self.count = 0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach the main thread only (tests run sweeps in threads)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -188,7 +208,10 @@ class _Interrupts:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.count += 1
-        if self.count == 1:
+        if self.cluster:
+            print("\nstopping: no new Jobs; submitted Jobs keep running on the cluster "
+                  "(the next run adopts them)", file=sys.stderr)
+        elif self.count == 1:
             print(
                 "\nstopping: no new models start; running workers finish "
                 "(press Ctrl+C again to terminate them)",
@@ -236,8 +259,11 @@ class _Recorder:
             self.durations[key] = round(outcome.duration_s, 3)
             if row is not None:
                 clear_failure(self.store, key)
-            log.info("model=%s key=%s done in %.1fs gpus=%s", label, key, outcome.duration_s,
-                     ",".join(map(str, outcome.gpus)) or "cpu")
+            where = ",".join(map(str, outcome.gpus)) or "cpu"
+            if outcome.log_path and outcome.log_path.startswith(("pod/", "job/")):
+                where = outcome.log_path  # a Kubernetes Job
+            log.info("model=%s key=%s done in %.1fs on %s", label, key, outcome.duration_s,
+                     where)
             return
         record = FailureRecord(
             model=label,
@@ -267,13 +293,82 @@ def _tasks_for(plan: Plan, settings: SweepSettings, store_url: str, device: str)
     ]
 
 
+def _check_cluster_output(settings: SweepSettings) -> None:
+    """The pods must reach the store: object storage, or a shared volume when allowed."""
+    url = settings.output
+    remote = "://" in url and not url.startswith("file://")
+    if not remote and not settings.cluster.allow_local_output:
+        raise SweepError(
+            f"--output-dir {url}: the kubernetes backend needs a store the pods can reach "
+            "(s3://bucket/prefix); pass --allow-local-output if this path is a volume "
+            "mounted at the same path in every pod"
+        )
+
+
+def _cluster_job_settings(settings: SweepSettings, run_id: str, store_url: str) -> Any:
+    gpus = 0 if settings.device == "cpu" else settings.gpu.gpus_per_job
+    return settings.cluster.job_settings(
+        run_id=run_id, instance=sweep_instance(store_url), gpus_per_job=gpus,
+        worker_args=worker_flags(settings), log_format=settings.worker_log_format,
+    )
+
+
+def _open_kube(settings: SweepSettings) -> KubeClient:
+    try:
+        from controller import kube
+    except ImportError as e:
+        raise SweepError(
+            f"--backend kubernetes needs the Kubernetes client ({e}): "
+            "pip install 'esd-sweep[kube]'"
+        ) from e
+    try:
+        return kube.load_client(settings.cluster.kube_context)
+    except kube.KubeConfigError as e:
+        raise SweepError(f"kubernetes: {e}") from e
+
+
+def _cluster_error(e: Exception) -> SweepError | None:
+    """A controller.kube error as the sweep error that says what to do (None: not one)."""
+    try:
+        from controller import kube
+    except ImportError:
+        return None
+    if isinstance(e, kube.KubePermissionError):
+        return InfrastructureError(f"kubernetes: {e}")
+    if isinstance(e, kube.KubeUnavailableError):
+        return InfrastructureError(f"kubernetes API unreachable: {e}")
+    if isinstance(e, kube.KubeConfigError):
+        return SweepError(f"kubernetes: {e}")
+    if isinstance(e, kube.KubeNotFoundError):
+        return SweepError(f"kubernetes: {e} (does the namespace exist? --namespace)")
+    if isinstance(e, kube.KubeInvalidError):
+        return SweepError(f"kubernetes rejected a Job: {e}")
+    if isinstance(e, kube.KubeError):
+        return InfrastructureError(f"kubernetes: {e}")
+    return None
+
+
 def run_sweep(
-    settings: SweepSettings, *, on_plan: Callable[[Plan], None] | None = None
+    settings: SweepSettings,
+    *,
+    on_plan: Callable[[Plan], None] | None = None,
+    kube: KubeClient | None = None,
+    out: TextIO | None = None,
 ) -> SweepResult:
-    """Run the sweep as configured; never raises for a single model's failure."""
+    """Run the sweep as configured; never raises for a single model's failure.
+
+    kube: the Kubernetes client for backend "kubernetes" (default: from the kubeconfig
+    context or the pod's service account). out: where --dry-run prints its YAML (stdout).
+    """
     started = time.perf_counter()
     started_at = _now()
     run_id = new_run_id()
+    cluster = settings.backend == "kubernetes"
+    if cluster:
+        if settings.commands is not None:
+            raise SweepError("--mode custom runs on the local backend only")
+        if not settings.cluster.dry_run:
+            _check_cluster_output(settings)
     try:
         store = open_store(settings.output)
     except Exception as e:  # the store's own errors are already clear; keep them one line
@@ -305,27 +400,64 @@ def run_sweep(
             on_plan(plan)
         tasks = []
 
-    tracker = _open_tracker(settings) if (custom or (plan and plan.todo)) else None
+    if cluster and settings.cluster.dry_run:
+        assert plan is not None
+        return _dry_run(settings, plan, store.url, run_id, out or sys.stdout)
+
+    tracker = None
+    if not cluster:
+        tracker = _open_tracker(settings) if (custom or (plan and plan.todo)) else None
     device = "cpu" if tracker is None else "cuda"
-    if plan is not None:
+    if cluster:
+        device = "cpu" if settings.device == "cpu" or settings.gpu.gpus_per_job < 1 else "cuda"
+    if plan is not None and not cluster:
         tasks = _tasks_for(plan, settings, store.url, device)
 
     recorder = _Recorder(store, run_id, rows)
-    progress = Progress(len(tasks))
-    local = settings.local
-    backend = LocalBackend(
-        local, tracker, gpus_per_job=settings.gpu.gpus_per_job,
-        on_outcome=recorder, progress=progress,
-    )
+    todo = len(plan.todo) if (cluster and plan is not None) else len(tasks)
+    progress = Progress(todo)
+    backend: LocalBackend | ClusterBackend
+    own_kube = False
     interrupted = False
     try:
-        with _Interrupts(backend) as interrupts:
-            backend.run(tasks)
+        if cluster:
+            if kube is None:
+                kube = _open_kube(settings)
+                own_kube = True
+            backend = ClusterBackend(
+                settings.cluster, kube,
+                job_settings=_cluster_job_settings(settings, run_id, store.url),
+                output_url=store.url, gpus_per_job=0 if device == "cpu"
+                else settings.gpu.gpus_per_job,
+                max_retries=settings.local.max_retries,
+                adopt_complete=not settings.overwrite,
+                threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
+                poll_interval_s=settings.gpu.poll_interval_s,
+                on_outcome=recorder, progress=progress,
+            )
+        else:
+            backend = LocalBackend(
+                settings.local, tracker, gpus_per_job=settings.gpu.gpus_per_job,
+                on_outcome=recorder, progress=progress,
+            )
+        with _Interrupts(backend, cluster=cluster) as interrupts:
+            if isinstance(backend, ClusterBackend):
+                assert plan is not None
+                backend.run(plan.todo)
+            else:
+                backend.run(tasks)
             interrupted = interrupts.count > 0
+    except Exception as e:
+        mapped = _cluster_error(e) if cluster else None
+        if mapped is not None:
+            raise mapped from e
+        raise
     finally:
         progress.close()
         if tracker is not None:
             tracker.nvml.close()
+        if own_kube and kube is not None:
+            kube.close()
 
     summary_rows = 0
     if not custom:
@@ -340,7 +472,7 @@ def run_sweep(
         "finished_at": _now(),
         "output": store.url,
         "mode": "custom" if custom else "esd",
-        "backend": "local",
+        "backend": settings.backend,
         "device": device,
         "gpus": list(tracker.gpus) if tracker is not None else [],
         "parameters": settings.analysis.as_dict(),
@@ -370,6 +502,20 @@ def run_sweep(
         "host": platform.node(),
         "pid": os.getpid(),
     }
+    if isinstance(backend, ClusterBackend):
+        report["counts"]["running"] = len(backend.left_running)
+        report["kubernetes"] = {
+            "namespace": settings.cluster.namespace,
+            "instance": backend.instance,
+            "image": settings.cluster.image,
+            "placement": backend.placement,
+            "jobs_created": backend.created,
+            "jobs_adopted": backend.adopted,
+            "jobs_left_running": backend.left_running,
+            "pending": dict(backend.pending),
+            "api_requests": backend.kube.requests,
+            "waited": settings.cluster.wait,
+        }
     write_run_report(store, run_id, report)
     if interrupted:
         code = EXIT_INTERRUPTED
@@ -384,6 +530,40 @@ def run_sweep(
         f", summary.csv ({summary_rows} models)" if summary_rows else "",
     )
     return SweepResult(run_id=run_id, exit_code=code, report=report)
+
+
+def _dry_run(
+    settings: SweepSettings, plan: Plan, store_url: str, run_id: str, out: TextIO
+) -> SweepResult:
+    """Print the Jobs the sweep would create (first attempts) as YAML; create nothing."""
+    from controller.jobs import JobSpecError, build_job, jobs_to_yaml
+
+    job_settings = _cluster_job_settings(settings, run_id, store_url)
+    jobs = []
+    problems = []
+    for row in plan.todo:
+        try:
+            jobs.append(build_job(
+                model_ref=row.ref, model_key=row.key, relation=row.relation,
+                source_model=row.source_model, output_url=store_url, settings=job_settings,
+            ))
+        except JobSpecError as e:
+            problems.append(f"model={row.ref}: {e}")
+    if problems:
+        raise SweepError("; ".join(problems))
+    if jobs:
+        out.write(jobs_to_yaml(jobs))
+    out.flush()
+    log.info("--dry-run: %d Job(s) printed, nothing created (%d already done)",
+             len(jobs), len(plan.done))
+    report = {
+        "run_id": run_id, "output": store_url, "backend": "kubernetes", "dry_run": True,
+        "counts": {"models": len(plan.todo) + len(plan.done) + len(plan.skipped_failed),
+                   "already_done": len(plan.done), "jobs": len(jobs), "done": 0,
+                   "failed": 0, "bad_rows": 0},
+        "failures": {}, "summary": None,
+    }
+    return SweepResult(run_id=run_id, exit_code=EXIT_ALL_DONE, report=report)
 
 
 def format_summary_table(store: Store, limit: int = 20) -> str:

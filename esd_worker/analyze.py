@@ -19,7 +19,7 @@ import torch
 from esd_worker import __version__
 from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError, WorkerError
 from esd_worker.layers import CONV2D, LayerMap, LayerSpec, discover_layers
-from esd_worker.lora import AdapterMatch, LoraAdapter, lora_delta
+from esd_worker.lora import AdapterMatch, LoraAdapter, add_lora_
 from esd_worker.naming import model_key as make_model_key
 from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.resolve import ResolvedModel, parse_model_ref, resolve_model
@@ -130,11 +130,11 @@ class _Analysis:
         and a tied weight is read again for the next layer.
         """
         w = tensor.to(self.device, non_blocking=True).to(self.work_dtype)
-        for module in self.adapter.merges.get(spec.key, ()) if merge else ():
-            w = w + lora_delta(
-                module, tuple(tensor.shape), fan_in_fan_out=self.fan_in_fan_out,
-                device=w.device, dtype=self.work_dtype,
-            )
+        modules = self.adapter.merges.get(spec.key, ()) if merge else ()
+        if modules and w.data_ptr() == tensor.data_ptr():
+            w = w.clone()  # same device and dtype: .to() returned the checkpoint's tensor
+        for module in modules:
+            add_lora_(w, module, fan_in_fan_out=self.fan_in_fan_out)
         return w
 
     def _status(self, spec: LayerSpec, tensor: torch.Tensor, M: int, N: int) -> str | None:

@@ -163,9 +163,10 @@ def discover_layers(
         if layer_type is None or (layer_type == EMBEDDING and not include_embeddings):
             continue
         param = f"{name}.weight"
-        key = match_by_suffix(param, index)
-        if key is None and param in tied:
-            key = match_by_suffix(tied[param], index)
+        # A tied weight is its source's, as transformers loads it, even when the checkpoint
+        # also holds a copy under the tied name (torch.save'd state dicts do).
+        key = match_by_suffix(tied[param], index) if param in tied else None
+        key = key or match_by_suffix(param, index)
         if key is None:
             unmatched.append(param)
             continue

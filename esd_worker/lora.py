@@ -234,6 +234,43 @@ class LoraAdapter:
         return AdapterMatch(merges, replaced, unanalysed)
 
 
+def _transposed(module: LoraModule, *, fan_in_fan_out: bool) -> bool:
+    """Whether the checkpoint stores this module's weight as (in x out), i.e. (B @ A)ᵀ."""
+    target = module.target_type
+    return (
+        module.embedding
+        or target in (EMBEDDING, CONV1D)
+        or (target in (MATRIX, None) and fan_in_fan_out)
+    )
+
+
+def add_lora_(weight: torch.Tensor, module: LoraModule, *, fan_in_fan_out: bool) -> None:
+    """weight += scale · B @ A (in the checkpoint's layout), in place, on weight's device.
+
+    For Linear, Conv1D and Embedding this is one addmm: no full-size temporary, which
+    matters for a 32000 x 4096 lm_head on a GPU. weight must be the caller's own copy.
+    """
+    if module.target_type == CONV2D or module.A.dim() == 4:
+        weight += lora_delta(
+            module, tuple(weight.shape), fan_in_fan_out=fan_in_fan_out,
+            device=weight.device, dtype=weight.dtype,
+        )
+        return
+    a = module.A.to(device=weight.device, dtype=weight.dtype)
+    b = module.B.to(device=weight.device, dtype=weight.dtype)
+    transposed = _transposed(module, fan_in_fan_out=fan_in_fan_out)
+    shape = (a.shape[1], b.shape[0]) if transposed else (b.shape[0], a.shape[1])
+    if tuple(shape) != tuple(weight.shape):
+        raise PermanentModelError(
+            f"adapter delta for {module.name} has shape {tuple(shape)}, the base weight "
+            f"{tuple(weight.shape)}: wrong base model?"
+        )
+    if transposed:
+        weight.addmm_(a.t(), b.t(), alpha=module.scale)  # (B @ A)ᵀ = Aᵀ @ Bᵀ
+    else:
+        weight.addmm_(b, a, alpha=module.scale)
+
+
 def lora_delta(
     module: LoraModule,
     shape: tuple[int, ...],
@@ -260,12 +297,7 @@ def lora_delta(
             delta = torch.nn.functional.conv2d(a.permute(1, 0, 2, 3), b).permute(1, 0, 2, 3)
     else:
         delta = b @ a
-        transposed = (
-            module.embedding
-            or target in (EMBEDDING, CONV1D)
-            or (target in (MATRIX, None) and fan_in_fan_out)
-        )
-        if transposed:
+        if _transposed(module, fan_in_fan_out=fan_in_fan_out):
             delta = delta.t()
     delta = delta * module.scale
     if tuple(delta.shape) != tuple(shape):

@@ -71,12 +71,20 @@ class LocalStore(Store):
         return self.root.joinpath(*normalize_key(key).split("/"))
 
     def check(self) -> None:
+        """The root, or the nearest folder above it that exists, must be a writable folder.
+
+        Creates nothing: a run that fails before writing leaves no empty output folder.
+        """
+        path = self.root
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            while not path.exists():
+                path = path.parent
         except OSError as e:
-            raise StoreError(f"cannot create {self.root}: {e.strerror or e}") from e
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise StoreError(f"cannot write to {self.root}: permission denied")
+            raise StoreError(f"cannot write to {self.root}: {e.strerror or e}") from e
+        if not path.is_dir():
+            raise StoreError(f"cannot write to {self.root}: {path} is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StoreError(f"cannot write to {self.root}: permission denied on {path}")
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)

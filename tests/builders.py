@@ -29,13 +29,15 @@ fetched from a hub. Public names (stable; the controller tests and `make run` re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +62,10 @@ def _save(model: Any, directory: Path, *, max_shard_size: int | str | None,
     directory.mkdir(parents=True, exist_ok=True)
     if weights_format == "bin":
         # transformers 5 writes safetensors only; a bin-only checkpoint is what older
-        # versions wrote with safe_serialization=False: config.json + a zip-format torch.save.
+        # versions wrote with safe_serialization=False: config.json + a zip-format torch.save
+        # of the state dict (tied weights stay one storage under both names).
         model.config.save_pretrained(directory)
-        state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
-        torch.save(state, directory / "pytorch_model.bin")
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")
         return directory
     if weights_format != "safetensors":
         raise ValueError(f"weights_format must be safetensors or bin, got {weights_format!r}")
@@ -208,6 +210,16 @@ def make_unknown_arch(directory: Path, *, seed: int = 0) -> Path:
     return make_tensor_model(directory, tensors, config=config)
 
 
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    """peft and transformers warn about what these builders do on purpose (tied targets,
+    saving embedding layers) or about their own deprecations."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        yield
+
+
 def _randomize_lora_b(model: torch.nn.Module, seed: int) -> None:
     """peft initialises lora_B (lora_embedding_A for embeddings) to zero, so the delta would
     vanish, and modules_to_save start as copies of the base: make all differ, as after
@@ -261,9 +273,10 @@ def make_peft_adapter(
     from peft import get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(_load_base(base), peft_config)
-    _randomize_lora_b(model, seed + 1)
-    model.save_pretrained(str(directory))
+    with _quiet_warnings():
+        model = get_peft_model(_load_base(base), peft_config)
+        _randomize_lora_b(model, seed + 1)
+        model.save_pretrained(str(directory))
     _finish_adapter(
         directory,
         str(base) if base_model_name_or_path == _DEFAULT_BASE else base_model_name_or_path,
@@ -322,7 +335,9 @@ def peft_merged_weights(
     from peft import PeftModel
     from transformers.pytorch_utils import Conv1D
 
-    model = PeftModel.from_pretrained(_load_base(base, dtype), str(adapter)).merge_and_unload()
+    with _quiet_warnings():
+        model = PeftModel.from_pretrained(_load_base(base, dtype), str(adapter))
+        model = model.merge_and_unload()
     kinds = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding, Conv1D)
     return {
         name: module.weight.detach().clone()

@@ -109,9 +109,6 @@ def worker_runs(
     hub = {**hub_cache.env, **threads}
     runs = {
         "minilm": BackgroundRun(["--model", str(minilm_path()), *cpu], out / "minilm", local),
-        "missing-path": BackgroundRun(
-            ["--model", str(out / "no" / "such" / "model"), *cpu], out / "missing-path", local
-        ),
         "hub-id": BackgroundRun(["--model", HUB_REPO, *cpu], out / "hub-id", hub),
         "hub-id@sha": BackgroundRun(
             ["--model", f"{HUB_REPO}@{hub_cache.commit}", *cpu], out / "hub-sha", hub

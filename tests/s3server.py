@@ -14,7 +14,7 @@ In a test module (one server per module, a fresh bucket per test):
         yield from serve_s3()
 
     def test_something(s3_server: S3Server) -> None:
-        bucket = s3_server.new_bucket()
+        bucket = s3_server.new_bucket()                   # or s3_server.bucket, made at start
         url = s3_server.url(bucket, "results")            # s3://<bucket>/results
         store = open_store(url)                           # the fixture set the AWS_* env vars
         subprocess.run([...], env=s3_server.subprocess_env())   # for esd-worker / esd-sweep
@@ -23,7 +23,8 @@ In a test module (one server per module, a fresh bucket per test):
 Outside pytest: `with S3Server() as server: ...` then `server.env` or `server.subprocess_env()`.
 In a process of its own (benchmarks, trying `esd-sweep run --output-dir s3://...` by hand):
 `python -m tests.s3server [--bucket NAME]` prints `export AWS_...=...` lines (the first is
-AWS_ENDPOINT_URL) and serves until its standard input closes or it is interrupted.
+AWS_ENDPOINT_URL) to paste into another shell, then one `# serving ...` line, and serves
+until its standard input closes (Ctrl+D) or it is interrupted.
 
 Fault injection (to stop a server, start an `S3Server()` of the test's own, so that the
 module's server stays up for the other tests):
@@ -87,7 +88,8 @@ class S3Server:
 
         logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
         self._moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.endpoint = ""
+        self.endpoint = ""  # http://127.0.0.1:<port>, set by start()
+        self.bucket = ""  # a bucket made by start(); new_bucket() makes more
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._failures: list[tuple[int, str]] = []
@@ -105,6 +107,7 @@ class S3Server:
         wsgi = self._moto._server
         assert wsgi is not None
         wsgi.app = _Middleware(self, wsgi.app)
+        self.bucket = self.new_bucket()
         return self
 
     def stop(self) -> None:
@@ -311,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.bucket:
             server.new_bucket(name)
         for name, value in server.env.items():
-            print(f"export {name}={shlex.quote(value)}", flush=True)
+            print(f"export {name}={shlex.quote(value)}")
+        buckets = " ".join(server.url(name) for name in [server.bucket, *args.bucket])
+        print(f"# serving {buckets} until standard input closes", flush=True)
         with suppress(KeyboardInterrupt):
             sys.stdin.read()
     return 0

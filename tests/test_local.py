@@ -6,6 +6,7 @@ polled every few milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -261,6 +262,24 @@ def test_cpu_mode_hides_every_gpu_and_passes_the_environment(
         "CVD=''", "ORDER='PCI_BUS_ID'", "EXTRA='1'", "INHERITED='yes'"
     )
     assert outcome.gpus == ()
+
+
+@pytest.mark.parametrize(("workers", "preset"), [(1, None), (2, None), (2, "7")],
+                         ids=["one-worker", "two-workers", "user-setting-kept"])
+def test_cpu_workers_share_the_cores(
+    workers: int, preset: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each CPU worker gets cores // workers threads (at least 1) unless the user set
+    OMP_NUM_THREADS: N workers each using every core oversubscribe the machine."""
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    settings = dataclasses.replace(FAST, cpu_workers=workers)
+    script = 'import os; print(os.environ["OMP_NUM_THREADS"])'
+    [outcome] = LocalBackend(settings, None).run([make_task("t", script)])
+    expected = preset or str(max(1, (os.cpu_count() or 1) // workers))
+    assert outcome.stderr_tail == (expected,)
 
 
 def test_gpu_mode_sets_cuda_visible_devices_to_the_assigned_gpus() -> None:

@@ -22,14 +22,6 @@ from tests.builders import (
     run_analysis,
 )
 
-# peft and transformers warn about things these tests do on purpose (tied targets, saving
-# embedding layers) or that are theirs to fix (deprecations).
-_QUIET = (
-    pytest.mark.filterwarnings("ignore::UserWarning:peft"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:transformers"),
-)
-pytestmark = list(_QUIET)
-
 
 def svd_evals(w: torch.Tensor, *, conv_norm: float = 0.5) -> np.ndarray:
     """σ² of a weight in float64, Conv2d slices pooled as ESD_SPEC.md says."""
@@ -304,3 +296,53 @@ def test_adapter_bin_equals_safetensors(
     result = run_analysis(legacy, tmp_path / "out", precision="float64")
     for name, evals in lora_result.eigs.items():
         np.testing.assert_array_equal(result.eigs[name], evals)
+
+
+def test_bin_base_is_not_modified_by_the_merge(llama_tied_dir: Path, tmp_path: Path) -> None:
+    """A .bin base hands out its (memory-mapped) float32 tensors as they are, already in the
+    analysis device and dtype, and a tied weight is read twice (embedding, then lm_head):
+    merging into the tensor itself would give lm_head the embedding's update twice."""
+    from tests.builders import make_llama
+
+    binary = make_llama(tmp_path / "bin", tie_word_embeddings=True, weights_format="bin")
+    adapter = make_lora_adapter(
+        llama_tied_dir, tmp_path / "emb-lora", target_modules=("embed_tokens", "q_proj"),
+        seed=10,
+    )
+    # float32, the checkpoint's dtype: .to() hands back the checkpoint tensor itself.
+    result = run_analysis(adapter, tmp_path / "out", base_model=str(binary),
+                          include_embeddings=True)
+    merged = peft_merged_weights(llama_tied_dir, adapter)
+    assert {"model.embed_tokens", "lm_head"} <= set(result.eigs)
+    for name, evals in result.eigs.items():
+        ref = svd_evals(merged[name])
+        np.testing.assert_allclose(evals, ref, rtol=0, atol=1e-5 * ref[-1], err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("target", "embedding", "fan_in_fan_out", "shape"),
+    [
+        pytest.param("Linear", False, False, (12, 8), id="linear"),
+        pytest.param("Linear", False, True, (12, 8), id="linear-ignores-fan-in-fan-out"),
+        pytest.param("Conv1D", False, False, (8, 12), id="conv1d-always-transposed"),
+        pytest.param("Embedding", True, False, (8, 12), id="embedding"),
+        pytest.param("Matrix", False, True, (8, 12), id="unknown-type-follows-config"),
+        pytest.param(None, False, False, (12, 8), id="checkpoint-only-match"),
+    ],
+)
+def test_in_place_merge_equals_delta(
+    target: str | None, embedding: bool, fan_in_fan_out: bool, shape: tuple[int, int]
+) -> None:
+    """add_lora_ (one addmm) and lora_delta (B @ A, then added) give the same weight."""
+    from esd_worker.lora import LoraModule, add_lora_, lora_delta
+
+    gen = torch.Generator().manual_seed(0)
+    module = LoraModule("m", torch.randn(3, 8, generator=gen), torch.randn(12, 3, generator=gen),
+                        0.7, embedding, target)
+    w = torch.randn(shape, generator=gen, dtype=torch.float64)
+    expected = w + lora_delta(module, shape, fan_in_fan_out=fan_in_fan_out, dtype=w.dtype)
+    add_lora_(w, module, fan_in_fan_out=fan_in_fan_out)
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(PermanentModelError, match="wrong base model"):
+        add_lora_(torch.zeros(shape[::-1] if shape[0] != shape[1] else (5, 5),
+                              dtype=torch.float64), module, fan_in_fan_out=fan_in_fan_out)

@@ -42,7 +42,8 @@ def result(run: CliResult) -> WorkerResult:
 def test_exit_zero_without_errors(run: CliResult) -> None:
     assert run.code == 0, run.stderr
     assert "Traceback" not in run.stderr
-    assert "error" not in run.stderr.lower()
+    assert run.errors == []
+    assert not [line for line in run.lines if " ERROR " in line]
     assert "device used: cpu" in run.stderr
 
 

@@ -168,3 +168,15 @@ def test_other_types_are_analysed_as_stored(layer_type: str) -> None:
 def test_wrong_rank_is_refused(layer_type: str, shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="must be"):
         as_matrices(torch.zeros(shape), layer_type, conv_norm=0.5)
+
+
+def test_cpu_fast_path_meets_the_spec_accuracy_on_a_real_size_layer() -> None:
+    """ESD_SPEC: the float32 Gram path's top-500 eigenvalues are within 1e-6 (relative) of a
+    float64 SVD. On the CPU, LAPACK's float32 eigensolver alone misses that (measured 4.7e-5
+    on a 4096² bf16 layer), so the CPU diagonalises the float32 Gram in float64; this checks
+    the bound on a 1024² bf16 Gaussian layer (the size where float32 eigvalsh failed it)."""
+    torch.manual_seed(0)
+    w = (torch.randn(1024, 1024) * 0.02).to(torch.bfloat16)
+    fast = compute_spectrum(w, LINEAR, precision="float32").evals[-500:]
+    ref = compute_spectrum(w, LINEAR, precision="float64").evals[-500:]
+    assert np.max(np.abs(fast - ref) / ref) < 1e-6

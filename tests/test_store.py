@@ -122,14 +122,17 @@ def test_unwritable_root_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="cannot write") as info:
         store.put_bytes("m/result.json", b"{}")
     assert info.value.exit_code == EXIT_TRANSIENT
-    with pytest.raises(StoreError, match="cannot create"):
+    with pytest.raises(StoreError, match=r"cannot write to .*: .*/file is not a directory"):
         store.check()
 
 
-def test_check_creates_the_root(tmp_path: Path) -> None:
+def test_check_accepts_a_root_to_be_made_and_creates_nothing(tmp_path: Path) -> None:
+    """A worker that fails before writing must not leave an empty output folder behind."""
     store = LocalStore(tmp_path / "a" / "b")
     store.check()
-    assert store.root.is_dir()
+    assert not (tmp_path / "a").exists()
+    store.root.mkdir(parents=True)
+    store.check()
 
 
 # --- open_store -----------------------------------------------------------------------------

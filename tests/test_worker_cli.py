@@ -15,7 +15,6 @@ from esd_worker import cli
 from esd_worker.errors import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.naming import model_key
 from tests.builders import (
-    BackgroundRun,
     CliResult,
     corrupt_safetensors,
     make_lora_adapter,
@@ -25,13 +24,7 @@ from tests.builders import (
     worker_command,
 )
 
-# peft and transformers warn about things these tests do on purpose (tied targets, saving
-# embedding layers) or that are theirs to fix (deprecations).
-_QUIET = (
-    pytest.mark.filterwarnings("ignore::UserWarning:peft"),
-    pytest.mark.filterwarnings("ignore::FutureWarning:transformers"),
-)
-pytestmark = [pytest.mark.usefixtures("restore_logging"), *_QUIET]
+pytestmark = pytest.mark.usefixtures("restore_logging")
 
 
 def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> CliResult:
@@ -106,11 +99,13 @@ def test_cuda_without_gpu_is_a_usage_error(
 # --- permanent model errors (exit 3) -------------------------------------------------------
 
 
-def test_missing_path_subprocess(worker_runs: dict[str, BackgroundRun]) -> None:
-    """The real console script on a path that does not exist (conftest.worker_runs)."""
-    run = worker_runs["missing-path"].result()
-    assert_one_clear_line(run, EXIT_PERMANENT, "model not found: no directory")
-    assert not run.output.exists() or not any(run.output.rglob("result.json"))
+def test_missing_path_subprocess(tmp_path: Path) -> None:
+    """The real console script on a path that does not exist."""
+    missing = tmp_path / "no" / "such" / "model"
+    run = run_subprocess("--model", str(missing), "--output", str(tmp_path / "out"),
+                         "--device", "cpu")
+    assert_one_clear_line(run, EXIT_PERMANENT, "model not found: no directory", str(missing))
+    assert not list((tmp_path / "out").rglob("*.*"))  # at most the (checked) empty output
 
 
 def test_corrupt_safetensors(
