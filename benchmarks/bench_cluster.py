@@ -146,6 +146,8 @@ def main() -> int:
     parser.add_argument("--fail-every", type=int, default=500,
                         help="every Nth model fails with exit 3 (0: none)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--profile", type=Path,
+                        help="cProfile the controller thread into this file (slows it)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -184,7 +186,14 @@ def main() -> int:
             gpus_per_job=1, max_retries=2, max_checks=1, poll_interval_s=1.0,
             on_outcome=recorder)
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        outcomes = backend.run(rows)
+        if args.profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            outcomes = profiler.runcall(backend.run, rows)
+            profiler.dump_stats(args.profile)
+        else:
+            outcomes = backend.run(rows)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         parent.send("done")

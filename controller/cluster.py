@@ -934,8 +934,11 @@ class _Watcher(threading.Thread):
         self.relists = 0
 
     def stop(self) -> None:
+        """Ask the thread to end. It may sit in an open watch until the next event or the
+        watch's timeout; it is a daemon, touches nothing of the controller's but the queue,
+        and ends quietly then."""
         self._stopping.set()
-        self.join(timeout=0.5)
+        self.join(timeout=0.02)
 
     def run(self) -> None:
         b = self.backend

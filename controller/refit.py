@@ -247,14 +247,14 @@ def refit_store(settings: RefitSettings) -> RefitResult:
             counts += n
             before.append(result)
             after.append(ModelResult(result.key, result.marker, layers_from_rows(rows)))
-    if skipped:
-        log.warning("%d model(s) without eigs.npz not refit: %s", len(skipped),
-                    ", ".join(skipped[:5]))
     if not after:
         raise ResultsError(
             f"no eigs.npz in {store.url} for the {len(results)} model(s) there: refit needs "
             "the eigenvalues the worker stores (sweeps run with --no-eigs have none)"
         )
+    if skipped:
+        log.warning("%d model(s) without eigs.npz not refit: %s", len(skipped),
+                    ", ".join(skipped[:5]))
     store.put_bytes(summary_name(tag), summary_to_csv(summary_rows(after, store, recompute=True)))
     seconds = time.perf_counter() - t0
     record = {

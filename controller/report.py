@@ -471,6 +471,7 @@ def plot_alpha_by_relation(results: Sequence[ModelResult]) -> bytes:
         if over:
             ax.annotate(f"+{over} > {top:.0f}", (pos, top), xytext=(0, -12),
                         textcoords="offset points", ha="center", fontsize=8)
+    ax.plot([], [], color="tab:orange", lw=2, label="median (box: quartiles)")
     labels = [f"{rel}\n{models[rel]} model(s)\n{len(groups[rel])} layers" for rel in order]
     ax.set_xticks(positions, labels)
     ax.set_xlim(0.4, len(order) + 0.8)
@@ -551,16 +552,9 @@ def plot_esd(
 
 
 def _draw_esd(ax: Axes, lam: np.ndarray, row: Mapping[str, str]) -> None:
-    from matplotlib.ticker import LogLocator, NullLocator
-
     ax.set_title(_short_layer(row.get("layer", "")), fontsize=9)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    # A few decade ticks, no minor ticks: readable, and every tick costs milliseconds to draw
-    # (a log axis spanning 8 decades has ~70 by default: seconds per figure).
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_locator(LogLocator(numticks=6))
-        axis.set_minor_locator(NullLocator())
     ax.set_xlabel("eigenvalue λ", fontsize=8)
     ax.set_ylabel("density", fontsize=8)
     ax.tick_params(labelsize=7)
@@ -586,6 +580,26 @@ def _draw_esd(ax: Axes, lam: np.ndarray, row: Mapping[str, str]) -> None:
         ax.text(0.03, 0.05, f"no fit ({row.get('status', '?')})", transform=ax.transAxes,
                 fontsize=8, color="tab:red")
     ax.legend(fontsize=7, loc="lower left")
+    _sparse_log_ticks(ax)
+
+
+def _sparse_log_ticks(ax: Axes) -> None:
+    """On axes spanning more than 3 decades: a few decade ticks and no minor ticks. Readable,
+    and fast: every tick costs milliseconds to draw, and 8 decades have ~70 by default
+    (seconds per figure). Narrower axes keep matplotlib's labelled minor ticks, without
+    which less than a decade would show no number at all."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+        if lo > 0 and hi > lo and math.log10(hi / lo) > 3:
+            axis.set_major_locator(LogLocator(numticks=6))
+            axis.set_minor_locator(NullLocator())
+        else:  # 1, 2, 5 per decade, labelled as plain numbers (0.02, 0.05, 0.1)
+            axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_minor_locator(NullLocator())
+            axis.set_major_formatter(plain)
+    ax.tick_params(which="both", labelsize=7)
 
 
 def plot_vs_base(adapter: ModelResult, base: ModelResult) -> bytes | None:

@@ -227,9 +227,10 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
     settings.validate()
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    store = store or open_store(settings.output)
     key = model_key or make_model_key(*parse_model_ref(settings.model))
-    store.check()  # before any download or analysis: an unwritable output fails in a second
+    if store is None:  # a store passed in has been checked by the caller
+        store = open_store(settings.output)
+        store.check()  # before any download or analysis: an unwritable output fails in a second
     device = select_device(settings.device)
 
     model = resolve_model(settings.model)

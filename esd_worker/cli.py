@@ -16,6 +16,7 @@ from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, TransientError, Worker
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.settings import DEVICES, WorkerSettings
+from esd_worker.store import open_store
 
 log = logging.getLogger("esd_worker")
 
@@ -93,10 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
         settings.validate()
-        # torch is imported here, after the flags are known to be good: --help stays fast.
+        # The store is checked before torch is imported: a wrong bucket or missing
+        # credentials fail in a second, not after seconds of imports.
+        store = open_store(settings.output)
+        store.check()
         from esd_worker.analyze import analyse_model
 
-        analyse_model(settings, model_key=args.model_key)
+        analyse_model(settings, store=store, model_key=args.model_key)
     except WorkerError as e:
         if args.log_format == "json":
             log.error("%s", e, extra={"exit_code": e.exit_code})

@@ -179,3 +179,21 @@ def test_run_compare_flags(
     printed = capsys.readouterr().out
     assert f"in {out}" in printed
     assert list(_rows(out)[0]) == list(diff_columns(("alpha", "log_norm")))
+
+
+def test_cli_compare(
+    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    """Through `esd-sweep compare`: 0 with the table printed; a bad --pair is one line on
+    stderr and exit 2."""
+    from tests.test_report import wired_subparser
+
+    if wired_subparser("compare", "--pair") is None:
+        pytest.skip("esd-sweep compare is not wired yet")
+    from controller.cli import main
+
+    assert main(["compare", str(example), "--tag-a", MID, "--tag-b", DKS]) == 0
+    assert "Δ = B − A" in capsys.readouterr().out
+    assert main(["compare", str(example), "--pair", "nocolon"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "A_KEY:B_KEY" in err[0]

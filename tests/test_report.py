@@ -355,3 +355,34 @@ def test_unreachable_s3_store_is_a_store_error(s3_server: object) -> None:
     with pytest.raises(StorePermanentError) as err:
         write_report(ReportSettings(results=s3_server.url("no-such-bucket-here", "results")))
     assert err.value.exit_code == 3
+
+
+def wired_subparser(command: str, flag: str) -> argparse.ArgumentParser | None:
+    """`esd-sweep COMMAND`'s parser when the CLI has it with `flag`, else None (not wired)."""
+    from controller import cli
+
+    parser = cli.build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(command)
+            if sub is not None and any(flag in a.option_strings for a in sub._actions):
+                return sub
+    return None
+
+
+def test_cli_report(
+    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    """Through `esd-sweep report`: 0 and the index path; a missing location is one line on
+    stderr and exit 2."""
+    if wired_subparser("report", "--max-model-plots") is None:
+        pytest.skip("esd-sweep report is not wired to controller.report yet")
+    from controller.cli import main
+
+    assert main(["report", "--output-dir", str(example), "--out", str(tmp_path / "r"),
+                 "--max-model-plots", "0"]) == 0
+    assert (tmp_path / "r" / INDEX_NAME).is_file()
+    capsys.readouterr()
+    assert main(["report", "--output-dir", str(tmp_path / "missing")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("esd-sweep: error:") and "missing" in err[0]

@@ -31,7 +31,7 @@ from esd_worker.errors import (
     UsageError,
 )
 from esd_worker.results import layers_from_csv
-from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store
+from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, LIST_PAGE_SIZE, MULTIPART_THRESHOLD, S3Store
 from esd_worker.store import EIGS_NAME, LAYERS_NAME, MARKER_NAME, open_store
 from tests.s3server import S3Server, serve_s3
 
@@ -44,12 +44,12 @@ def s3_server() -> Iterator[S3Server]:
     yield from serve_s3()
 
 
-def make_store(server: S3Server, prefix: str = "results", **kw: int) -> S3Store:
+def make_store(server: S3Server, prefix: str = "results", *,
+               list_page_size: int = LIST_PAGE_SIZE) -> S3Store:
     """An S3Store on a fresh bucket of `server`, opened the way the worker opens one."""
     store = open_store(server.url(server.new_bucket(), prefix))
     assert isinstance(store, S3Store)
-    for name, value in kw.items():
-        setattr(store, name, value)
+    store.list_page_size = list_page_size
     return store
 
 
