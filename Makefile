@@ -11,7 +11,7 @@ RESULTS ?= results
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3
-	$(PY) -m pip install --quiet -e ".[worker,s3,kube,dev]"
+	$(PY) -m pip install --quiet -e ".[worker,s3,kube,report,dev]"
 	$(PY) -m pip check
 	touch $@
 
@@ -40,6 +40,8 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/bench_minilm_cpu.py
 	$(PY) benchmarks/bench_plan.py
+	$(PY) benchmarks/bench_dispatch.py
+	$(PY) benchmarks/bench_refit.py
 
 clean:
 	rm -rf $(VENV) $(EXAMPLE) $(RESULTS) .pytest_cache .mypy_cache .ruff_cache

@@ -19,7 +19,7 @@ How it is measured:
   threads) during backend.run; the per-thread split uses time.thread_time in each thread.
   The mock server's and the driver's CPU is in the other process and not counted.
 - Peak memory: this process's peak RSS (ru_maxrss) after the run minus before it (the
-  interpreter and imports), and the absolute peak.
+  interpreter and imports, the kubernetes client included), and the absolute peak.
 - API requests: KubeClient.requests (every HTTP request the controller sent, retries
   included), cross-checked with the emulator's per-verb counts from the child.
 
@@ -151,6 +151,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
+    from kubernetes import client as k8s  # imported before the baseline: not per model
+
     from controller.cluster import ClusterBackend, ClusterSettings, sweep_instance
     from controller.kube import KubeClient
     from controller.modellist import ModelRow
@@ -166,8 +168,6 @@ def main() -> int:
                            args=(child, tmp, args.nodes, args.gpus, args.fail_every))
         proc.start()
         info = parent.recv()
-        from kubernetes import client as k8s
-
         cfg = k8s.Configuration()
         cfg.host = info["url"]
         kube = KubeClient(cfg)

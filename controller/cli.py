@@ -21,20 +21,21 @@ from controller.cluster import (
     default_image,
     job_setting_problems,
 )
+from controller.compare import add_compare_flags, run_compare
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
 from controller.local import LocalSettings
 from controller.modellist import RELATIONS, ModelListError
+from controller.refit import add_refit_flags, run_refit
+from controller.report import add_report_flags, run_report
 from controller.sweep import (
     EXIT_INFRA,
     EXIT_USAGE,
     SweepError,
     SweepSettings,
     format_summary_table,
-    load_models,
     models_status,
     run_sweep,
-    summary_rows_for,
 )
 from esd_worker.errors import StoreError, WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
@@ -209,9 +210,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_flags(status)
     _add_common(status)
 
-    report = sub.add_parser("report", help="rewrite summary.csv for the list from the store")
-    _add_source_flags(report)
+    report = sub.add_parser(
+        "report", help="summary.csv, a Parquet table of all layers, plots and index.html"
+    )
+    add_report_flags(report)
     _add_common(report)
+
+    refit = sub.add_parser(
+        "refit", help="recompute the fits from stored eigenvalues (no model, no GPU)"
+    )
+    add_refit_flags(refit)
+    _add_common(refit)
+
+    compare = sub.add_parser(
+        "compare", help="per-layer differences between two results (or adapter vs base)"
+    )
+    add_compare_flags(compare)
+    _add_common(compare)
 
     exporter = sub.add_parser(
         "gpu-exporter",
@@ -347,9 +362,10 @@ def _run(args: argparse.Namespace) -> int:
     if settings.commands is None:
         print(format_summary_table(open_store(settings.output)))
     counts = result.report["counts"]
+    running = f", {counts['running']} Job(s) still running" if counts.get("running") else ""
     print(
         f"run {result.run_id}: {counts['done']} done, {counts['failed']} failed, "
-        f"{counts['already_done']} already done, {counts['bad_rows']} bad row(s); "
+        f"{counts['already_done']} already done, {counts['bad_rows']} bad row(s){running}; "
         f"report: {result.report['output']}/runs/{result.run_id}.json"
     )
     return result.exit_code
@@ -357,17 +373,6 @@ def _run(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     print(json.dumps(models_status(settings_from_args(args)), indent=2))
-    return 0
-
-
-def _report(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
-    store = open_store(settings.output)
-    written = summary_rows_for(
-        store, load_models(settings).rows, settings.analysis.as_dict()
-    )
-    print(format_summary_table(store))
-    print(f"summary.csv: {written} model(s) in {store.url}")
     return 0
 
 
@@ -398,7 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> tuple[int, str]:
     """Run the subcommand: (exit status, one-line error message or "")."""
-    handlers = {"run": _run, "status": _status, "report": _report, "gpu-exporter": run_exporter}
+    handlers = {
+        "run": _run, "status": _status, "report": run_report, "refit": run_refit,
+        "compare": run_compare, "gpu-exporter": run_exporter,
+    }
     try:
         return handlers[args.command](args), ""
     except (SweepError, ModelListError) as e:

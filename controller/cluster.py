@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -162,8 +163,23 @@ class ClusterSettings:
             hf_token_secret=self.hf_token_secret, s3_secret=self.s3_secret,
             hf_cache_pvc=self.hf_cache_pvc, kueue_queue=self.kueue_queue,
             do_not_disrupt=self.do_not_disrupt, worker_args=tuple(worker_args),
-            log_format=log_format,
+            log_format=log_format, env=worker_passthrough_env(),
         )
+
+
+# Non-secret settings the workers need to reach the same store and hub as the controller
+# (an S3-compatible endpoint, its region, retry mode, a hub mirror). Credentials are not
+# here: they reach the pods through --s3-secret / --hf-token-secret or IRSA.
+PASSTHROUGH_ENV = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "HF_ENDPOINT",
+)
+
+
+def worker_passthrough_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The PASSTHROUGH_ENV variables set in the controller's environment, for the Jobs."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in PASSTHROUGH_ENV if environ.get(name)}
 
 
 _JOB_FIELD_FLAGS = {
@@ -338,7 +354,7 @@ def _seconds(start: str | None, end: str | None) -> float | None:
 @dataclass
 class _Model:
     row: ModelRow
-    args: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()  # the worker args, built only to compare with a found Job
     attempt: int = -1  # the highest attempt number taken (any sweep), -1: none
     tries: int = 0  # Jobs of this run's count (submitted or adopted active)
     name: str | None = None  # the Job in flight
@@ -423,6 +439,7 @@ class ClusterBackend:
         self._next_pending_check = 0.0
         self._telemetry_state = "unknown"  # unknown | on | off
         self._telemetry_said_off = False
+        self._polls = 0  # telemetry polls that gave readings
         self._next_poll = 0.0
         self._pool: ThreadPoolExecutor | None = None
         # What the run report shows.
@@ -477,7 +494,10 @@ class ClusterBackend:
                 self._update_progress()
                 if not self._queue and not self._flight:
                     break
-                if not self.settings.wait and (not self._queue or self._cannot_submit()):
+                if not self.settings.wait and (not self._queue or self._cannot_submit()) and (
+                        self._telemetry_state != "on"
+                        or self._polls >= self.tracker.max_checks):
+                    # (with telemetry, GPUs count as free only after max_checks polls)
                     log.info("--no-wait: %d Job(s) submitted and running, %d model(s) not "
                              "submitted yet; a later run adopts them", len(self._flight),
                              len(self._queue))
@@ -621,16 +641,29 @@ class ClusterBackend:
     # -- submission ----------------------------------------------------------------------
 
     def _submit(self, now: float) -> None:
+        """Create Jobs while the caps and GPU room allow.
+
+        With telemetry, the nodes with room are ranked once per pass (most free GPUs first)
+        and filled in that order, each until its free GPUs are reserved: ranking again for
+        every Job would cost O(nodes) each, and packing a node before the next keeps whole
+        nodes free for other work and for the autoscaler to remove.
+        """
         self._room_blocked = False
+        candidates: list[str] | None = None
+        index = 0
+        n = self.gpus_per_job
         while self._queue and not self._stop_requests:
             if len(self._flight) >= self.settings.max_active_jobs:
                 return
             affinity: Mapping[str, Any] | None = None
             node: str | None = None
-            if self._telemetry_state == "on" and self.gpus_per_job > 0:
-                nodes = self.tracker.nodes_with_room(self.gpus_per_job)
-                if nodes:
-                    node = nodes[0]
+            if self._telemetry_state == "on" and n > 0:
+                if candidates is None:
+                    candidates = self.tracker.nodes_with_room(n)
+                while index < len(candidates) and self.tracker.free_gpus(candidates[index]) < n:
+                    index += 1
+                if index < len(candidates):
+                    node = candidates[index]
                     affinity = node_affinity([node])
                 elif not self.settings.allow_pending:
                     self._room_blocked = True
@@ -785,9 +818,8 @@ class ClusterBackend:
         model.last = None
         if status == "done":
             self.pending.pop(model.row.key, None)
-        args = model.args or self._args_for(model)
         outcome = Outcome(
-            task=Task(key=model.row.key, argv=args, label=model.row.ref),
+            task=Task(key=model.row.key, argv=(), label=model.row.ref),  # argv: in the Job
             status=status,
             exit_code=diagnosis.exit_code,
             signal=diagnosis.signal,
@@ -857,6 +889,7 @@ class ClusterBackend:
             self._telemetry_off(f"{len(targets)} exporter(s) gave no GPU readings")
             return
         self.tracker.observe(samples)
+        self._polls += 1
         if self._telemetry_state != "on":
             log.info("GPU telemetry from %d exporter(s): Jobs go to nodes whose GPUs stayed "
                      "under %g MiB for %d polls", len(targets), self.tracker.threshold_mib,

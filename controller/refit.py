@@ -38,11 +38,14 @@ from controller.report import (
     ModelResult,
     ResultsError,
     check_tag,
+    iter_results,
     layers_name,
-    load_results,
+    no_table_error,
     number,
     open_results,
     read_eigs,
+    read_model_markers,
+    refit_record_key,
     summary_rows,
 )
 from controller.summary import summary_to_csv
@@ -57,11 +60,9 @@ from esd_worker.powerlaw import (
 )
 from esd_worker.results import layers_from_csv, layers_to_csv, summarize_layers
 from esd_worker.settings import AnalysisSettings
-from esd_worker.store import Store
 
 log = logging.getLogger(__name__)
 
-REFITS_PREFIX = "refits/"
 STATUS_NO_EIGS = "no_eigs"
 STATUS_TOO_SMALL = "too_small"
 _FITTED = frozenset({STATUS_OK, STATUS_FIT_FAILED})
@@ -77,10 +78,6 @@ def refit_tag(
 
 def summary_name(tag: str) -> str:
     return f"summary.{check_tag(tag)}.csv"
-
-
-def record_key(tag: str) -> str:
-    return f"{REFITS_PREFIX}{check_tag(tag)}.json"
 
 
 @dataclass(frozen=True)
@@ -213,8 +210,8 @@ class RefitResult:
     skipped: tuple[str, ...]
     counts: RefitCounts
     seconds: float
-    before: tuple[ModelResult, ...]
-    after: tuple[ModelResult, ...]
+    # Per refit model: short name, layers, alpha_mean of the original table and of the refit.
+    alpha_means: tuple[tuple[str, int, float | None, float | None], ...] = ()
 
 
 def refit_store(settings: RefitSettings) -> RefitResult:
@@ -226,14 +223,16 @@ def refit_store(settings: RefitSettings) -> RefitResult:
     started = datetime.now(timezone.utc)
     tag = settings.resolved_tag
     store = open_results(settings.results)
-    results = load_results(store, keys=settings.keys or None)
+    markers = read_model_markers(store, keys=settings.keys or None)
     threads = settings.threads or os.cpu_count() or 1
-    before: list[ModelResult] = []
-    after: list[ModelResult] = []
+    refit_keys: list[str] = []
+    summaries: list[dict[str, Any]] = []
+    means: list[tuple[str, int, float | None, float | None]] = []
     skipped: list[str] = []
     counts = RefitCounts()
+    # One model in memory at a time (its table and eigenvalues); its layers fitted in the pool.
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        for result in results:
+        for result in iter_results(store, markers, list(markers), threads=16, chunk=16):
             eigs = read_eigs(store, result)
             if eigs is None:
                 skipped.append(result.key)
@@ -245,49 +244,42 @@ def refit_store(settings: RefitSettings) -> RefitResult:
             )
             store.put_bytes(f"{result.key}/{layers_name(tag)}", layers_to_csv(rows))
             counts += n
-            before.append(result)
-            after.append(ModelResult(result.key, result.marker, layers_from_rows(rows)))
-    if not after:
+            new = ModelResult(result.key, result.marker, layers_from_rows(rows))
+            summaries.extend(summary_rows([new], store, recompute=True))
+            means.append((new.name, len(rows), summarize_layers(result.rows)["alpha_mean"],
+                          summaries[-1].get("alpha_mean")))
+            refit_keys.append(result.key)
+    if not refit_keys:
+        if not skipped:
+            raise no_table_error(store, None)
         raise ResultsError(
-            f"no eigs.npz in {store.url} for the {len(results)} model(s) there: refit needs "
+            f"no eigs.npz in {store.url} for the {len(skipped)} model(s) there: refit needs "
             "the eigenvalues the worker stores (sweeps run with --no-eigs have none)"
         )
     if skipped:
         log.warning("%d model(s) without eigs.npz not refit: %s", len(skipped),
                     ", ".join(skipped[:5]))
-    store.put_bytes(summary_name(tag), summary_to_csv(summary_rows(after, store, recompute=True)))
+    store.put_bytes(summary_name(tag), summary_to_csv(summaries))
     seconds = time.perf_counter() - t0
     record = {
         "tag": tag,
         "parameters": settings.parameters(),
         "table": layers_name(tag),
-        "models": [r.key for r in after],
+        "models": refit_keys,
         "skipped_no_eigs": skipped,
         "rows": counts.__dict__,
         "started_at": started.isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
     }
-    store.put_bytes(record_key(tag), (json.dumps(record, indent=2) + "\n").encode("utf-8"))
+    store.put_bytes(refit_record_key(tag), (json.dumps(record, indent=2) + "\n").encode("utf-8"))
     log.info("refit %s: %d model(s), %d layers refit, %d without eigenvalues, in %.2fs",
-             tag, len(after), counts.refit, counts.no_eigs, seconds)
-    return RefitResult(tag, tuple(r.key for r in after), tuple(skipped), counts, seconds,
-                       tuple(before), tuple(after))
+             tag, len(refit_keys), counts.refit, counts.no_eigs, seconds)
+    return RefitResult(tag, tuple(refit_keys), tuple(skipped), counts, seconds, tuple(means))
 
 
 def layers_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
     """Rows with values as layers.csv would read back (strings), via the CSV encoding."""
     return layers_from_csv(layers_to_csv(rows))
-
-
-def read_refit_record(store: Store, tag: str) -> dict[str, Any] | None:
-    data = store.get_bytes(record_key(tag))
-    if data is None:
-        return None
-    try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def add_refit_flags(parser: argparse.ArgumentParser) -> None:
@@ -336,15 +328,14 @@ def format_refit(result: RefitResult, limit: int = 20) -> str:
     if result.skipped:
         lines.append(f"{len(result.skipped)} model(s) without eigs.npz not refit")
     rows = [("model", "layers", "alpha_mean before", "after")]
-    for old, new in list(zip(result.before, result.after, strict=True))[:limit]:
-        a = summarize_layers(old.rows)["alpha_mean"]
-        b = summarize_layers(new.rows)["alpha_mean"]
-        rows.append((new.name, str(len(new.rows)), _f(a), _f(b)))
+    for name, layers, before, after in result.alpha_means[:limit]:
+        rows.append((name, str(layers), _f(before), _f(after)))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
               for r in rows]
-    if len(result.after) > limit:
-        lines.append(f"... {len(result.after) - limit} more in {summary_name(result.tag)}")
+    if len(result.alpha_means) > limit:
+        lines.append(f"... {len(result.alpha_means) - limit} more in "
+                     f"{summary_name(result.tag)}")
     return "\n".join(lines)
 
 

@@ -12,16 +12,17 @@ import argparse
 import html
 import importlib
 import io
+import json
 import logging
 import math
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REPORT_PREFIX = "report/"
+REFITS_PREFIX = "refits/"
 INDEX_NAME = "index.html"
 SUMMARY_NAME = "summary.csv"
 PARQUET_NAME = "layers.parquet"
@@ -50,6 +52,8 @@ ESD_PLOT = "esd.png"
 VS_BASE_PLOT = "vs_base.png"
 DEFAULT_MAX_MODEL_PLOTS = 50
 DEFAULT_ESD_LAYERS = 6
+PARQUET_ROW_GROUP = 100_000  # rows per Parquet row group (whole models: at least one)
+INDEX_TABLE_MAX = 2000  # rows of the index's model table; summary.csv has every model
 UNLABELLED = "unlabelled"  # models listed without a base_model_relation
 
 # α of a trained layer is typically 2..6 (HT-SR); far above, the ESD has no heavy tail and
@@ -86,6 +90,23 @@ def check_tag(tag: str) -> str:
 def layers_name(tag: str | None = None) -> str:
     """File name of a model's layer table: layers.csv, or layers.<tag>.csv for a refit."""
     return LAYERS_NAME if not tag else f"layers.{check_tag(tag)}.csv"
+
+
+def refit_record_key(tag: str) -> str:
+    """Where a refit records its settings and counts: refits/<tag>.json."""
+    return f"{REFITS_PREFIX}{check_tag(tag)}.json"
+
+
+def read_refit_record(store: Store, tag: str) -> dict[str, Any] | None:
+    """The record of refit `tag` (None when missing or unreadable)."""
+    data = store.get_bytes(refit_record_key(tag))
+    if data is None:
+        return None
+    try:
+        record = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def open_results(url: str) -> Store:
@@ -158,17 +179,13 @@ def _fetch_all(store: Store, keys: Sequence[str], threads: int) -> list[bytes | 
         return list(pool.map(store.get_bytes, keys))
 
 
-def load_results(
-    store: Store,
-    *,
-    tag: str | None = None,
-    keys: Iterable[str] | None = None,
-    threads: int = 16,
-) -> list[ModelResult]:
-    """Every model of the store with a marker and the layer table `tag` names, sorted by key.
+def read_model_markers(
+    store: Store, *, keys: Iterable[str] | None = None, threads: int = 16
+) -> dict[str, dict[str, Any]]:
+    """model_key → marker of every model of the store (or of `keys`), sorted by key.
 
-    keys: only these model_keys (each must have a marker). A model without that table is
-    left out with a warning; no model at all is a ResultsError.
+    No marker at all, or a key in `keys` without one, is a ResultsError; corrupt markers
+    are left out (controller.plan logs them).
     """
     present = list_markers(store)
     if not present:
@@ -183,25 +200,58 @@ def load_results(
             )
         wanted = sorted(asked)
     markers = read_markers(store, wanted, threads=threads)
-    names = {
-        k: _table_name(m, tag) for k, m in markers.items() if m is not None
-    }
-    order = [k for k in wanted if k in names]
-    blobs = _fetch_all(store, [f"{k}/{names[k]}" for k in order], threads)
-    results: list[ModelResult] = []
-    missing_tables: list[str] = []
-    for key, data in zip(order, blobs, strict=True):
-        marker = markers[key]
-        if data is None or marker is None:
-            missing_tables.append(key)
-            continue
-        results.append(ModelResult(key, marker, layers_from_csv(data)))
-    if missing_tables:
-        log.warning("%d model(s) without %s left out: %s", len(missing_tables),
-                    layers_name(tag), ", ".join(missing_tables[:5]))
+    return {k: m for k in wanted if (m := markers.get(k)) is not None}
+
+
+def iter_results(
+    store: Store,
+    markers: Mapping[str, Mapping[str, Any]],
+    order: Sequence[str],
+    *,
+    tag: str | None = None,
+    threads: int = 16,
+    chunk: int = 256,
+) -> Iterator[ModelResult]:
+    """The models of `order` with their layer table, read `chunk` at a time (concurrently), so
+    that a store of any size is held in memory one chunk at a time. Models without that
+    table are left out with one warning at the end."""
+    missing: list[str] = []
+    for start in range(0, len(order), chunk):
+        keys = order[start:start + chunk]
+        blobs = _fetch_all(store, [f"{k}/{_table_name(markers[k], tag)}" for k in keys],
+                           threads)
+        for key, data in zip(keys, blobs, strict=True):
+            if data is None:
+                missing.append(key)
+            else:
+                yield ModelResult(key, markers[key], layers_from_csv(data))
+    if missing:
+        log.warning("%d model(s) without %s left out: %s", len(missing), layers_name(tag),
+                    ", ".join(missing[:5]))
+
+
+def no_table_error(store: Store, tag: str | None) -> ResultsError:
+    hint = f": run `esd-sweep refit --tag {tag}` first" if tag else ""
+    return ResultsError(f"no {layers_name(tag)} in {store.url}{hint}")
+
+
+def load_results(
+    store: Store,
+    *,
+    tag: str | None = None,
+    keys: Iterable[str] | None = None,
+    threads: int = 16,
+) -> list[ModelResult]:
+    """Every model of the store (or of `keys`) with a marker and the layer table `tag`
+    names, sorted by key, all in memory (iter_results reads a chunk at a time).
+
+    A model without that table is left out with a warning; no model at all is a
+    ResultsError.
+    """
+    markers = read_model_markers(store, keys=keys, threads=threads)
+    results = list(iter_results(store, markers, list(markers), tag=tag, threads=threads))
     if not results:
-        hint = f": run `esd-sweep refit --tag {tag}` first" if tag else ""
-        raise ResultsError(f"no {layers_name(tag)} in {store.url}{hint}")
+        raise no_table_error(store, tag)
     return results
 
 
@@ -340,23 +390,18 @@ def layers_table(results: Sequence[ModelResult], bases: Mapping[str, str]) -> An
     return pa.table({c: pa.array(v, type=types[c]) for c, v in columns.items()}, schema=schema)
 
 
-def parquet_bytes(table: Any) -> bytes:
-    pq = _require("pyarrow.parquet")
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    return buf.getvalue()
-
-
 # --------------------------------------------------------------------------- plots
 
 
-def _figure(width: float, height: float) -> Figure:
+def _figure(
+    width: float, height: float, *, layout: Literal["constrained"] | None = "constrained"
+) -> Figure:
     """A Figure on the Agg canvas: no display, no pyplot global state."""
     _require("matplotlib")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), layout="constrained")
+    fig = Figure(figsize=(width, height), layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -435,20 +480,33 @@ def plot_alpha(result: ModelResult) -> bytes:
     return _png(fig)
 
 
-def plot_alpha_by_relation(results: Sequence[ModelResult]) -> bytes:
+@dataclass
+class RelationAlphas:
+    """Layer α (ok fits) and model mean α by relation, gathered one model at a time."""
+
+    layers: dict[str, list[float]] = field(default_factory=dict)
+    means: dict[str, list[float]] = field(default_factory=dict)
+    models: dict[str, int] = field(default_factory=dict)
+
+    def add(self, result: ModelResult) -> None:
+        alphas = [number(row.get("alpha")) for row in result.rows
+                  if row.get("status") == "ok"]
+        alphas = [a for a in alphas if math.isfinite(a)]
+        rel = result.relation
+        self.models[rel] = self.models.get(rel, 0) + 1
+        self.layers.setdefault(rel, []).extend(alphas)
+        if alphas:
+            self.means.setdefault(rel, []).append(float(np.mean(alphas)))
+
+
+def plot_alpha_by_relation(results: Sequence[ModelResult] | RelationAlphas) -> bytes:
     """Distribution of layer α (ok fits) per relation as box plots, with each model's mean α
     as a dot beside its box; the 2–6 band shaded; α above ALPHA_CLIP counted, not drawn."""
-    groups: dict[str, list[float]] = {}
-    means: dict[str, list[float]] = {}
-    models: dict[str, int] = {}
-    for r in results:
-        alphas = [number(row.get("alpha")) for row in r.rows if row.get("status") == "ok"]
-        alphas = [a for a in alphas if math.isfinite(a)]
-        rel = r.relation
-        models[rel] = models.get(rel, 0) + 1
-        groups.setdefault(rel, []).extend(alphas)
-        if alphas:
-            means.setdefault(rel, []).append(float(np.mean(alphas)))
+    stats = results if isinstance(results, RelationAlphas) else RelationAlphas()
+    if not isinstance(results, RelationAlphas):
+        for r in results:
+            stats.add(r)
+    groups, means, models = stats.layers, stats.means, stats.models
     order = sorted(groups, key=_relation_order)
     fig = _figure(max(6.0, 1.6 * len(order) + 3.0), 4.6)
     ax = fig.subplots()
@@ -522,20 +580,33 @@ def _short_layer(name: str, limit: int = 44) -> str:
 
 
 def plot_esd(
-    result: ModelResult, eigs: Mapping[str, np.ndarray], *, count: int = DEFAULT_ESD_LAYERS
+    result: ModelResult,
+    eigs: Mapping[str, np.ndarray],
+    *,
+    count: int = DEFAULT_ESD_LAYERS,
+    evals_thresh: float | None = None,
 ) -> bytes | None:
     """The ESD of chosen layers on log-log axes, as WeightWatcher draws it: a density
     histogram of λ (log-spaced bins, λ > evals_thresh), the fitted power law
     p(λ) ∝ λ^-α from xmin (scaled to the tail's share of the eigenvalues so it lies on the
-    histogram), and a vertical line at xmin. None when no layer has eigenvalues."""
+    histogram), and a vertical line at xmin. None when no layer has eigenvalues.
+
+    evals_thresh: the fit's (default: the marker's parameters; a refit's differ).
+    """
     picks = pick_esd_layers(result, eigs, count)
     if not picks:
         return None
-    thresh = number(result.parameters.get("evals_thresh", 1e-5))
+    thresh = number(result.parameters.get("evals_thresh", 1e-5)
+                    if evals_thresh is None else evals_thresh)
     thresh = thresh if math.isfinite(thresh) else 1e-5
     cols = min(3, len(picks))
     nrows = math.ceil(len(picks) / cols)
-    fig = _figure(4.3 * cols, 3.3 * nrows + 0.5)
+    width, height = 4.3 * cols, 3.3 * nrows + 0.5
+    # Fixed margins in inches instead of a layout engine: the grid is regular, and the
+    # constrained layout's extra draw passes nearly double the time of a many-panel figure.
+    fig = _figure(width, height, layout=None)
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.5 / height,
+                        top=1 - 0.6 / height, wspace=0.95 / 3.4, hspace=0.8 / 2.3)
     axes = np.atleast_1d(fig.subplots(nrows, cols, squeeze=False)).ravel()
     for ax, i in zip(axes, picks, strict=False):
         row = result.rows[i]
@@ -547,7 +618,7 @@ def plot_esd(
     how = "all layers" if len(picks) == sum(1 for r in result.rows if r.get("layer") in eigs) \
         else "layers at α quantiles"
     fig.suptitle(f"{result.name}: ESD, {len(picks)} of {len(result.rows)} layers ({how})",
-                 fontsize=11)
+                 fontsize=11, y=1 - 0.15 / height, va="top")
     return _png(fig)
 
 
@@ -595,8 +666,9 @@ def _sparse_log_ticks(ax: Axes) -> None:
         if lo > 0 and hi > lo and math.log10(hi / lo) > 3:
             axis.set_major_locator(LogLocator(numticks=6))
             axis.set_minor_locator(NullLocator())
-        else:  # 1, 2, 5 per decade, labelled as plain numbers (0.02, 0.05, 0.1)
-            axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        else:  # plain numbers (0.02, 0.05, 0.1): 1, 2, 5 per decade on the narrowest axes
+            wide = lo > 0 and hi > lo and math.log10(hi / lo) > 2
+            axis.set_major_locator(LogLocator(subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
             axis.set_minor_locator(NullLocator())
             axis.set_major_formatter(plain)
     ax.tick_params(which="both", labelsize=7)
@@ -725,59 +797,114 @@ def _order(results: Sequence[ModelResult], bases: Mapping[str, str]) -> list[Mod
 
 
 def write_report(settings: ReportSettings) -> Report:
-    """Read the results and write summary.csv, layers.parquet, the plots and index.html."""
+    """Read the results and write summary.csv, layers.parquet, the plots and index.html.
+
+    Markers are read first (they decide the order and the adapters' bases); layer tables
+    then stream through a chunk at a time into the Parquet file, the summary and the
+    across-model statistics, so memory does not grow with every layer of a large store.
+    """
     settings.validate()
     t0 = time.perf_counter()
     store = open_results(settings.results)
-    results = load_results(store, tag=settings.tag, threads=settings.threads)
+    markers = read_model_markers(store, threads=settings.threads)
     # Fail before any work when matplotlib or pyarrow is missing.
     _require("matplotlib")
-    _require("pyarrow.parquet")
+    pq = _require("pyarrow.parquet")
     if settings.out:
         target, where = _Prefixed(open_store(settings.out), ""), settings.out
     else:
         target = _Prefixed(store, REPORT_PREFIX)
         where = store.url.rstrip("/") + "/" + REPORT_PREFIX.rstrip("/")
-    bases = base_keys(results)
-    by_key = {r.key: r for r in results}
-    ordered = _order(results, bases)
+    shells = [ModelResult(k, m, []) for k, m in markers.items()]
+    bases = base_keys(shells)
+    wanted_bases = set(bases.values())
+    order = [r.key for r in _order(shells, bases)]
+    thresh: float | None = None
+    if settings.tag:
+        record = read_refit_record(store, settings.tag) or {}
+        params = record.get("parameters")
+        if isinstance(params, Mapping) and params.get("evals_thresh") is not None:
+            thresh = float(params["evals_thresh"])
     files: list[str] = []
 
     def put(key: str, data: bytes) -> None:
         target.put(key, data)
         files.append(key)
 
-    summaries = summary_rows(ordered, store, recompute=bool(settings.tag))
-    put(SUMMARY_NAME, summary_to_csv(summaries))
-    table = layers_table(ordered, bases)
-    put(PARQUET_NAME, parquet_bytes(table))
-    put(RELATION_PLOT, plot_alpha_by_relation(ordered))
-    plotted = ordered[: settings.max_model_plots]
+    included: list[ModelResult] = []
+    summaries: list[dict[str, Any]] = []
+    relations = RelationAlphas()
     plots: dict[str, dict[str, str]] = {}
-    for r in plotted:
-        mine: dict[str, str] = {}
-        folder = f"models/{r.key}/"
-        put(folder + ALPHA_PLOT, plot_alpha(r))
-        mine["α per layer"] = folder + ALPHA_PLOT
-        eigs = read_eigs(store, r)
-        esd = plot_esd(r, eigs, count=settings.esd_layers) if eigs else None
-        if esd is not None:
-            put(folder + ESD_PLOT, esd)
-            mine["ESD"] = folder + ESD_PLOT
-        base = by_key.get(bases.get(r.key, ""))
-        vs = plot_vs_base(r, base) if base is not None else None
-        if vs is not None:
-            put(folder + VS_BASE_PLOT, vs)
-            mine["vs base"] = folder + VS_BASE_PLOT
-        plots[r.key] = mine
+    seen_bases: dict[str, ModelResult] = {}  # bases of adapters still to plot
+    parquet = io.BytesIO()
+    writer: Any = None
+    pending: list[Any] = []  # tables of whole models, written as one row group when enough
+    pending_rows = layers = 0
+    for r in iter_results(store, markers, order, tag=settings.tag, threads=settings.threads):
+        included.append(ModelResult(r.key, r.marker, []))
+        summaries.extend(summary_rows([r], store, recompute=bool(settings.tag)))
+        relations.add(r)
+        table = layers_table([r], bases)
+        layers += table.num_rows
+        pending.append(table)
+        pending_rows += table.num_rows
+        if pending_rows >= PARQUET_ROW_GROUP:
+            writer = _write_parquet(pq, parquet, writer, pending)
+            pending, pending_rows = [], 0
+        if len(plots) < settings.max_model_plots:
+            if r.key in wanted_bases:
+                seen_bases[r.key] = r
+            plots[r.key] = _model_plots(store, r, seen_bases.get(bases.get(r.key, "")),
+                                        settings.esd_layers, thresh, put)
+    if not included:
+        raise no_table_error(store, settings.tag)
+    _write_parquet(pq, parquet, writer, pending).close()
+    put(SUMMARY_NAME, summary_to_csv(summaries))
+    put(PARQUET_NAME, parquet.getvalue())
+    put(RELATION_PLOT, plot_alpha_by_relation(relations))
     page = index_html(
-        ordered, summaries, bases, plots, source=store.url, tag=settings.tag,
-        max_model_plots=settings.max_model_plots, layers=table.num_rows,
+        included, summaries, bases, plots, source=store.url, tag=settings.tag,
+        max_model_plots=settings.max_model_plots, layers=layers,
     )
     put(INDEX_NAME, page.encode("utf-8"))
-    log.info("report of %d model(s), %d layers, plots for %d, in %s (%.1fs)", len(ordered),
-             table.num_rows, len(plotted), where, time.perf_counter() - t0)
-    return Report(where, tuple(files), len(ordered), table.num_rows, len(plotted))
+    log.info("report of %d model(s), %d layers, plots for %d, in %s (%.1fs)", len(included),
+             layers, len(plots), where, time.perf_counter() - t0)
+    return Report(where, tuple(files), len(included), layers, len(plots))
+
+
+def _write_parquet(pq: Any, buf: io.BytesIO, writer: Any, tables: list[Any]) -> Any:
+    """Write `tables` as one row group (opening the writer on the first); the writer."""
+    pa = _require("pyarrow")
+    if writer is None:
+        writer = pq.ParquetWriter(buf, tables[0].schema)
+    if tables:
+        writer.write_table(pa.concat_tables(tables))
+    return writer
+
+
+def _model_plots(
+    store: Store,
+    result: ModelResult,
+    base: ModelResult | None,
+    esd_layers: int,
+    evals_thresh: float | None,
+    put: Any,
+) -> dict[str, str]:
+    """Write one model's plots under models/<key>/; label → path of those written."""
+    mine: dict[str, str] = {}
+    folder = f"models/{result.key}/"
+    put(folder + ALPHA_PLOT, plot_alpha(result))
+    mine["α per layer"] = folder + ALPHA_PLOT
+    eigs = read_eigs(store, result)
+    esd = plot_esd(result, eigs, count=esd_layers, evals_thresh=evals_thresh) if eigs else None
+    if esd is not None:
+        put(folder + ESD_PLOT, esd)
+        mine["ESD"] = folder + ESD_PLOT
+    vs = plot_vs_base(result, base) if base is not None else None
+    if vs is not None:
+        put(folder + VS_BASE_PLOT, vs)
+        mine["vs base"] = folder + VS_BASE_PLOT
+    return mine
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -828,26 +955,34 @@ def index_html(
             f"models in the table's order (--max-model-plots {max_model_plots}); every model "
             f"is in the table, {SUMMARY_NAME} and {PARQUET_NAME}.</p>"
         )
+    shown = results[:INDEX_TABLE_MAX]
+    shown_keys = {r.key for r in shown}
+    if len(shown) < len(results):
+        out.append(f'<p class="note">The table lists the first {len(shown)} of '
+                   f"{len(results)} models; {SUMMARY_NAME} has them all.</p>")
     cols = ["#", "model", "relation", "base", "layers", "ok", "α mean", "α median",
             "α in [2, 6]", "stable rank", "log10 λmax", "log10 ‖W‖²", "plots"]
     out.append("<h2>Models</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
-    for n, (r, s) in enumerate(zip(results, summaries, strict=True), start=1):
-        base_key = bases.get(r.key)
-        base = (f'<a href="#{e(base_key)}">{e(by_key[base_key].name)}</a>'
-                if base_key in by_key else e(short_name(r.base_ref)) if r.base_ref else "")
+    for n, (r, s) in enumerate(zip(shown, summaries, strict=False), start=1):
+        base_key = bases.get(r.key, "")
+        if base_key in shown_keys:
+            base = f'<a href="#row-{e(base_key)}">{e(by_key[base_key].name)}</a>'
+        else:
+            base = e(short_name(r.base_ref)) if r.base_ref else ""
+        name = (f'<a href="#{e(r.key)}" title="{e(r.model_id)}">{e(r.name)}</a>'
+                if r.key in plots else f'<span title="{e(r.model_id)}">{e(r.name)}</span>')
         links = " ".join(f'<a href="{e(path)}">{e(label)}</a>'
                          for label, path in plots.get(r.key, {}).items())
         cells = [
             str(n),
-            f'<a href="#{e(r.key)}" title="{e(r.model_id)}">{e(r.name)}</a>',
-            e(r.relation), base,
+            name, e(r.relation), base,
             _fmt(s.get("layers"), 0), _fmt(s.get("layers_ok"), 0),
             _fmt(s.get("alpha_mean")), _fmt(s.get("alpha_median")),
             _fmt(s.get("alpha_in_2_6_share"), 2), _fmt(s.get("stable_rank_mean"), 2),
             _fmt(s.get("log_spectral_norm_mean")), _fmt(s.get("log_norm_mean")), links,
         ]
         left = {1, 2, 3, 12}
-        out.append("<tr>" + "".join(
+        out.append(f'<tr id="row-{e(r.key)}">' + "".join(
             f'<td class="l">{c}</td>' if i in left else f"<td>{c}</td>"
             for i, c in enumerate(cells)) + "</tr>")
     out.append("</table>")

@@ -34,6 +34,13 @@ STATUS_FIT_FAILED = "fit_failed"
 # float64 arrays): 2**21 cells ≈ 32 MB, so the DKS scan stays well under 64 MB for any n.
 _CHUNK_ELEMENTS = 2**21
 
+# DKS on long tails skips candidates whose lower bound on D (from the first _PRUNE_HEAD and
+# then every _PRUNE_STRIDE-th cell) already exceeds the best D found (see _dks_best).
+_PRUNE_MIN_CANDIDATES = 256
+_PRUNE_HEAD = 32
+_PRUNE_STRIDE = 16
+_PRUNE_BLOCK_ROWS = 32
+
 # matrix_rank's tolerance is σ_max·max_dim·eps like numpy.linalg.matrix_rank's, but with
 # float32's eps: the fast path computes eigenvalues in float32, so smaller σ are noise.
 _EPS_FLOAT32 = float(np.finfo(np.float32).eps)
@@ -163,11 +170,19 @@ def _fit_sorted(
     if n < 2:
         return _FAILED
     alphas = _alphas(tail)
+    if fix_fingers == "DKS" and n - 1 >= _PRUNE_MIN_CANDIDATES:
+        found = _dks_best(tail, alphas)
+        if found is None:
+            return _FAILED
+        best, d = found
+        return PowerLawFit(
+            alpha=float(alphas[best]), D=d, xmin=float(tail[best]), status=STATUS_OK
+        )
     if fix_fingers == "xmin_mid":
         lo, hi = n // 2, min(n // 2 + 1, n - 1)  # n = 2: the median is the top, no candidate
     elif fix_fingers == "xmin_peak":
         lo, hi = _peak_window(tail, bins)
-    else:  # DKS
+    else:  # DKS on a short tail: the full scan is as cheap as pruning
         lo, hi = 0, n - 1
     ds = _ks_distances(tail, lo, hi, alphas[lo:hi])
     if not np.any(np.isfinite(ds)):
@@ -177,6 +192,66 @@ def _fit_sorted(
     return PowerLawFit(
         alpha=float(alphas[best]), D=float(ds[pick]), xmin=float(tail[best]), status=STATUS_OK
     )
+
+
+def _dks_best(lam: FloatArray, alphas: FloatArray) -> tuple[int, float] | None:
+    """The first i with the smallest D_i over the valid candidates, as a full scan finds it.
+
+    D_i is a maximum over k of cells computed cell by cell; the maximum over some of those
+    cells (the first _PRUNE_HEAD k, then every _PRUNE_STRIDE-th) is a lower bound
+    LB_i ≤ D_i. Exact D_i are computed in increasing order of LB_i, and the search stops
+    once the next LB_i exceeds the best D found: no remaining candidate can beat or tie it.
+    Every cell is the same arithmetic as in _ks_distances, so D is bit-identical.
+    """
+    n = lam.size
+    valid = np.flatnonzero(np.isfinite(alphas))
+    if valid.size == 0:
+        return None
+    logs = _logs_from_top(lam)
+    padded = np.concatenate([logs, np.full(n, np.inf)])
+    exponents = 1.0 - alphas
+    cols = np.unique(np.concatenate([np.arange(min(_PRUNE_HEAD, n)),
+                                     np.arange(0, n, _PRUNE_STRIDE)]))
+    step = max(1, _CHUNK_ELEMENTS // cols.size)
+    bounds = np.concatenate([
+        _ks_cells_max(padded, logs, exponents, valid[i : i + step], cols, n)
+        for i in range(0, valid.size, step)
+    ])
+    order = valid[np.argsort(bounds, kind="stable")]
+    bounds = np.sort(bounds, kind="stable")
+    best_i, best_d = -1, math.inf
+    rows_per_block = max(1, min(_PRUNE_BLOCK_ROWS, _CHUNK_ELEMENTS // n))
+    for start in range(0, order.size, rows_per_block):
+        if bounds[start] > best_d:
+            break
+        rows = order[start : start + rows_per_block]
+        width = n - int(rows.min())
+        ds = _ks_cells_max(padded, logs, exponents, rows, np.arange(width), n)
+        for i, d in zip(rows.tolist(), ds.tolist(), strict=True):
+            if d < best_d or (d == best_d and i < best_i):
+                best_i, best_d = i, d
+    return best_i, best_d
+
+
+def _ks_cells_max(
+    padded: FloatArray, logs: FloatArray, exponents: FloatArray, rows: npt.NDArray[np.intp],
+    ks: npt.NDArray[np.intp], n: int,
+) -> FloatArray:
+    """max over k in ks of |(1 − min(k/n_i, 1)) − (λ_{i+k}/λ_i)^{1−α_i}| for each i in rows.
+
+    `padded` is logs followed by +inf (cells past the tail are 0, as in _ks_distances).
+    """
+    block = padded[rows[:, None] + ks[None, :]] - logs[rows, None]
+    block *= exponents[rows, None]
+    with np.errstate(under="ignore"):
+        np.exp(block, out=block)
+    empirical = ks[None, :].astype(np.float64) / (n - rows)[:, None].astype(np.float64)
+    np.minimum(empirical, 1.0, out=empirical)
+    np.subtract(1.0, empirical, out=empirical)
+    empirical -= block
+    np.abs(empirical, out=empirical)
+    result: FloatArray = empirical.max(axis=1)
+    return result
 
 
 def _alphas(lam: FloatArray) -> FloatArray:

@@ -122,10 +122,17 @@ def _download(model_id: str, revision: str | None) -> tuple[Path, str | None]:
         raise classify_hub_error(e, model_id, revision) from e
 
 
-def classify_hub_error(e: Exception, model_id: str, revision: str | None) -> WorkerError:
-    """Map huggingface_hub / network errors to permanent or transient, with what to do next."""
+def classify_hub_error(
+    e: Exception, model_id: str, revision: str | None, *, offline: bool | None = None
+) -> WorkerError:
+    """Map huggingface_hub / network errors to permanent or transient, with what to do next.
+
+    offline: whether HF_HUB_OFFLINE is in force (default: huggingface_hub's reading of it).
+    """
     from huggingface_hub import constants, errors
 
+    if offline is None:
+        offline = bool(constants.HF_HUB_OFFLINE)
     what = model_id if revision is None else f"{model_id}@{revision}"
     if isinstance(e, errors.GatedRepoError):
         return PermanentModelError(
@@ -138,9 +145,7 @@ def classify_hub_error(e: Exception, model_id: str, revision: str | None) -> Wor
         return PermanentModelError(
             f"model not found: {what} (private repos need HF_TOKEN)"
         )
-    if constants.HF_HUB_OFFLINE and isinstance(
-        e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)
-    ):
+    if offline and isinstance(e, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
         return PermanentModelError(
             f"{what} is not in the HF cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 is "
             "set: download it first, or unset HF_HUB_OFFLINE"

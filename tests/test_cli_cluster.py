@@ -182,6 +182,29 @@ def test_dry_run_prints_valid_jobs_and_creates_nothing(
     assert sim.count("create", "jobs") == 0
 
 
+def test_dry_run_passes_the_store_endpoint_but_no_credentials(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers must reach the same S3-compatible store as the controller: AWS_ENDPOINT_URL
+    and the region go into each Job as plain env; the access keys never do (Secrets only)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio.minio:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEEXAMPLE00")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak-this-secret")
+    models = write_list(tmp_path / "m.csv", IDS[:1])
+    code = main(["run", "--backend", "kubernetes", "--dry-run", "--model-list", str(models),
+                 "--output-dir", str(tmp_path / "out"), "--s3-secret", "s3-creds"])
+    assert code == 0
+    out = capsys.readouterr().out
+    [doc] = list(yaml.safe_load_all(out))
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    env = {e["name"]: e for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://minio.minio:9000"
+    assert env["AWS_REGION"]["value"] == "eu-west-1"
+    assert "valueFrom" in env["AWS_SECRET_ACCESS_KEY"]
+    assert "do-not-leak-this-secret" not in out and "AKIAEXAMPLEEXAMPLE00" not in out
+
+
 def test_cluster_worker_flags_match_the_local_ones(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """The Job's container args are the local worker's flags with `esd-worker` as program."""
@@ -312,3 +335,23 @@ def test_report_is_written_for_the_local_backend_on_usage_errors(
     assert report == {"exit_code": 2, "ok": False, "error": report["error"], "run_id": None,
                       "counts": {}, "failures": {}, "summary": None, "run_report": None}
     assert "--limit" in report["error"]
+
+
+def test_api_unreachable_after_retries_is_an_infrastructure_error(
+    sim: KubeSim, tmp_path: Path,
+) -> None:
+    """The API server stays down longer than the client's retry deadline: the sweep stops
+    with InfrastructureError (exit 3) saying the API is unreachable."""
+    from controller.cluster import ClusterSettings
+    from controller.kube import KubeClient, RetryPolicy
+    from controller.sweep import EXIT_INFRA, InfrastructureError, run_sweep
+
+    settings = SweepSettings(
+        output=str(tmp_path / "out"), single_model="org/alpha", backend="kubernetes",
+        cluster=ClusterSettings(namespace=NS, allow_local_output=True, telemetry=False))
+    sim.api_down(30)
+    retry = RetryPolicy(attempts=3, base_s=0.01, max_s=0.02, deadline_s=0.5)
+    with KubeClient(sim.configuration(), retry=retry) as kube, \
+            pytest.raises(InfrastructureError, match="unreachable") as raised:
+        run_sweep(settings, kube=kube)
+    assert raised.value.exit_code == EXIT_INFRA

@@ -610,3 +610,19 @@ def test_diagnose_failure(job_reason: str, pod: dict[str, Any] | None, error: st
 def test_describe_pending(job: dict[str, Any], pods: list[dict[str, Any]],
                           events: list[dict[str, Any]], expected: str) -> None:
     assert describe_pending(job, pods, events).startswith(expected)
+
+
+def test_no_wait_with_telemetry_waits_for_the_checks(sim: KubeSim, kube: KubeClient,
+                                                     store: Store) -> None:
+    """GPUs count as free only after --max-checks polls: --no-wait does not give up before
+    then, and submits pinned Jobs once the idle GPUs qualify."""
+    idle, url = _exporter("node-b", [0.0, 0.0])
+    try:
+        backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
+                               max_checks=3, wait=False)
+        backend.run(make_rows(3))
+    finally:
+        idle.shutdown()
+        idle.server_close()
+    assert len(job_names(sim)) == 2  # two idle GPUs, reserved until the pods run
+    assert backend._polls >= 3

@@ -461,3 +461,51 @@ def test_module_does_not_import_torch() -> None:
     """`refit` runs where torch is absent: powerlaw must stay numpy-only."""
     code = "import sys, esd_worker.powerlaw; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _full_scan_best(lam: np.ndarray, evals_thresh: float = 1e-5) -> tuple[float, float, float]:
+    """(α, D, xmin) of the first smallest D over every candidate: the unpruned DKS scan."""
+    tail = np.sort(lam[lam > evals_thresh])
+    alphas, ds = alpha_ks_all(tail)
+    i = int(np.nanargmin(ds))
+    return float(alphas[i]), float(ds[i]), float(tail[i])
+
+
+PRUNE_CASES = {
+    "pareto-2.5": make_pareto(2.5, 3000, seed=11),
+    "pareto-4": make_pareto(4.0, 2000, seed=12),
+    "marchenko-pastur": make_gaussian_evals(1200, 900, seed=13),
+    "mp-plus-spikes": np.concatenate([make_gaussian_evals(800, 700, seed=14),
+                                      make_pareto(2.0, 40, seed=15, xmin=3000.0)]),
+    "ties": np.repeat(make_pareto(3.0, 400, seed=16), 3),
+}
+
+
+@pytest.mark.parametrize("lam", PRUNE_CASES.values(), ids=PRUNE_CASES.keys())
+def test_pruned_dks_equals_the_full_scan(lam: np.ndarray) -> None:
+    """Long tails skip candidates whose lower bound on D exceeds the best D found; the
+    answer must be the full scan's exactly (same cells, same arithmetic): α, D and xmin
+    equal bit for bit, ties resolved to the first candidate."""
+    assert lam.size - 1 >= powerlaw._PRUNE_MIN_CANDIDATES
+    fit = fit_power_law(lam, fix_fingers="DKS")
+    assert (fit.alpha, fit.D, fit.xmin) == _full_scan_best(lam)
+
+
+@pytest.mark.parametrize("lam", BRUTE_CASES.values(), ids=BRUTE_CASES.keys())
+def test_pruned_dks_matches_brute_force_on_small_inputs(
+    lam: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With pruning forced on every size (and tiny blocks), DKS still picks the brute
+    force's candidate: the bound never skips the best one."""
+    monkeypatch.setattr(powerlaw, "_PRUNE_MIN_CANDIDATES", 1)
+    monkeypatch.setattr(powerlaw, "_PRUNE_HEAD", 2)
+    monkeypatch.setattr(powerlaw, "_PRUNE_STRIDE", 3)
+    monkeypatch.setattr(powerlaw, "_PRUNE_BLOCK_ROWS", 2)
+    fit = fit_power_law(lam, fix_fingers="DKS")
+    want = brute_best(lam.tolist(), range(lam.size - 1))
+    if want is None:
+        assert fit.status == "fit_failed"
+    else:
+        assert fit.status == "ok"
+        assert fit.alpha == pytest.approx(want[0], rel=1e-12)
+        assert pytest.approx(want[1], abs=1e-12) == fit.D

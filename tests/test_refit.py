@@ -149,6 +149,25 @@ def test_refit_summary_is_computed_from_the_new_tables(
     assert record["rows"]["refit"] == dks.counts.refit
 
 
+def test_report_on_a_refit_table(
+    example: Path, dks: refit.RefitResult, tmp_path: Path
+) -> None:
+    """`report --tag` reads layers.<tag>.csv: its summary has the refit's statistics (as
+    summary.<tag>.csv) and its layer table the refit's α and fix_fingers."""
+    from controller.report import ReportSettings, write_report
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    write_report(ReportSettings(results=str(example), out=str(tmp_path), tag=dks.tag,
+                                max_model_plots=1, esd_layers=1))
+    mine = {r["model_key"]: r["alpha_mean"] for r in csv.DictReader(
+        (tmp_path / "summary.csv").open())}
+    refit_summary = {r["model_key"]: r["alpha_mean"] for r in csv.DictReader(
+        (example / f"summary.{dks.tag}.csv").open())}
+    assert mine == refit_summary
+    table = pq.read_table(tmp_path / "layers.parquet").to_pylist()
+    assert {r["fix_fingers"] for r in table} == {"DKS"}
+
+
 def test_threads_do_not_change_the_numbers(example: Path, dks: refit.RefitResult) -> None:
     """Layers fitted one at a time write the same bytes as layers fitted concurrently."""
     serial = refit_store(RefitSettings(results=str(example), fix_fingers="DKS", threads=1,

@@ -229,6 +229,23 @@ def test_max_model_plots_caps_per_model_plots_and_says_so(example: Path, tmp_pat
     assert "Per-model plots for the first 1 of 3 models" in page
     assert "--max-model-plots 1" in page
     assert len((out / SUMMARY_NAME).read_text().splitlines()) == 1 + 3
+    links = _Links()
+    links.feed(page)
+    assert {r[1:] for r in links.refs if r.startswith("#")} <= links.ids
+    assert all((out / r).is_file() for r in links.refs if not r.startswith("#"))
+
+
+def test_tables_stream_in_chunks(example: Path) -> None:
+    """iter_results reads a few tables at a time and yields every model in the given order,
+    so a report or refit of a large store holds one chunk of tables in memory."""
+    from esd_worker.store import open_store
+
+    store = open_store(str(example))
+    markers = report.read_model_markers(store)
+    order = sorted(markers, reverse=True)
+    got = list(report.iter_results(store, markers, order, chunk=2))
+    assert [r.key for r in got] == order
+    assert all(r.rows for r in got)
 
 
 def _result(alphas: list[float], statuses: list[str] | None = None) -> ModelResult:

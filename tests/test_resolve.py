@@ -155,10 +155,17 @@ def _hub_error(name: str) -> Exception:
 )
 def test_hub_errors_map_to_exit_codes(name: str, kind: type[Exception], fragment: str) -> None:
     """Never retry 401/403/404 (permanent, exit 3); network trouble and 5xx are transient."""
-    error = classify_hub_error(_hub_error(name), "org/name", None)
+    error = classify_hub_error(_hub_error(name), "org/name", None, offline=False)
     assert type(error) is kind
     assert fragment in str(error)
     assert "\n" not in str(error)
+
+
+def test_missing_from_cache_while_offline_is_permanent() -> None:
+    """With HF_HUB_OFFLINE=1 a cache miss cannot heal by retrying: exit 3, saying so."""
+    error = classify_hub_error(_hub_error("local-entry"), "org/name", None, offline=True)
+    assert type(error) is PermanentModelError
+    assert "HF_HUB_OFFLINE=1" in str(error)
 
 
 @pytest.mark.parametrize(
