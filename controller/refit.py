@@ -50,9 +50,8 @@ from controller.report import (
 )
 from controller.summary import summary_to_csv
 from esd_worker.errors import UsageError
-from esd_worker.flags import add_flag
+from esd_worker.flags import add_fit_flags, add_flag
 from esd_worker.powerlaw import (
-    FIX_FINGERS,
     METRIC_COLUMNS,
     STATUS_FIT_FAILED,
     STATUS_OK,
@@ -283,16 +282,10 @@ def layers_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
 
 
 def add_refit_flags(parser: argparse.ArgumentParser) -> None:
-    d = AnalysisSettings()
     add_flag(parser, "--output-dir", "--output", "--results", required=True, metavar="URL",
              help="results location with eigs.npz: a directory, file:// URL or s3://…; the "
              "refit tables are written next to the originals")
-    add_flag(parser, "--fix-fingers", choices=FIX_FINGERS, default=d.fix_fingers,
-             help=f"how xmin is chosen (default {d.fix_fingers})")
-    add_flag(parser, "--evals-thresh", type=float, default=d.evals_thresh,
-             help=f"eigenvalues <= this are left out of the fit (default {d.evals_thresh:g})")
-    add_flag(parser, "--bins", type=int, default=d.bins,
-             help=f"histogram bins for xmin_peak (default {d.bins})")
+    add_fit_flags(parser)
     add_flag(parser, "--min-evals", type=int, default=None, metavar="N",
              help="mark layers whose smaller side is below N too_small (default: as analysed; "
              "layers analysed as too_small have no eigenvalues and stay so)")

@@ -24,8 +24,8 @@ def add_flag(
     parser.add_argument(*names, **kwargs)
 
 
-def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """The ESD flags; their defaults are AnalysisSettings' (ESD_SPEC.md)."""
+def add_fit_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """The power-law fit flags (all a refit can change); defaults are AnalysisSettings'."""
     d = AnalysisSettings()
     add_flag(parser, "--fix-fingers", choices=FIX_FINGERS, default=d.fix_fingers,
              help=f"how xmin is chosen (default {d.fix_fingers})")
@@ -33,6 +33,12 @@ def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
              help=f"eigenvalues <= this are left out of the fit (default {d.evals_thresh:g})")
     add_flag(parser, "--bins", type=int, default=d.bins,
              help=f"histogram bins for xmin_peak (default {d.bins})")
+
+
+def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """The ESD flags; their defaults are AnalysisSettings' (ESD_SPEC.md)."""
+    d = AnalysisSettings()
+    add_fit_flags(parser)
     add_flag(parser, "--min-evals", type=int, default=d.min_evals,
              help=f"layers whose smaller side is below this are reported too_small "
              f"(default {d.min_evals})")
