@@ -172,3 +172,73 @@ def test_controller_killed_mid_run_loses_nothing(tiny_models: list[Path], tmp_pa
     assert all(done.get(k, 0) <= 1 for k in written)
     assert all(done.get(k, 0) == 1 for k in keys if k not in written)
     assert not list(out.rglob("*.tmp"))
+
+
+def _start_sweep(models: Path, out: Path, *extra: str) -> subprocess.Popen[str]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(sweep_argv(models, out, *extra), cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, "the sweep ended too early"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("presses", [1, 2], ids=["ctrl-c-once", "ctrl-c-twice"])
+def test_ctrl_c_stops_dispatching_and_the_same_command_resumes(
+    presses: int, tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """Ctrl+C once: no new model starts, the running worker finishes and writes its marker;
+    twice: the running worker is terminated and leaves no marker. Either way the sweep
+    exits 130, its run report says interrupted, and the same command then finishes the rest
+    (exit 0) without redoing the model finished before the interrupt."""
+    models = write_model_list(tmp_path / "models.csv", [(str(p), "", "") for p in tiny_models])
+    out = tmp_path / "results"
+    keys = [model_key(str(p)) for p in tiny_models]
+    proc = _start_sweep(models, out)
+    _wait_for(out / "logs" / "workers" / f"{keys[0]}.log", proc)
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    started = sorted(p.stem for p in (out / "logs" / "workers").glob("*.log"))
+    assert started == [keys[0]]  # nothing was dispatched after the interrupt
+    first_marker = out / keys[0] / "result.json"
+    assert first_marker.exists() is (presses == 1)
+    [report] = list((out / "runs").glob("*.json"))
+    assert json.loads(report.read_text())["interrupted"] is True
+
+    before = first_marker.read_bytes() if presses == 1 else None
+    again = run_sweep(models, out)
+    assert again.returncode == 0, again.stderr
+    assert all((out / k / "result.json").is_file() for k in keys)
+    if before is not None:
+        assert first_marker.read_bytes() == before
+
+
+def test_custom_commands_run_under_the_same_management(tmp_path: Path) -> None:
+    """--mode custom runs each command line (argv split, no shell) with the worker slots and
+    records: one that exits 3 is a permanent failure (exit 1), the others succeed."""
+    marker = tmp_path / "ran"
+    commands = tmp_path / "commands.txt"
+    commands.write_text(
+        "# comment lines and blank lines are skipped\n\n"
+        f"{sys.executable} -c \"open('{marker}-a', 'w').close()\"\n"
+        f"{sys.executable} -c \"import sys; sys.exit(3)\"\n"
+        f"{sys.executable} -c \"open('{marker}-b', 'w').close()\"\n"
+    )
+    out = tmp_path / "results"
+    argv = [sys.executable, "-m", "controller.cli", "run", "--mode", "custom", "--commands",
+            str(commands), "--output-dir", str(out), "--device", "cpu", "--cpu-workers", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert (tmp_path / "ran-a").exists() and (tmp_path / "ran-b").exists()
+    [report] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
+    assert report["mode"] == "custom"
+    assert report["counts"]["done"] == 2 and report["counts"]["failed"] == 1
