@@ -24,6 +24,7 @@ example: setup
 run: example
 	HF_HUB_OFFLINE=1 $(VENV)/bin/esd-sweep run --model-list $(EXAMPLE)/models.csv \
 		--output-dir $(RESULTS)
+	$(VENV)/bin/esd-sweep report --output-dir $(RESULTS)
 
 test: setup
 	$(PY) -m pytest
