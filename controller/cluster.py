@@ -176,6 +176,27 @@ PASSTHROUGH_ENV = (
 )
 
 
+# Worker flags that change how a worker runs or logs, not what it computes or where it
+# writes: a Job that differs only in these is still this sweep's Job for the same model.
+_PRESENTATION_FLAGS = frozenset({"--log-format", "--device"})
+
+
+def result_args(args: Sequence[str]) -> tuple[str, ...]:
+    """The worker args without _PRESENTATION_FLAGS and their values (for adoption)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _PRESENTATION_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return tuple(out)
+
+
 def worker_passthrough_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The PASSTHROUGH_ENV variables set in the controller's environment, for the Jobs."""
     environ = os.environ if environ is None else environ
@@ -439,6 +460,7 @@ class ClusterBackend:
         self._next_pending_check = 0.0
         self._telemetry_state = "unknown"  # unknown | on | off
         self._telemetry_said_off = False
+        self._quota_said = False
         self._polls = 0  # telemetry polls that gave readings
         self._next_poll = 0.0
         self._pool: ThreadPoolExecutor | None = None
@@ -592,7 +614,7 @@ class ClusterBackend:
         containers = ((job.get("spec") or {}).get("template") or {}).get("spec", {}).get(
             "containers") or []
         args = next((c.get("args") for c in containers if c.get("name") == CONTAINER_NAME), None)
-        return tuple(args or ()) == self._args_for(model)
+        return result_args(args or ()) == result_args(self._args_for(model))
 
     def _adopt(self) -> str:
         """List this sweep's Jobs: take their attempt numbers, adopt unfinished ones of
@@ -664,7 +686,7 @@ class ClusterBackend:
                     index += 1
                 if index < len(candidates):
                     node = candidates[index]
-                    affinity = node_affinity([node])
+                    affinity = node_affinity([node], key="metadata.name")
                 elif not self.settings.allow_pending:
                     self._room_blocked = True
                     return
@@ -688,8 +710,18 @@ class ClusterBackend:
             self._finish(model, "failed", Diagnosis(f"JobSpecError: {e}", False, None, None, ()))
             return
         name = job["metadata"]["name"]
+        try:
+            result = self.kube.create_job(self.settings.namespace, job)
+        except self._k.KubeQuotaError as e:
+            # A ResourceQuota is full: wait for something to finish, do not fail the sweep.
+            self._queue.appendleft(model.row.key)
+            self._room_blocked = True
+            if not self._quota_said:
+                log.warning("namespace %s is at its quota (%s): waiting for running Jobs "
+                            "to finish", self.settings.namespace, e)
+                self._quota_said = True
+            return
         model.attempt = attempt
-        result = self.kube.create_job(self.settings.namespace, job)
         if result == "exists":
             existing = self.kube.read_job(self.settings.namespace, name)
             if existing is None:  # deleted in between: try the next name on the next pass
@@ -808,7 +840,11 @@ class ClusterBackend:
             self._on_job(job)
         for key in list(self._flight):
             model = self._models[key]
-            if model.name not in seen:
+            # A Job created after the list was taken is not in it: only one the API no
+            # longer has was deleted (else the model would be submitted a second time).
+            if model.name is not None and model.name not in seen and self.kube.read_job(
+                self.settings.namespace, model.name
+            ) is None:
                 self._on_deleted({"metadata": {"name": model.name}, "status": {}})
 
     def _finish(self, model: _Model, status: str, diagnosis: Diagnosis,
@@ -898,7 +934,12 @@ class ClusterBackend:
 
     def _telemetry_off(self, why: str) -> None:
         if self._telemetry_state == "on":
-            return  # keep the tracker's view; staleness makes it cautious on its own
+            if self.tracker.has_fresh_nodes():
+                return  # keep the tracker's view while some node is still fresh
+            # Every node went stale: pinning to nothing would stall the sweep for good.
+            log.warning("GPU telemetry lost (%s): Jobs now only request nvidia.com/gpu and "
+                        "the scheduler places them", why)
+            self._telemetry_said_off = True
         self._telemetry_state = "off"
         if not self._telemetry_said_off:
             log.info("no GPU telemetry (%s): Jobs only request nvidia.com/gpu and the "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,8 @@ class _Gpu:
     needed: int = 1
     # Polls over the threshold still tolerated after a release before the fast path ends.
     settle_left: int = 0
+    # When our worker released it (monotonic s): the fast path lasts max_checks polls' time.
+    released_at: float = -math.inf
     read_error: bool = False
 
 
@@ -235,6 +238,8 @@ class GpuTracker:
     def poll(self) -> None:
         """Read every managed GPU once and update its consecutive-free count."""
         threshold = self.settings.threshold_mib
+        now = time.monotonic()
+        window = self.settings.max_checks * self.settings.poll_interval_s
         for gpu in self._state.values():
             try:
                 used = self.nvml.used_mib(gpu.index)
@@ -252,6 +257,9 @@ class GpuTracker:
             gpu.used_mib = used
             if gpu.taken:
                 continue
+            if gpu.needed < self.settings.max_checks and now - gpu.released_at > window:
+                # Released long ago: whatever uses it now is not our exited worker.
+                gpu.needed = self.settings.max_checks
             if used < threshold:
                 gpu.free_checks += 1
                 continue
@@ -296,6 +304,7 @@ class GpuTracker:
             gpu.free_checks = 0
             gpu.needed = 1
             gpu.settle_left = self.settings.max_checks
+            gpu.released_at = time.monotonic()
 
     def snapshot(self) -> tuple[GpuState, ...]:
         """Every managed GPU as last polled, in gpu_list order."""

@@ -139,6 +139,10 @@ _MEANINGS = {
 }
 
 
+class LogDirError(OSError):
+    """The worker log under --log-dir cannot be written (the sweep stops: exit 2)."""
+
+
 def classify_exit(returncode: int) -> tuple[str, bool]:
     """(error, retryable) for a Popen return code; ("", False) for success.
 
@@ -575,9 +579,12 @@ class LocalBackend:
         if self.settings.log_dir is None:
             return tempfile.TemporaryFile(), None
         directory = self.settings.log_dir / "workers"
-        directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{_safe_name(task.key)}.log"
-        return open(path, "a+b"), path  # closed when the attempt is reaped
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return open(path, "a+b"), path  # closed when the attempt is reaped
+        except OSError as e:
+            raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
 
 
 _PR_SET_PDEATHSIG = 1

@@ -21,11 +21,11 @@ if TYPE_CHECKING:
 
 from controller.cluster import ClusterBackend, ClusterSettings, sweep_instance
 from controller.gpus import GpuSettings, GpuTracker, open_nvml
-from controller.local import LocalBackend, LocalSettings, Outcome, Task, read_commands
+from controller.local import LocalBackend, LocalSettings, LogDirError, Outcome, Task, read_commands
 from controller.modellist import ModelList, ModelRow, make_single, read_model_list
 from controller.plan import Plan, plan_run
 from controller.progress import Progress
-from controller.records import FailureRecord, clear_failure, write_failure
+from controller.records import FailureRecord, clear_failure, redact, write_failure
 from controller.summary import new_run_id, write_run_report, write_summary
 from esd_worker.flags import analysis_argv
 from esd_worker.settings import AnalysisSettings
@@ -281,7 +281,8 @@ class _Recorder:
         self.durations[key] = round(outcome.duration_s, 3)
         if row is not None:
             write_failure(self.store, record)
-        last = next((line for line in reversed(outcome.stderr_tail) if line.strip()), "")
+        tail = (line for line in reversed(outcome.stderr_tail) if line.strip())
+        last = redact(next(tail, ""))  # records are redacted; this log line must be too
         log.error("model=%s key=%s failed after %d attempt(s): %s%s", label, key,
                   outcome.attempts, error, f" | {last}" if last else "")
 
@@ -377,7 +378,10 @@ def run_sweep(
     custom = settings.commands is not None
     if custom:
         assert settings.commands is not None
-        tasks = read_commands(settings.commands)
+        try:
+            tasks = read_commands(settings.commands)
+        except (OSError, ValueError) as e:
+            raise SweepError(f"--commands {settings.commands}: {e}") from e
         rows: dict[str, ModelRow] = {}
         plan = None
         problems = 0
@@ -436,10 +440,13 @@ def run_sweep(
                 on_outcome=recorder, progress=progress,
             )
         else:
-            backend = LocalBackend(
-                settings.local, tracker, gpus_per_job=settings.gpu.gpus_per_job,
-                on_outcome=recorder, progress=progress,
-            )
+            try:
+                backend = LocalBackend(
+                    settings.local, tracker, gpus_per_job=settings.gpu.gpus_per_job,
+                    on_outcome=recorder, progress=progress,
+                )
+            except ValueError as e:  # e.g. --gpus-per-job larger than the usable GPUs
+                raise SweepError(str(e)) from e
         with _Interrupts(backend, cluster=cluster) as interrupts:
             if isinstance(backend, ClusterBackend):
                 assert plan is not None
@@ -447,6 +454,8 @@ def run_sweep(
             else:
                 backend.run(tasks)
             interrupted = interrupts.count > 0
+    except LogDirError as e:
+        raise SweepError(f"{e} (--log-dir)") from e
     except Exception as e:
         mapped = _cluster_error(e) if cluster else None
         if mapped is not None:

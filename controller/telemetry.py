@@ -431,6 +431,11 @@ class NodeGpuTracker:
         ranked.sort()
         return [node for _, _, node in ranked]
 
+    def has_fresh_nodes(self) -> bool:
+        """Whether any node was seen within stale_after_s (telemetry is still working)."""
+        now = self._clock()
+        return any(self._fresh(state, now) for state in self._nodes.values())
+
     def status(self) -> list[NodeStatus]:
         """Every node with telemetry, by name."""
         now = self._clock()

@@ -280,6 +280,9 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
             ) from e
     t_analyse = time.perf_counter()
 
+    # An older marker (other parameters) must not vouch for the files about to change: if
+    # this run dies between them, the model is simply not done.
+    store.delete(f"{key}/{MARKER_NAME}")
     store.put_bytes(f"{key}/{LAYERS_NAME}", layers_to_csv(job.rows))
     if settings.save_eigs:
         store.put_bytes(f"{key}/{EIGS_NAME}", eigs_to_npz(job.eigs))

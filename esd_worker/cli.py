@@ -12,7 +12,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from esd_worker import __version__
-from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, TransientError, WorkerError
+from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.settings import DEVICES, WorkerSettings
@@ -74,8 +74,13 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
-class Terminated(TransientError):
-    """SIGTERM (eviction, preemption, Ctrl+C from the controller): a retry can succeed."""
+class Terminated(BaseException):
+    """SIGTERM (eviction, preemption, the controller stopping or dying): exit 4, no result.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (a
+    fallback in layer discovery, say) can swallow it and let a stopped worker carry on
+    and write a degraded result.
+    """
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -106,8 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.error("%s", e, extra={"exit_code": e.exit_code})
         _fail(str(e))
         return e.exit_code
-    except KeyboardInterrupt:
-        _fail("interrupted; no result written")
+    except (KeyboardInterrupt, Terminated) as e:
+        _fail(str(e) if isinstance(e, Terminated) else "interrupted; no result written")
         return EXIT_TRANSIENT
     except MemoryError:
         _fail("out of host memory; retry on a larger machine")

@@ -169,6 +169,11 @@ class LoraAdapter:
     def _collect(self, tensors: dict[str, torch.Tensor]) -> None:
         parts: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
+            if key.endswith(".bias"):
+                # lora_bias (and saved biases) change a layer's bias, not its weight matrix:
+                # nothing to merge into the spectrum. Matched as a lora part, a bias would
+                # overwrite B with a vector.
+                continue
             m = _LORA_KEY.match(key)
             if m:
                 parts.setdefault(m["module"], {})[m["part"]] = tensor

@@ -424,8 +424,10 @@ def test_jobs_go_to_nodes_whose_gpus_have_room(
     for job in sim.objects("jobs", NS):
         terms = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
             "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert terms == [{"matchExpressions": [
-            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-b"]}]}]
+        # The exact node name (matchFields), which the exporter reports from spec.nodeName:
+        # the kubernetes.io/hostname label differs from it under --hostname-override.
+        assert terms == [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}]
 
 
 def test_exporter_pods_are_found_by_selector(sim: KubeSim, kube: KubeClient,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -408,3 +409,18 @@ def test_real_nvml_when_a_gpu_is_there() -> None:
         assert tracker.acquire(1) == (0,)
     finally:
         nvml.close()
+
+
+def test_release_fast_path_expires_with_time() -> None:
+    """One free poll suffices right after our own worker exits (we know why the GPU was
+    busy). Once max_checks polls' worth of time has passed without a poll, whatever is on
+    the GPU is not our worker any more: the full max_checks rule applies again."""
+    tracker, _ = make_tracker([[10.0]], max_checks=3, poll_interval_s=0.01)
+    poll(tracker, 3)
+    assert tracker.acquire(1) == (0,)
+    tracker.release([0])
+    time.sleep(0.05)  # > 3 × 0.01 s
+    poll(tracker, 1)
+    assert tracker.acquire(1) is None
+    poll(tracker, 2)
+    assert tracker.acquire(1) == (0,)

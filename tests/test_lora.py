@@ -346,3 +346,28 @@ def test_in_place_merge_equals_delta(
     with pytest.raises(PermanentModelError, match="wrong base model"):
         add_lora_(torch.zeros(shape[::-1] if shape[0] != shape[1] else (5, 5),
                               dtype=torch.float64), module, fan_in_fan_out=fan_in_fan_out)
+
+
+def test_lora_bias_in_a_bin_adapter_is_not_taken_for_lora_b(
+    gpt2_dir: Path, tmp_path: Path
+) -> None:
+    """lora_bias=True saves `…lora_B.bias` next to `…lora_B.weight`. In a .bin adapter the
+    bias comes last; read as a LoRA part it replaced B by a vector and the merge crashed.
+    A bias does not change the weight matrix, so the spectra must equal peft's merge."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from tests.builders import make_peft_adapter
+
+    adapter = make_peft_adapter(  # GPT-2's layers have biases, which lora_bias needs
+        gpt2_dir, tmp_path / "bias",
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True,
+                   lora_bias=True), seed=5,
+    )
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.bias") for k in tensors)
+    ordered = dict(sorted(tensors.items(), key=lambda kv: kv[0].endswith(".bias")))
+    torch.save(ordered, adapter / "adapter_model.bin")
+    (adapter / "adapter_model.safetensors").unlink()
+    result = run_analysis(adapter, tmp_path / "out", precision="float64")
+    assert_matches_peft(result, peft_merged_weights(gpt2_dir, adapter))

@@ -242,3 +242,55 @@ def test_custom_commands_run_under_the_same_management(tmp_path: Path) -> None:
     [report] = [json.loads(p.read_text()) for p in (out / "runs").glob("*.json")]
     assert report["mode"] == "custom"
     assert report["counts"]["done"] == 2 and report["counts"]["failed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("setup", "expected"),
+    [
+        ("missing-commands", "--commands"),
+        ("unbalanced-quote", "cannot split"),
+        ("log-dir-blocked", "--log-dir"),
+    ],
+    ids=["missing-commands-file", "unbalanced-quote", "workers-log-dir-is-a-file"],
+)
+def test_configuration_mistakes_are_one_line_and_exit_2(
+    setup: str, expected: str, tmp_path: Path
+) -> None:
+    """A user's mistake is a usage error (exit 2: CI must not read it as 'some models
+    failed', exit 1), told in one line, never a traceback."""
+    commands = tmp_path / "commands.txt"
+    log_dir = tmp_path / "logs"
+    if setup == "unbalanced-quote":
+        commands.write_text("echo 'a\n")
+    elif setup == "log-dir-blocked":
+        commands.write_text(f"{sys.executable} -c pass\n")
+        log_dir.mkdir()
+        (log_dir / "workers").write_text("not a directory")
+    argv = [sys.executable, "-m", "controller.cli", "run", "--mode", "custom", "--commands",
+            str(commands), "--output-dir", str(tmp_path / "out"), "--device", "cpu",
+            "--log-dir", str(log_dir)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("esd-sweep: error")]
+    assert len(errors) == 1 and expected in errors[0]
+
+
+def test_a_token_in_worker_stderr_is_not_repeated_in_the_controller_log(tmp_path: Path) -> None:
+    """The controller logs each failure's last stderr line (console and esd-sweep.log in
+    the store's logs/): secrets in it are redacted there as in the failure record."""
+    token = "hf_" + "Q" * 30
+    commands = tmp_path / "commands.txt"
+    # The worker gets the token from its environment, as HF_TOKEN reaches real workers.
+    commands.write_text(f"{sys.executable} -c \"import os, sys; "
+                        "print('401 Authorization: Bearer ' + os.environ['ESD_TEST_TOKEN'], "
+                        "file=sys.stderr); sys.exit(3)\"\n")
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "controller.cli", "run", "--mode", "custom", "--commands",
+            str(commands), "--output-dir", str(out), "--device", "cpu"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env=os.environ | {"ESD_TEST_TOKEN": token})
+    assert done.returncode == 1
+    assert "401 Authorization" in done.stderr  # the line is logged...
+    assert token not in done.stderr  # ...without the token
+    assert token not in (out / "logs" / "esd-sweep.log").read_text()
