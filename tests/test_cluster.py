@@ -390,6 +390,29 @@ def test_other_parameters_are_not_adopted(sim: KubeSim, kube: KubeClient, store:
     assert job_name(row.key, 1) in job_names(sim)
 
 
+def test_restart_with_another_log_format_still_adopts(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+) -> None:
+    """The in-cluster controller logs JSON; a person re-running the sweep from a laptop
+    logs text. The worker's --log-format (and --device) do not change what it computes or
+    where it writes: the running Job is adopted, not submitted a second time."""
+    row = make_rows(1)[0]
+    make_backend(kube, store, wait=False).run([row])
+    settings = ClusterSettings(namespace=NS, watch_timeout_s=2, telemetry=False,
+                               image="ghcr.io/example/esd-sweep:0.1.0")
+    job_settings = settings.job_settings(
+        run_id="r2", instance=sweep_instance(store.url), gpus_per_job=1,
+        worker_args=("--fix-fingers", "xmin_mid"), log_format="text")
+    outcomes: list[Outcome] = []
+    backend = ClusterBackend(settings, kube, job_settings=job_settings,
+                             output_url=store.url, on_outcome=outcomes.append)
+    with cluster.autopilot():
+        backend.run([row])
+    assert backend.adopted == 1 and backend.created == 0
+    assert job_names(sim) == [job_name(row.key)]
+    assert [o.status for o in outcomes] == ["done"]
+
+
 # -- placement -----------------------------------------------------------------------------
 
 
