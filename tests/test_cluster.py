@@ -413,6 +413,23 @@ def test_restart_with_another_log_format_still_adopts(
     assert [o.status for o in outcomes] == ["done"]
 
 
+def test_full_resource_quota_waits_instead_of_failing_the_sweep(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+) -> None:
+    """403 "exceeded quota" on create is a full ResourceQuota, not missing RBAC: the model
+    goes back to the queue and is submitted once the quota has room; nothing fails."""
+    rows = make_rows(2)
+    sim.fail("create", "jobs", status=403, times=3, reason="Forbidden",
+             message='jobs.batch "x" is forbidden: exceeded quota: gpu-jobs, requested: '
+                     "count/jobs.batch=1, used: count/jobs.batch=8, limited: "
+                     "count/jobs.batch=8")
+    outcomes: list[Outcome] = []
+    with cluster.autopilot():
+        make_backend(kube, store, outcomes).run(rows)
+    assert sorted(o.status for o in outcomes) == ["done", "done"]
+    assert sorted(job_names(sim)) == sorted(job_name(r.key) for r in rows)
+
+
 # -- placement -----------------------------------------------------------------------------
 
 
