@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -616,10 +616,3 @@ def models_status(settings: SweepSettings) -> dict[str, Any]:
         "stale": len(plan.stale),
         "failed_permanent": len(plan.skipped_failed),
     }
-
-
-def summary_rows_for(
-    store: Store, rows: Sequence[ModelRow], parameters: dict[str, Any]
-) -> int:
-    """Rewrite summary.csv for `rows` (the `report` command)."""
-    return write_summary(store, list(rows), parameters=parameters)
