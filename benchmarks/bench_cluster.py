@@ -9,7 +9,7 @@ How it is measured:
   validation off, history trimmed, as its docstring advises for benchmarks), a driver that
   plays Job controller + kubelet + worker (on each new Job: mark it running, write the
   model's result.json marker into the store directory, mark it Complete; every
-  --fail-every-th model instead fails with exit 3 through tests.kubesim.JobSimulator, with
+  --fail-every-th model instead fails with exit 3 through tests.support.kubesim.JobSimulator, with
   a pod, so the controller's failure path — pod list, log read — is included), and the GPU
   telemetry: one static dcgm-exporter-format /metrics page listing every node's GPUs.
 - This process runs only the controller: ClusterBackend with the sweep's real _Recorder
@@ -65,7 +65,7 @@ def cluster_process(conn: Any, store_dir: str, nodes: int, gpus: int, fail_every
     from kubernetes import client as k8s
     from kubernetes.watch.watch import iter_resp_lines
 
-    from tests.kubesim import MERGE_PATCH, JobSimulator, KubeSim, now_rfc3339
+    from tests.support.kubesim import MERGE_PATCH, JobSimulator, KubeSim, now_rfc3339
 
     logging.basicConfig(level=logging.WARNING)
     page = telemetry_page(nodes, gpus)
@@ -153,8 +153,12 @@ def main() -> int:
 
     from kubernetes import client as k8s  # imported before the baseline: not per model
 
-    from controller.cluster import ClusterBackend, ClusterSettings, sweep_instance
-    from controller.kube import KubeClient
+    from controller.backends.kubernetes.backend import (
+        ClusterBackend,
+        ClusterSettings,
+        sweep_instance,
+    )
+    from controller.backends.kubernetes.client import KubeClient
     from controller.modellist import ModelRow
     from controller.sweep import _Recorder
     from esd_worker.store import open_store

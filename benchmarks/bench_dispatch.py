@@ -23,8 +23,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from controller.backends.local import LocalBackend, LocalSettings, Task
 from controller.gpus import GpuSettings, GpuTracker, Nvml
-from controller.local import LocalBackend, LocalSettings, Task
 
 TRIVIAL = (sys.executable, "-S", "-c", "pass")
 

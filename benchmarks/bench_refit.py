@@ -7,7 +7,7 @@ min(M, N) = 4096 eigenvalues each. Each spectrum is a Marchenko–Pastur bulk wi
 aspect ratio plus a Pareto tail above the bulk edge (α drawn from 2..5), so the fits behave
 as on a trained model. The layers.csv, eigs.npz and result.json are written as the worker
 writes them (layers.csv from layer_metrics with the worker's defaults, xmin_mid), then
-`controller.refit.refit_store` is timed with DKS and xmin_mid at 1 thread and at one
+`controller.results.refit.refit_store` is timed with DKS and xmin_mid at 1 thread and at one
 thread per CPU. Wall and CPU seconds include reading eigs.npz and writing the tables.
 
   python benchmarks/bench_refit.py [--runs 1] [--json PATH]
@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from controller.refit import RefitSettings, refit_store  # noqa: E402
+from controller.results.refit import RefitSettings, refit_store  # noqa: E402
 from esd_worker.naming import model_key  # noqa: E402
 from esd_worker.powerlaw import layer_metrics  # noqa: E402
 from esd_worker.results import (  # noqa: E402

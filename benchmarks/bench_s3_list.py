@@ -2,7 +2,7 @@
 
 Target (issue 4): <= 5 s against a local server (moto's ThreadedMotoServer on 127.0.0.1, real
 HTTP, real boto3 through AWS_ENDPOINT_URL) on the 2-core development machine. The server runs
-in a process of its own (`python -m tests.s3server`), as a store does: in this process its
+in a process of its own (`python -m tests.support.s3server`), as a store does: in this process its
 10,000 objects would burden this process's garbage collector and double the time. The markers
 are uploaded through the same store, concurrently; that is not timed. Listing is ListObjectsV2
 with 1000 keys a page: 10 requests for 10,000 markers, never one per model; about 0.4 s of
@@ -48,9 +48,9 @@ class Server:
 
 @contextmanager
 def s3_server_process() -> Iterator[Server]:
-    """`python -m tests.s3server` in a child process: its AWS_* environment and pid."""
+    """`python -m tests.support.s3server` in a child process: its AWS_* environment and pid."""
     server = subprocess.Popen(
-        [sys.executable, "-m", "tests.s3server", "--bucket", BUCKET], cwd=ROOT,
+        [sys.executable, "-m", "tests.support.s3server", "--bucket", BUCKET], cwd=ROOT,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     assert server.stdin is not None and server.stdout is not None

@@ -11,7 +11,7 @@
 #   2. correctness on the GPU: float32 Gram + eigvalsh on CUDA vs float64 SVD (4096×4096 and
 #      11008×4096; Gaussian and heavy-tailed spectra): max relative error of the top 500
 #      eigenvalues (ESD_SPEC.md: < 1e-6) and the α differences; plus kernel timings;
-#   3. tests/test_spectra.py, if present, with pytest (CUDA visible);
+#   3. tests/esd_worker/test_spectra.py, if present, with pytest (CUDA visible);
 #   4. bench_worker.py on the Llama-2-7B shape (checkpoint written to $CKPT on local disk):
 #      the worker end to end vs the whole-model svdvals baseline (its SVD loop capped at
 #      $BASELINE_MAX_S seconds, the rest extrapolated per shape, as the JSON says);
@@ -142,14 +142,14 @@ with open(sys.argv[1], "w") as f:
     json.dump(report, f, indent=2)
 EOF
 
-step "3. tests/test_spectra.py on the GPU machine"
-if [ -f tests/test_spectra.py ]; then
+step "3. tests/esd_worker/test_spectra.py on the GPU machine"
+if [ -f tests/esd_worker/test_spectra.py ]; then
   set +e
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_spectra.py 2>&1 | tee "$OUT/pytest_spectra.txt"
+  "$PY" -m pytest -q -p no:cacheprovider tests/esd_worker/test_spectra.py 2>&1 | tee "$OUT/pytest_spectra.txt"
   echo "pytest exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/pytest_spectra.txt"
   set -e
 else
-  echo "tests/test_spectra.py not present: skipped" | tee "$OUT/pytest_spectra.txt"
+  echo "tests/esd_worker/test_spectra.py not present: skipped" | tee "$OUT/pytest_spectra.txt"
 fi
 
 step "4. bench_worker.py: Llama-2-7B shape, worker vs baseline"

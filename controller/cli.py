@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import __version__
-from controller.cluster import (
+from controller.backends.kubernetes.backend import (
     DEFAULT_NAMESPACE,
     DEFAULT_SERVICE_ACCOUNT,
     DEFAULT_TELEMETRY_PORT,
@@ -21,13 +21,13 @@ from controller.cluster import (
     default_image,
     job_setting_problems,
 )
-from controller.compare import add_compare_flags, run_compare
+from controller.backends.local import LocalSettings
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
-from controller.local import LocalSettings
 from controller.modellist import RELATIONS, ModelListError
-from controller.refit import add_refit_flags, run_refit
-from controller.report import add_report_flags, run_report
+from controller.results.compare import add_compare_flags, run_compare
+from controller.results.refit import add_refit_flags, run_refit
+from controller.results.report import add_report_flags, run_report
 from controller.sweep import (
     EXIT_INFRA,
     EXIT_USAGE,

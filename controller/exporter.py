@@ -2,7 +2,7 @@
 
 Runs on each GPU node (a DaemonSet, or a sidecar) so the Kubernetes backend can see which
 GPUs are free. It serves what NVIDIA's dcgm-exporter serves for GPU memory, so either one
-can be scraped by the same reader (controller.telemetry):
+can be scraped by the same reader (controller.backends.kubernetes.telemetry):
 
     # HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).
     # TYPE DCGM_FI_DEV_FB_USED gauge

@@ -17,41 +17,37 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 if TYPE_CHECKING:
-    from controller.kube import KubeClient
+    from controller.backends.kubernetes.client import KubeClient
 
-from controller.cluster import ClusterBackend, ClusterSettings, sweep_instance
+from controller.backends.kubernetes.backend import ClusterBackend, ClusterSettings, sweep_instance
+from controller.backends.local import (
+    LocalBackend,
+    LocalSettings,
+    LogDirError,
+    Outcome,
+    Task,
+    read_commands,
+)
+from controller.errors import (  # noqa: F401  (re-exported until the CLI moves)
+    EXIT_ALL_DONE,
+    EXIT_INFRA,
+    EXIT_INTERRUPTED,
+    EXIT_SOME_FAILED,
+    EXIT_USAGE,
+    InfrastructureError,
+    SweepError,
+)
 from controller.gpus import GpuSettings, GpuTracker, open_nvml
-from controller.local import LocalBackend, LocalSettings, LogDirError, Outcome, Task, read_commands
 from controller.modellist import ModelList, ModelRow, make_single, read_model_list
 from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.records import FailureRecord, clear_failure, redact, write_failure
-from controller.summary import new_run_id, write_run_report, write_summary
+from controller.results.summary import new_run_id, write_run_report, write_summary
 from esd_worker.flags import analysis_argv
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import MARKER_NAME, Store, open_store
 
 log = logging.getLogger(__name__)
-
-# Exit statuses of `esd-sweep run` (what CI scripts rely on).
-EXIT_ALL_DONE = 0
-EXIT_SOME_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INFRA = 3
-EXIT_INTERRUPTED = 130
-
-
-class SweepError(Exception):
-    """A problem that stops the whole sweep before or while it runs; `exit_code` says which."""
-
-    exit_code = EXIT_USAGE
-
-
-class InfrastructureError(SweepError):
-    """The store or the machine cannot be used (unreachable, no permission)."""
-
-    exit_code = EXIT_INFRA
-
 
 @dataclass(frozen=True)
 class SweepSettings:
@@ -316,7 +312,7 @@ def _cluster_job_settings(settings: SweepSettings, run_id: str, store_url: str) 
 
 def _open_kube(settings: SweepSettings) -> KubeClient:
     try:
-        from controller import kube
+        from controller.backends.kubernetes import client as kube
     except ImportError as e:
         raise SweepError(
             f"--backend kubernetes needs the Kubernetes client ({e}): "
@@ -329,9 +325,9 @@ def _open_kube(settings: SweepSettings) -> KubeClient:
 
 
 def _cluster_error(e: Exception) -> SweepError | None:
-    """A controller.kube error as the sweep error that says what to do (None: not one)."""
+    """A controller.backends.kubernetes.client error as the sweep error that says what to do (None: not one)."""
     try:
-        from controller import kube
+        from controller.backends.kubernetes import client as kube
     except ImportError:
         return None
     if isinstance(e, kube.KubePermissionError):
@@ -545,7 +541,7 @@ def _dry_run(
     settings: SweepSettings, plan: Plan, store_url: str, run_id: str, out: TextIO
 ) -> SweepResult:
     """Print the Jobs the sweep would create (first attempts) as YAML; create nothing."""
-    from controller.jobs import JobSpecError, build_job, jobs_to_yaml
+    from controller.backends.kubernetes.jobs import JobSpecError, build_job, jobs_to_yaml
 
     job_settings = _cluster_job_settings(settings, run_id, store_url)
     jobs = []

@@ -1,6 +1,14 @@
-"""The worker's exception family and the exit code each one maps to (DESIGN.md contract)."""
+"""The worker's exit-code contract: its exception family, the code each maps to, what a code means.
+
+The one owner of worker exit codes (docs/design.md, "Exit codes"): the worker maps its
+errors to codes here, and whoever ran a worker (a local subprocess, a Kubernetes pod) reads
+back what a code or a signal means with `classify_exit`. The controller's own exit statuses
+are controller.errors'.
+"""
 
 from __future__ import annotations
+
+import signal as _signal
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -52,3 +60,52 @@ class GpuOutOfMemoryError(WorkerError):
     """The GPU ran out of memory: retry with more GPU memory or on CPU."""
 
     exit_code = EXIT_GPU_OOM
+
+
+# What each exit status means to whoever ran the worker: (error class, retryable).
+EXIT_CLASSES: dict[int, tuple[str, bool]] = {
+    EXIT_OK: ("", False),
+    EXIT_USAGE: (UsageError.__name__, False),
+    EXIT_PERMANENT: (PermanentModelError.__name__, False),
+    EXIT_TRANSIENT: (TransientError.__name__, True),
+    EXIT_GPU_OOM: (GpuOutOfMemoryError.__name__, True),
+}
+KILLED_BY_SIGNAL = ("KilledBySignal", True)
+WORKER_CRASHED = ("WorkerCrashed", False)
+
+# For people: what each class means, after "Class: ".
+EXIT_MEANINGS = {
+    UsageError.__name__: "the worker rejected its command line",
+    PermanentModelError.__name__: "retrying cannot help",
+    TransientError.__name__: "network, storage or preemption trouble",
+    GpuOutOfMemoryError.__name__: "the GPU ran out of memory",
+    WORKER_CRASHED[0]: "the worker failed outside its own error handling",
+}
+
+
+def classify_exit(exit_code: int | None, signal: int | None) -> tuple[str, bool]:
+    """(error class name, retryable) for how a worker ended.
+
+    0 → ("", False); 2 usage, 3 permanent: not retryable; 4 transient, 5 GPU OOM: retryable.
+    A signal kill counts as transient (preemption, OOM killer, Ctrl+C): that includes a
+    negative exit code (subprocess's -N for signal N) and 129..192 (128+N, what shells and
+    container runtimes report, e.g. 137 for SIGKILL). Any other code: WorkerCrashed, not
+    retryable (an uncaught bug, exit 1, fails the same way again).
+    """
+    if signal is not None and signal != 0:
+        return KILLED_BY_SIGNAL
+    if exit_code is None:
+        return WORKER_CRASHED
+    if exit_code in EXIT_CLASSES:
+        return EXIT_CLASSES[exit_code]
+    if exit_code < 0 or 128 < exit_code <= 128 + 64:
+        return KILLED_BY_SIGNAL
+    return WORKER_CRASHED
+
+
+def signal_name(signum: int) -> str:
+    """SIGKILL for 9; 'signal 99' for numbers the platform does not name."""
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,4 +1,4 @@
-"""Session fixtures: tiny local models built once per test run (see tests/builders.py), and
+"""Session fixtures: tiny local models built once per test run (see tests/support/builders.py), and
 the suite's real-subprocess worker runs, all started together."""
 
 from __future__ import annotations
@@ -6,18 +6,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-if TYPE_CHECKING:  # builders import torch: only the tests that use them pay for it
-    from tests.builders import BackgroundRun
+from tests.support.hub import HUB_ADAPTER_REPO, HUB_MISSING_REPO, HUB_REPO, HubCache
 
-HUB_REPO = "esd-test/tiny-llama"
-HUB_ADAPTER_REPO = "esd-test/tiny-llama-lora"
-HUB_MISSING_REPO = "esd-test/not-in-cache"
+if TYPE_CHECKING:  # builders import torch: only the tests that use them pay for it
+    from tests.support.builders import BackgroundRun
+
 # Variables that would point huggingface_hub at another cache, a token or the network.
 _HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_ENDPOINT",
             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME")
@@ -31,8 +29,8 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llama_dir(model_root: Path) -> Path:
-    """Llama-style LM, untied lm_head, single model.safetensors (tests.builders.make_llama)."""
-    from tests.builders import make_llama
+    """Llama-style LM, untied lm_head, one model.safetensors (support.builders.make_llama)."""
+    from tests.support.builders import make_llama
 
     return make_llama(model_root / "llama")
 
@@ -40,41 +38,32 @@ def llama_dir(model_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def llama_tied_dir(model_root: Path) -> Path:
     """Llama-style LM with tie_word_embeddings: no lm_head.weight in the checkpoint."""
-    from tests.builders import make_llama
+    from tests.support.builders import make_llama
 
     return make_llama(model_root / "llama-tied", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def gpt2_dir(model_root: Path) -> Path:
-    """GPT-2 LM: Conv1D layers, lm_head tied to wte (tests.builders.make_gpt2)."""
-    from tests.builders import make_gpt2
+    """GPT-2 LM: Conv1D layers, lm_head tied to wte (tests.support.builders.make_gpt2)."""
+    from tests.support.builders import make_gpt2
 
     return make_gpt2(model_root / "gpt2")
 
 
 @pytest.fixture(scope="session")
 def resnet_dir(model_root: Path) -> Path:
-    """Small ResNet image classifier: Conv2d layers (tests.builders.make_resnet)."""
-    from tests.builders import make_resnet
+    """Small ResNet image classifier: Conv2d layers (tests.support.builders.make_resnet)."""
+    from tests.support.builders import make_resnet
 
     return make_resnet(model_root / "resnet")
 
 
-@dataclass(frozen=True)
-class HubCache:
-    """An offline HF cache (HF_HOME/hub) holding HUB_REPO and HUB_ADAPTER_REPO (a LoRA whose
-    adapter_config names HUB_REPO as its base); `env` runs the worker against it offline."""
-
-    home: Path
-    commit: str
-    adapter_commit: str
-    env: dict[str, str]
 
 
 @pytest.fixture(scope="session")
 def hub_cache(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> HubCache:
-    from tests.builders import fake_commit, make_hf_cache, make_lora_adapter
+    from tests.support.builders import fake_commit, make_hf_cache, make_lora_adapter
 
     root = tmp_path_factory.mktemp("hub")
     home = root / "hf"
@@ -97,8 +86,8 @@ def worker_runs(
 ) -> Iterator[dict[str, BackgroundRun]]:
     """Every run of the real `esd-worker` in a fresh interpreter that the suite needs, started
     together the first time one is asked for (each costs seconds of imports; side by side
-    they use both cores). Values are tests.builders.BackgroundRun; call .result()."""
-    from tests.builders import BackgroundRun, minilm_path
+    they use both cores). Values are tests.support.builders.BackgroundRun; call .result()."""
+    from tests.support.builders import BackgroundRun, minilm_path
 
     out = tmp_path_factory.mktemp("runs")
     cpu = ["--device", "cpu"]

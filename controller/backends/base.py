@@ -1,0 +1,156 @@
+"""The backend contract: what the sweep hands a backend (Tasks) and what comes back (Outcomes).
+
+A backend runs tasks somewhere (this machine's GPUs, a Kubernetes cluster) and reports how
+each ended; it knows nothing of the store's records or the summary (controller.recorder
+turns Outcomes into records). What every worker computes and where it writes is the same
+for every backend: `WorkerSpec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
+
+from controller.modellist import ModelRow
+from controller.progress import Progress
+from esd_worker.flags import analysis_argv
+from esd_worker.settings import AnalysisSettings
+
+
+@dataclass(frozen=True)
+class Task:
+    """One unit of work.
+
+    key: model_key (or "cmd-<line>" in custom-commands mode); names logs and Jobs.
+    label: for logs and progress: the model reference or the command line.
+    row: the model to analyse; None for a custom command.
+    argv: a custom command as an argument list (never a shell string); empty for a model,
+        whose worker command the backend builds from `row` and its WorkerSpec.
+    env: extra environment for a local worker. Secrets never go in argv: workers inherit
+        HF_TOKEN / AWS_* from the controller's environment (or a Secret, on Kubernetes).
+    """
+
+    key: str
+    label: str
+    row: ModelRow | None = None
+    argv: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def for_model(cls, row: ModelRow) -> Task:
+        return cls(key=row.key, label=row.ref, row=row)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a task ended.
+
+    status: "done" (the worker succeeded), "failed" (last attempt failed; no retry left, not
+        retryable, or a stop was requested), "cancelled" (stopped by a second stop request).
+    exit_code: the last attempt's exit status; None when killed by a signal or never started.
+    signal: the signal number that killed the last attempt, else None.
+    attempts: attempts started.
+    duration_s: run time of the last attempt, seconds; total_s: of all attempts (pauses
+        between them not included); wait_s: time spent waiting for a GPU, a CPU slot or a
+        node, all attempts.
+    where: where the last attempt ran, for people: "gpus=0,1", "cpu", "pod=NS/NAME node=N",
+        "job=NS/NAME".
+    gpus: local GPU indices of the last attempt (empty on CPU and on Kubernetes).
+    stderr_tail: last lines of the last attempt's output.
+    log_path: the worker's log file, or None.
+    error: "" when done, else "<Class>: <what happened>" (esd_worker.errors.classify_exit).
+    retryable: whether another attempt could help.
+    """
+
+    task: Task
+    status: str
+    exit_code: int | None
+    signal: int | None
+    attempts: int
+    duration_s: float
+    total_s: float
+    wait_s: float
+    where: str
+    stderr_tail: tuple[str, ...]
+    error: str
+    retryable: bool
+    gpus: tuple[int, ...] = ()
+    log_path: str | None = None
+
+
+OutcomeCallback = Callable[[Outcome], None]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker of a run computes and where it writes, whatever runs it.
+
+    run_id: this run (runs/<run_id>.json; a label on Kubernetes). store_url: the output.
+    analysis, save_eigs, trust_remote_code: the worker's analysis flags. log_format: the
+    worker's log lines (text or json). device: auto, cpu or cuda, as asked.
+    gpus_per_job: GPUs per model (0: CPU only). max_retries: extra attempts for
+    retryable failures. overwrite: recompute models that are done.
+    """
+
+    run_id: str
+    store_url: str
+    analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
+    save_eigs: bool = True
+    trust_remote_code: bool = False
+    log_format: str = "text"
+    device: str = "auto"
+    gpus_per_job: int = 1
+    max_retries: int = 2
+    overwrite: bool = False
+
+    def flags(self) -> list[str]:
+        """The worker flags that do not depend on the model (analysis, eigenvalues, code)."""
+        argv = analysis_argv(self.analysis)
+        if not self.save_eigs:
+            argv.append("--no-eigs")
+        if self.trust_remote_code:
+            argv.append("--trust-remote-code")
+        return argv
+
+    def model_args(self, row: ModelRow) -> list[str]:
+        """The worker's per-model flags: an argv list, never a shell string (ids are not
+        trusted)."""
+        argv = ["--model", row.ref, "--output", self.store_url, "--model-key", row.key]
+        if row.relation:
+            argv += ["--relation", row.relation]
+        if row.source_model:
+            argv += ["--base-model", row.source_model]
+        return argv
+
+
+class Backend(Protocol):
+    """Runs tasks and reports each one's end.
+
+    run: run every task; call on_outcome once for each task that ended (done, failed,
+    cancelled), in the calling thread, and return those outcomes. Returns when every task
+    has ended, or soon after request_stop.
+    request_stop: safe from a signal handler; `stop_notice(n)` says, for people, what the
+    n-th request does.
+    dry_run: print what run would start (commands or Jobs) and start nothing; the count.
+    report: the backend's part of runs/<run_id>.json: "device", "gpus", and anything of
+    its own under its name; "running": tasks left running when run returned.
+    close: free what the backend holds (NVML, API connections).
+    """
+
+    name: str
+
+    def run(
+        self, tasks: Sequence[Task], on_outcome: OutcomeCallback,
+        progress: Progress | None = None,
+    ) -> Sequence[Outcome]: ...
+
+    def request_stop(self) -> None: ...
+
+    def stop_notice(self, count: int) -> str: ...
+
+    def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int: ...
+
+    def report(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,584 @@
+"""Kubernetes batch/v1 Job objects for one model each: names, labels, pod spec (pure: dicts out).
+
+Owns what a worker Job looks like (security context, GPU requests, secrets by reference,
+podFailurePolicy, Kueue and Karpenter hints) and the names a restarted controller recomputes.
+Does not talk to a cluster (controller.backends.kubernetes.client does) and does not decide placement (the
+caller passes the node affinity in).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from esd_worker.naming import split_model_ref
+
+APP_NAME = "esd-sweep"
+COMPONENT = "worker"
+CONTAINER_NAME = "worker"
+LABEL_PREFIX = "esd-sweep/"
+RUN_LABEL = "esd-sweep/run"
+MODEL_KEY_LABEL = "esd-sweep/model-key"
+ATTEMPT_LABEL = "esd-sweep/attempt"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+GPU_RESOURCE = "nvidia.com/gpu"
+JOB_NAME_PREFIX = "esd-"
+MAX_ATTEMPT = 9999
+
+# Worker exit codes (DESIGN.md contract, esd_worker.errors).
+EXIT_USAGE = 2
+EXIT_PERMANENT = 3
+EXIT_TRANSIENT = 4
+EXIT_GPU_OOM = 5
+
+CACHE_DIR = "/cache"
+HF_HOME = "/cache/hf"
+TMP_DIR = "/tmp"
+RUN_AS_USER = 1000
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_MODEL_KEY = re.compile(r"(?P<slug>[a-z0-9]([a-z0-9-]*[a-z0-9])?)-(?P<digest>[0-9a-f]{10})")
+_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE]\d+)?")
+_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_RELATION = re.compile(r"[a-z]{0,32}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Env names set here or from Secrets, which --env must not override.
+_RESERVED_ENV = frozenset({
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN", "HF_HOME", "HOME", "TMPDIR", "XDG_CACHE_HOME",
+})
+# Names that say "this is a credential": those belong in a Secret, not in the Job object.
+_SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
+_MAX_REF = 1024
+
+
+class JobSpecError(ValueError):
+    """The Job cannot be built from these settings or this model; the message lists why."""
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How every worker Job of a sweep looks (built once from `esd-sweep run` flags and env).
+
+    image: container image with `esd-worker` on PATH. namespace: where the Jobs go.
+    run_id: this run (label `esd-sweep/run`); sweep_name: label `app.kubernetes.io/instance`
+    (default: run_id). Both must be valid label values (≤ 63 chars).
+    gpus_per_job: `nvidia.com/gpu` requested and limited per pod (default 1; 0: a CPU-only
+    Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
+    quantities (defaults "2", "16Gi"); memory_limit: None = no limit;
+    ephemeral_storage_request: None = none (the HF cache emptyDir lives on it).
+    backoff_limit: pod failures counted before the Job fails (default 3; evictions and
+    preemptions do not count, see pod_failure_policy). active_deadline_s: seconds a Job
+    may run in all (default 6 h). ttl_after_finished_s: seconds a finished Job is kept
+    (default 24 h; None = forever).
+    node_selector, priority_class, service_account, image_pull_secrets: passed to the pod.
+    hf_token_secret: "secret-name:key" holding the HF token (env HF_TOKEN, by reference).
+    s3_secret: a Secret with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally
+    AWS_SESSION_TOKEN (by reference; absent keys leave room for IRSA / pod identity).
+    env: extra non-secret environment (e.g. AWS_ENDPOINT_URL, AWS_REGION); names that look
+    like credentials are refused.
+    hf_cache_pvc: a PersistentVolumeClaim mounted at /cache (HF_HOME=/cache/hf) shared by
+    Jobs; None = an emptyDir per pod.
+    kueue_queue: LocalQueue name; the Job is created suspended and Kueue admits it.
+    do_not_disrupt: ask Karpenter and the cluster autoscaler not to consolidate the node
+    away from under a running worker.
+    worker_args: extra `esd-worker` flags (ESD analysis flags), passed through verbatim.
+    log_format: the worker's log format ("json" for cluster log pipelines, or "text").
+    """
+
+    image: str
+    namespace: str
+    run_id: str
+    sweep_name: str | None = None
+    gpus_per_job: int = 1
+    cpu_request: str = "2"
+    memory_request: str = "16Gi"
+    memory_limit: str | None = None
+    ephemeral_storage_request: str | None = None
+    backoff_limit: int = 3
+    active_deadline_s: int = 6 * 3600
+    ttl_after_finished_s: int | None = 24 * 3600
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    priority_class: str | None = None
+    service_account: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    hf_token_secret: str | None = None
+    s3_secret: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    hf_cache_pvc: str | None = None
+    kueue_queue: str | None = None
+    do_not_disrupt: bool = False
+    worker_args: tuple[str, ...] = ()
+    log_format: str = "json"
+
+    @property
+    def instance(self) -> str:
+        return self.sweep_name or self.run_id
+
+    def problems(self) -> list[str]:
+        """Every problem with these settings, each naming its field (empty: usable)."""
+        out: list[str] = []
+        if not self.image or any(c.isspace() for c in self.image) or _CONTROL.search(self.image):
+            out.append(f"image: {self.image!r} is not an image reference")
+        if not is_dns_label(self.namespace):
+            out.append(f"namespace: {self.namespace!r} is not a DNS-1123 label")
+        for name, value in (("run_id", self.run_id), ("sweep_name", self.sweep_name)):
+            if value is not None and not (value and is_label_value(value)):
+                out.append(f"{name}: {value!r} is not a valid label value "
+                           "(≤ 63 of A-Z a-z 0-9 - _ ., alphanumeric at both ends)")
+        if isinstance(self.gpus_per_job, bool) or not isinstance(self.gpus_per_job, int) \
+                or self.gpus_per_job < 0:
+            out.append(f"gpus_per_job: {self.gpus_per_job!r} must be an integer ≥ 0")
+        for name, quantity in (
+            ("cpu_request", self.cpu_request), ("memory_request", self.memory_request),
+            ("memory_limit", self.memory_limit),
+            ("ephemeral_storage_request", self.ephemeral_storage_request),
+        ):
+            if quantity is not None and not _QUANTITY.fullmatch(quantity):
+                out.append(f"{name}: {quantity!r} is not a Kubernetes quantity "
+                           "(e.g. 2, 500m, 16Gi)")
+        for name, number, low in (
+            ("backoff_limit", self.backoff_limit, 0),
+            ("active_deadline_s", self.active_deadline_s, 1),
+            ("ttl_after_finished_s", self.ttl_after_finished_s, 0),
+        ):
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int)
+                                       or number < low):
+                out.append(f"{name}: {number!r} must be an integer ≥ {low}")
+        for key, value in self.node_selector.items():
+            if not is_label_key(key):
+                out.append(f"node_selector: {key!r} is not a label key")
+            if not isinstance(value, str) or not is_label_value(value):
+                out.append(f"node_selector: value {value!r} of {key!r} is not a label value")
+        for name, value in (
+            ("priority_class", self.priority_class), ("service_account", self.service_account),
+            ("s3_secret", self.s3_secret), ("hf_cache_pvc", self.hf_cache_pvc),
+        ):
+            if value is not None and not is_dns_subdomain(value):
+                out.append(f"{name}: {value!r} is not a DNS-1123 subdomain name")
+        for secret in self.image_pull_secrets:
+            if not is_dns_subdomain(secret):
+                out.append(f"image_pull_secrets: {secret!r} is not a DNS-1123 subdomain name")
+        if self.hf_token_secret is not None:
+            name, sep, key = self.hf_token_secret.partition(":")
+            if not sep or not is_dns_subdomain(name) or not _SECRET_KEY.fullmatch(key):
+                out.append(f"hf_token_secret: {self.hf_token_secret!r} must be "
+                           "SECRET-NAME:KEY (e.g. hf-token:token)")
+        for key, value in self.env.items():
+            if not _ENV_NAME.fullmatch(key):
+                out.append(f"env: {key!r} is not an environment variable name")
+            elif key in _RESERVED_ENV:
+                out.append(f"env: {key} is set by esd-sweep (secrets go in hf_token_secret "
+                           "or s3_secret)")
+            elif _SECRETISH_ENV.search(key):
+                out.append(f"env: {key} looks like a credential: put it in a Secret, "
+                           "not in the Job")
+            if not isinstance(value, str) or _CONTROL.search(value):
+                out.append(f"env: the value of {key} must be a single-line string")
+        if self.kueue_queue is not None and not (self.kueue_queue
+                                                 and is_label_value(self.kueue_queue)):
+            out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
+        for arg in self.worker_args:
+            if not isinstance(arg, str) or _CONTROL.search(arg):
+                out.append(f"worker_args: {arg!r} must be a single-line string")
+        if self.log_format not in ("json", "text"):
+            out.append(f"log_format: {self.log_format!r} must be json or text")
+        return out
+
+
+def is_dns_label(value: str) -> bool:
+    """RFC 1123 label: ≤ 63 of a-z 0-9 -, alphanumeric at both ends (Job and namespace names)."""
+    return isinstance(value, str) and len(value) <= 63 and bool(_DNS_LABEL.fullmatch(value))
+
+
+def is_dns_subdomain(value: str) -> bool:
+    """RFC 1123 subdomain: ≤ 253 chars of dot-separated labels (Secret, PVC, SA names)."""
+    return isinstance(value, str) and len(value) <= 253 and bool(_DNS_SUBDOMAIN.fullmatch(value))
+
+
+def is_label_value(value: str) -> bool:
+    """Kubernetes label value: empty, or ≤ 63 of A-Z a-z 0-9 - _ . with alphanumeric ends."""
+    return isinstance(value, str) and len(value) <= 63 and bool(_LABEL_VALUE.fullmatch(value))
+
+
+def is_label_key(value: str) -> bool:
+    """Qualified name: optional DNS-subdomain prefix (≤ 253) and '/', then a ≤ 63-char name."""
+    if not isinstance(value, str):
+        return False
+    prefix, sep, name = value.rpartition("/")
+    if sep and not (prefix and is_dns_subdomain(prefix)):
+        return False
+    return len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
+
+
+def _split_key(model_key: str) -> tuple[str, str]:
+    match = _MODEL_KEY.fullmatch(model_key) if isinstance(model_key, str) else None
+    if match is None:
+        raise JobSpecError(f"model key {model_key!r} is not <slug>-<10 hex> "
+                           "(esd_worker.naming.model_key)")
+    return match["slug"], match["digest"]
+
+
+def _shorten(slug: str, digest: str, room: int) -> str:
+    """`slug-digest` in at most `room` chars: the slug is cut, the hash always kept."""
+    cut = slug[: max(room - len(digest) - 1, 0)].rstrip("-")
+    return f"{cut}-{digest}" if cut else digest
+
+
+# esd- + slug + -<10 hex> + room for -a9999: the prefix is the same for every attempt.
+_NAME_SLUG_ROOM = 63 - len(JOB_NAME_PREFIX) - len("-a9999")
+
+
+def job_name(model_key: str, attempt: int = 0) -> str:
+    """The Job name for one model and attempt: `esd-<slug>-<hash>[-a<N>]`, a DNS-1123 label.
+
+    A pure function of (model_key, attempt), so a restarted controller computes the same
+    names and a create that answers 409 means "already submitted". The 10-hex hash of the
+    model key is always kept (it is what tells models apart); the readable slug is cut to
+    fit 63 chars with room for the attempt suffix, so every attempt of a model shares the
+    prefix. Attempt 0 has no suffix.
+    """
+    slug, digest = _split_key(model_key)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= MAX_ATTEMPT:
+        raise JobSpecError(f"attempt {attempt!r} must be an integer in 0..{MAX_ATTEMPT}")
+    name = JOB_NAME_PREFIX + _shorten(slug, digest, _NAME_SLUG_ROOM)
+    return f"{name}-a{attempt}" if attempt else name
+
+
+def model_key_label(model_key: str) -> str:
+    """The model key as a label value: itself when ≤ 63 chars, else cut slug + full hash."""
+    slug, digest = _split_key(model_key)
+    return model_key if len(model_key) <= 63 else _shorten(slug, digest, 63)
+
+
+def run_selector(run_id: str) -> str:
+    """Label selector for every Job of one run (what a restarted run lists to adopt)."""
+    return f"{MANAGED_BY_LABEL}={APP_NAME},{RUN_LABEL}={run_id}"
+
+
+def managed_selector() -> str:
+    """Label selector for every Job esd-sweep created in a namespace, whatever the run."""
+    return f"{MANAGED_BY_LABEL}={APP_NAME}"
+
+
+def _redact_url(url: str) -> str:
+    """The output URL without user:password@ or a query string (annotations are readable)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.username is None and parts.password is None and not parts.query:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _check_ref(what: str, value: str, problems: list[str]) -> None:
+    # Model ids are untrusted: they only ever become one argv element and one annotation
+    # value, but a leading '-' would read as a flag and control characters have no business
+    # in an id, a path or a log line.
+    if not isinstance(value, str) or not value.strip():
+        problems.append(f"{what}: empty")
+    elif value.startswith("-"):
+        problems.append(f"{what}: {value!r} starts with '-'")
+    elif _CONTROL.search(value):
+        problems.append(f"{what}: {value!r} contains control characters")
+    elif len(value) > _MAX_REF:
+        problems.append(f"{what}: longer than {_MAX_REF} characters")
+
+
+def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[str, str]:
+    """The labels of a worker Job and its pods (selectable by run, model key, attempt)."""
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        "app.kubernetes.io/instance": settings.instance,
+        "app.kubernetes.io/component": COMPONENT,
+        MANAGED_BY_LABEL: APP_NAME,
+        RUN_LABEL: settings.run_id,
+        MODEL_KEY_LABEL: model_key_label(model_key),
+        ATTEMPT_LABEL: str(attempt),
+    }
+
+
+def worker_argv(
+    *, model_ref: str, model_key: str, relation: str, source_model: str | None,
+    output_url: str, settings: JobSettings,
+) -> list[str]:
+    """The worker container's argv, one element per argument (never a shell string)."""
+    args = [
+        "esd-worker",
+        "--model", model_ref,
+        "--output", output_url,
+        "--model-key", model_key,
+        "--log-format", settings.log_format,
+    ]
+    if not any(a == "--device" or a.startswith("--device=") for a in settings.worker_args):
+        args += ["--device", "cuda" if settings.gpus_per_job > 0 else "cpu"]
+    if relation:
+        args += ["--relation", relation]
+    if source_model:
+        args += ["--base-model", source_model]
+    args += list(settings.worker_args)
+    return args
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """How a failed worker pod counts (rules are tried in order, the first match wins).
+
+    A disruption (preemption, eviction, node drain, spot reclaim, node lost: the pod gets
+    the DisruptionTarget condition) comes first, so a worker that happens to exit 2 or 3
+    while being killed is still retried, and without using up backoffLimit. Exit 2 (usage)
+    and 3 (permanent: not found, gated, unsupported) fail the Job at once: retrying cannot
+    help. Exit 4 (transient) and 5 (GPU out of memory) count against backoffLimit like any
+    other failure (OOMKilled, crashes): GPUs may be shared (time-slicing, MIG) and the next
+    pod can land on a bigger or idle one; the controller reads the exit code afterwards.
+    """
+    return {
+        "rules": [
+            {
+                "action": "Ignore",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            },
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_USAGE, EXIT_PERMANENT],
+                },
+            },
+            {
+                "action": "Count",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_TRANSIENT, EXIT_GPU_OOM],
+                },
+            },
+        ]
+    }
+
+
+def _env(settings: JobSettings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HOME", "value": TMP_DIR},  # the root filesystem is read-only
+        {"name": "TMPDIR", "value": TMP_DIR},
+        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    # Secrets by reference only. optional: a public model needs no token (a gated one then
+    # fails with a clear "gated without token" record), and without static S3 keys boto3
+    # falls back to IRSA / pod identity / instance roles.
+    if settings.hf_token_secret:
+        name, _, key = settings.hf_token_secret.partition(":")
+        env.append({"name": "HF_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": name, "key": key, "optional": True}}})
+    if settings.s3_secret:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            env.append({"name": key, "valueFrom": {
+                "secretKeyRef": {"name": settings.s3_secret, "key": key, "optional": True}}})
+    env.extend({"name": k, "value": v} for k, v in sorted(settings.env.items()))
+    return env
+
+
+def _resources(settings: JobSettings) -> dict[str, Any]:
+    requests: dict[str, str] = {"cpu": settings.cpu_request, "memory": settings.memory_request}
+    limits: dict[str, str] = {}
+    if settings.ephemeral_storage_request:
+        requests["ephemeral-storage"] = settings.ephemeral_storage_request
+    if settings.memory_limit:
+        limits["memory"] = settings.memory_limit
+    if settings.gpus_per_job > 0:
+        # Extended resources cannot be overcommitted: request == limit.
+        requests[GPU_RESOURCE] = str(settings.gpus_per_job)
+        limits[GPU_RESOURCE] = str(settings.gpus_per_job)
+    out: dict[str, Any] = {"requests": requests}
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _pod_spec(
+    args: list[str], settings: JobSettings, affinity: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": settings.image,
+        "args": args,
+        "env": _env(settings),
+        "resources": _resources(settings),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": "cache", "mountPath": CACHE_DIR},
+        ],
+        # The last log lines land in the pod status when the worker fails: the failure
+        # record gets them without a log read.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    cache: dict[str, Any] = (
+        {"name": "cache", "persistentVolumeClaim": {"claimName": settings.hf_cache_pvc}}
+        if settings.hf_cache_pvc else {"name": "cache", "emptyDir": {}}
+    )
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,  # the worker never talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, cache],
+    }
+    if settings.gpus_per_job > 0:
+        spec["tolerations"] = [
+            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+        ]
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.priority_class:
+        spec["priorityClassName"] = settings.priority_class
+    if settings.service_account:
+        spec["serviceAccountName"] = settings.service_account
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if affinity:
+        spec["affinity"] = copy.deepcopy(dict(affinity))
+    return spec
+
+
+def build_job(
+    *,
+    model_ref: str,
+    model_key: str,
+    relation: str,
+    source_model: str | None,
+    output_url: str,
+    settings: JobSettings,
+    attempt: int = 0,
+    affinity: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that analyses one model (a plain dict, ready for the API or YAML).
+
+    model_ref: `id[@revision]` or a path, as the worker takes it; model_key: its store key
+    (esd_worker.naming.model_key), which fixes the Job name; relation / source_model: the
+    adapter's relation and base; output_url: the result store; attempt: 0 for the first
+    submission, N for the Nth resubmission (name suffix -aN); affinity: the pod's affinity
+    (e.g. nodes whose GPUs have room), None = anywhere the GPU request fits.
+    Raises JobSpecError listing every problem with the settings and the model.
+    """
+    problems = list(settings.problems())
+    _check_ref("model_ref", model_ref, problems)
+    if source_model is not None:
+        _check_ref("source_model", source_model, problems)
+    _check_ref("output_url", output_url, problems)
+    if not isinstance(relation, str) or not _RELATION.fullmatch(relation):
+        problems.append(f"relation: {relation!r} is not a relation name")
+    try:
+        name = job_name(model_key, attempt)
+    except JobSpecError as e:
+        problems.append(str(e))
+    if problems:
+        raise JobSpecError("; ".join(problems))
+
+    model_id, revision = split_model_ref(model_ref)
+    labels = labels_for(model_key, settings, attempt)
+    annotations: dict[str, str] = {
+        "esd-sweep/model-id": model_id,
+        "esd-sweep/model-ref": model_ref,
+        "esd-sweep/revision": revision or "",
+        "esd-sweep/model-key": model_key,
+        "esd-sweep/attempt": str(attempt),
+        "esd-sweep/relation": relation,
+        "esd-sweep/output": _redact_url(output_url),
+    }
+    if source_model:
+        annotations["esd-sweep/source-model"] = source_model
+
+    pod_annotations: dict[str, str] = {}
+    if settings.do_not_disrupt:
+        pod_annotations["karpenter.sh/do-not-disrupt"] = "true"
+        pod_annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] = "false"
+
+    job_labels = dict(labels)
+    if settings.kueue_queue:
+        job_labels[KUEUE_QUEUE_LABEL] = settings.kueue_queue
+
+    template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if pod_annotations:
+        template_meta["annotations"] = pod_annotations
+    args = worker_argv(
+        model_ref=model_ref, model_key=model_key, relation=relation,
+        source_model=source_model, output_url=output_url, settings=settings,
+    )
+    spec: dict[str, Any] = {
+        "backoffLimit": settings.backoff_limit,
+        "activeDeadlineSeconds": settings.active_deadline_s,
+        "podFailurePolicy": pod_failure_policy(),
+        "template": {
+            "metadata": template_meta,
+            "spec": _pod_spec(args, settings, affinity),
+        },
+    }
+    if settings.ttl_after_finished_s is not None:
+        spec["ttlSecondsAfterFinished"] = settings.ttl_after_finished_s
+    if settings.kueue_queue:
+        spec["suspend"] = True  # Kueue admits it by setting suspend: false
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": settings.namespace,
+            "labels": job_labels,
+            "annotations": annotations,
+        },
+        "spec": spec,
+    }
+
+
+def jobs_to_yaml(jobs: Iterable[Mapping[str, Any]]) -> str:
+    """Jobs as one multi-document YAML stream (`--dry-run`; `kubectl apply -f -` takes it).
+
+    safe_dump quotes every string that could read as another type and escapes control and
+    non-ASCII characters, so an odd model id stays one string value.
+    """
+    import yaml  # PyYAML comes with the [kube] extra; building Jobs does not need it
+
+    return yaml.safe_dump_all(
+        [_plain(job) for job in jobs], explicit_start=True, sort_keys=False,
+        default_flow_style=False, allow_unicode=False, width=1000,
+    )
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

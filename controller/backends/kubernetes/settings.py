@@ -1,0 +1,194 @@
+"""How `--backend kubernetes` runs a sweep: its settings, their checks, and what a Job inherits.
+
+Owns ClusterSettings (built in controller.cli from flags and env), the label that ties a
+sweep's Jobs to its output, the environment passed through to workers, and which worker
+flags do not change a result (for adoption). Pure: no Kubernetes client here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from controller import __version__
+from controller.backends.kubernetes.jobs import JobSettings
+
+DEFAULT_NAMESPACE = "esd-sweep"
+DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
+DEFAULT_TELEMETRY_SELECTOR = "app.kubernetes.io/name=esd-gpu-exporter"
+DEFAULT_TELEMETRY_PORT = 9400
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+OUTPUT_ANNOTATION = "esd-sweep/output"
+MODEL_KEY_ANNOTATION = "esd-sweep/model-key"
+
+
+def default_image() -> str:
+    """ESD_IMAGE from the environment is read by the CLI; this is the fallback tag."""
+    return f"ghcr.io/esd-sweep/esd-sweep:{__version__}"
+
+
+def sweep_instance(output_url: str) -> str:
+    """The `app.kubernetes.io/instance` label of every Job writing to `output_url`.
+
+    A pure function of the output, so every run of the same sweep (and a restarted
+    controller) selects the same Jobs, and sweeps into other stores are left alone.
+    """
+    return "out-" + hashlib.sha256(output_url.encode("utf-8")).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How `--backend kubernetes` runs a sweep (built in controller.cli from flags and env).
+
+    namespace: where the Jobs go (default esd-sweep); kube_context: kubeconfig context
+    (None: the current one, or the pod's service account in a cluster).
+    image: the worker image (`esd-worker` on PATH). node_selector, priority_class,
+    service_account (default esd-sweep-worker), hf_token_secret (NAME:KEY), s3_secret,
+    hf_cache_pvc, cpu_request / memory_request (Kubernetes quantities): passed to each Job.
+    job_deadline_s: activeDeadlineSeconds of each Job (default 6 h).
+    max_active_jobs: unfinished Jobs of this sweep at once (default 100).
+    allow_pending: submit Jobs without pinning them to a node with room when none has
+    any, so a cluster autoscaler / Karpenter adds nodes; max_pending: at most this many
+    of them not running yet (None: no limit beyond max_active_jobs).
+    do_not_disrupt: pods carry karpenter.sh/do-not-disrupt.
+    kueue_queue: LocalQueue; Jobs are created suspended and Kueue admits them.
+    telemetry_selector / telemetry_namespace (None: namespace) / telemetry_port: the GPU
+    exporter pods scraped at http://<pod IP>:<port>/metrics; telemetry_urls: scrape these
+    instead (out-of-cluster runs, tests); telemetry=False: no scraping at all.
+    pending_timeout_s: a Job not running after this many seconds is diagnosed (why it is
+    pending) in the log and the run report (default 600).
+    wait: wait until every Job has ended (default); False: submit what fits and return,
+    leaving Jobs running (a later run adopts them).
+    watch_timeout_s: server-side timeout of each watch request (the watch is reopened).
+    log_tail_lines: lines of a failed pod's log kept in its failure record.
+    backoff_limit: counted pod failures a Job absorbs (default 0: each counted failure
+    ends the Job, and the controller decides on a retry, as a new Job `-a<N>`).
+    """
+
+    namespace: str = DEFAULT_NAMESPACE
+    kube_context: str | None = None
+    image: str = field(default_factory=default_image)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    priority_class: str | None = None
+    service_account: str | None = DEFAULT_SERVICE_ACCOUNT
+    hf_token_secret: str | None = None
+    s3_secret: str | None = None
+    hf_cache_pvc: str | None = None
+    cpu_request: str = "2"
+    memory_request: str = "16Gi"
+    job_deadline_s: int = 6 * 3600
+    max_active_jobs: int = 100
+    allow_pending: bool = False
+    max_pending: int | None = None
+    do_not_disrupt: bool = False
+    kueue_queue: str | None = None
+    telemetry: bool = True
+    telemetry_selector: str = DEFAULT_TELEMETRY_SELECTOR
+    telemetry_namespace: str | None = None
+    telemetry_port: int = DEFAULT_TELEMETRY_PORT
+    telemetry_urls: tuple[str, ...] = ()
+    pending_timeout_s: float = 600.0
+    wait: bool = True
+    dry_run: bool = False
+    allow_local_output: bool = False
+    watch_timeout_s: int = 60
+    log_tail_lines: int = 20
+    backoff_limit: int = 0
+
+    def problems(self) -> list[str]:
+        """Every problem with these settings, each naming its flag (empty: usable)."""
+        out: list[str] = []
+        if self.max_active_jobs < 1:
+            out.append(f"--max-active-jobs: must be >= 1, got {self.max_active_jobs}")
+        if self.max_pending is not None and self.max_pending < 1:
+            out.append(f"--max-pending: must be >= 1, got {self.max_pending}")
+        if self.max_pending is not None and not self.allow_pending:
+            out.append("--max-pending needs --allow-pending")
+        if self.job_deadline_s < 1:
+            out.append(f"--job-deadline: must be >= 1 s, got {self.job_deadline_s}")
+        if not self.pending_timeout_s > 0:
+            out.append(f"--pending-timeout: must be > 0 s, got {self.pending_timeout_s}")
+        if not 0 < self.telemetry_port < 65536:
+            out.append(f"--telemetry-port: must be 1..65535, got {self.telemetry_port}")
+        if self.watch_timeout_s < 1:
+            out.append(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+        return out
+
+    def job_settings(
+        self, *, run_id: str, instance: str, gpus_per_job: int, worker_args: Sequence[str],
+        log_format: str = "json",
+    ) -> JobSettings:
+        return JobSettings(
+            image=self.image, namespace=self.namespace, run_id=run_id, sweep_name=instance,
+            gpus_per_job=gpus_per_job, cpu_request=self.cpu_request,
+            memory_request=self.memory_request, backoff_limit=self.backoff_limit,
+            active_deadline_s=self.job_deadline_s, node_selector=dict(self.node_selector),
+            priority_class=self.priority_class, service_account=self.service_account,
+            hf_token_secret=self.hf_token_secret, s3_secret=self.s3_secret,
+            hf_cache_pvc=self.hf_cache_pvc, kueue_queue=self.kueue_queue,
+            do_not_disrupt=self.do_not_disrupt, worker_args=tuple(worker_args),
+            log_format=log_format, env=worker_passthrough_env(),
+        )
+
+
+# Non-secret settings the workers need to reach the same store and hub as the controller
+# (an S3-compatible endpoint, its region, retry mode, a hub mirror). Credentials are not
+# here: they reach the pods through --s3-secret / --hf-token-secret or IRSA.
+PASSTHROUGH_ENV = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "HF_ENDPOINT",
+)
+
+
+# Worker flags that change how a worker runs or logs, not what it computes or where it
+# writes: a Job that differs only in these is still this sweep's Job for the same model.
+_PRESENTATION_FLAGS = frozenset({"--log-format", "--device"})
+
+
+def result_args(args: Sequence[str]) -> tuple[str, ...]:
+    """The worker args without _PRESENTATION_FLAGS and their values (for adoption)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _PRESENTATION_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return tuple(out)
+
+
+def worker_passthrough_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The PASSTHROUGH_ENV variables set in the controller's environment, for the Jobs."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in PASSTHROUGH_ENV if environ.get(name)}
+
+
+_JOB_FIELD_FLAGS = {
+    "image:": "--image:", "namespace:": "--namespace:", "node_selector:": "--node-selector:",
+    "priority_class:": "--priority-class:", "service_account:": "--service-account:",
+    "hf_token_secret:": "--hf-token-secret:", "s3_secret:": "--s3-secret:",
+    "hf_cache_pvc:": "--hf-cache-pvc:", "cpu_request:": "--cpu-request:",
+    "memory_request:": "--memory-request:", "kueue_queue:": "--kueue-queue:",
+    "active_deadline_s:": "--job-deadline:", "gpus_per_job:": "--gpus-per-job:",
+}
+
+
+def job_setting_problems(settings: ClusterSettings, gpus_per_job: int) -> list[str]:
+    """JobSettings' problems for these flags, worded by flag name."""
+    job = settings.job_settings(run_id="check", instance="check", gpus_per_job=gpus_per_job,
+                                worker_args=())
+    out = []
+    for problem in job.problems():
+        for fieldname, flag in _JOB_FIELD_FLAGS.items():
+            if problem.startswith(fieldname):
+                problem = flag + problem[len(fieldname):]
+                break
+        out.append(problem)
+    return out

@@ -1,0 +1,568 @@
+"""Tests of controller.backends.local with real subprocesses (tiny Python scripts), no GPU needed.
+
+GPU placement runs against a GpuTracker over a fake pynvml module (the function boundary),
+polled every few milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.backends.local import (
+    LocalBackend,
+    LocalSettings,
+    Outcome,
+    Task,
+    classify_exit,
+    read_commands,
+)
+from controller.gpus import GpuSettings, GpuTracker, Nvml
+from controller.progress import Progress
+from tests.support import REPO_ROOT
+
+FAST = LocalSettings(max_retries=2, backoff_s=0.01, backoff_max_s=0.05, terminate_grace_s=2.0)
+
+
+# --- builders -----------------------------------------------------------------------------------
+
+
+def make_task(key: str, code: str, **env: str) -> Task:
+    """A task running `code` in a fresh Python interpreter."""
+    return Task(key=key, argv=(sys.executable, "-c", textwrap.dedent(code)), label=key, env=env)
+
+
+def exit_task(key: str, code: int) -> Task:
+    return make_task(key, f"import sys; sys.exit({code})")
+
+
+class _FakeNVMLError(Exception):
+    pass
+
+
+@dataclass
+class _Memory:
+    used: int
+    free: int
+    total: int
+
+
+class FakePynvml:
+    """pynvml at its function boundary: `used_mib[i]` is what GPU i reads now."""
+
+    NVMLError = _FakeNVMLError
+
+    def __init__(self, used_mib: list[float]) -> None:
+        self.used_mib = used_mib
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.used_mib)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> _Memory:
+        total = 80 * 2**30
+        used = int(self.used_mib[handle] * 2**20)
+        return _Memory(used=used, free=total - used, total=total)
+
+
+def make_tracker(used_mib: list[float], **settings: Any) -> GpuTracker:
+    settings.setdefault("poll_interval_s", 0.005)
+    settings.setdefault("max_checks", 2)
+    return GpuTracker(Nvml(FakePynvml(used_mib)), GpuSettings(**settings))
+
+
+class Concurrency:
+    """on_start/on_outcome callbacks that track how many tasks run at once."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.most = 0
+        self.gpus_in_use: set[int] = set()
+        self.overlap = False
+
+    def start(self, task: Task, gpus: tuple[int, ...]) -> None:
+        self.now += 1
+        self.most = max(self.most, self.now)
+        if self.gpus_in_use & set(gpus):
+            self.overlap = True
+        self.gpus_in_use |= set(gpus)
+
+    def end(self, outcome: Outcome) -> None:
+        self.now -= 1
+        self.gpus_in_use -= set(outcome.gpus)
+
+
+def by_key(outcomes: list[Outcome]) -> dict[str, Outcome]:
+    return {o.task.key: o for o in outcomes}
+
+
+# --- exit codes and retries ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("script", "status", "attempts", "exit_code", "sig", "retryable", "error"),
+    [
+        ("import sys; sys.exit(0)", "done", 1, 0, None, False, ""),
+        ("import sys; sys.exit(3)", "failed", 1, 3, None, False, "PermanentModelError"),
+        ("import sys; sys.exit(2)", "failed", 1, 2, None, False, "UsageError"),
+        ("import sys; sys.exit(4)", "failed", 3, 4, None, True, "TransientError"),
+        ("import sys; sys.exit(5)", "failed", 3, 5, None, True, "GpuOutOfMemoryError"),
+        ("import sys; sys.exit(7)", "failed", 1, 7, None, False, "WorkerCrashed"),
+        ("raise SystemExit('boom')", "failed", 1, 1, None, False, "WorkerCrashed"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "failed", 3, None, 9, True,
+         "KilledBySignal: the worker was killed by SIGKILL"),
+    ],
+    ids=["ok", "permanent", "usage", "transient", "oom", "other-code", "exception", "sigkill"],
+)
+def test_exit_code_decides_status_and_retries(
+    script: str, status: str, attempts: int, exit_code: int | None, sig: int | None,
+    retryable: bool, error: str,
+) -> None:
+    """3 and 2 are never retried; 4, 5 and a signal get max_retries=2 more attempts."""
+    [outcome] = LocalBackend(FAST, None).run([make_task("t", script)])
+    assert (outcome.status, outcome.attempts, outcome.exit_code, outcome.signal) == (
+        status, attempts, exit_code, sig
+    )
+    assert outcome.retryable is retryable
+    assert outcome.error.startswith(error)
+    assert outcome.total_s >= outcome.duration_s > 0
+
+
+def test_transient_failure_then_success_is_done(tmp_path: Path) -> None:
+    """Exit 4 on the first attempt, 0 on the second: done after 2 attempts, no error."""
+    marker = tmp_path / "tried"
+    task = make_task("flaky", f"""
+        import pathlib, sys
+        p = pathlib.Path({str(marker)!r})
+        if not p.exists():
+            p.write_text("x")
+            sys.exit(4)
+    """)
+    [outcome] = LocalBackend(FAST, None).run([task])
+    assert (outcome.status, outcome.attempts, outcome.error, outcome.retryable) == (
+        "done", 2, "", False
+    )
+
+
+def test_no_retries_when_max_retries_is_zero() -> None:
+    settings = LocalSettings(max_retries=0, backoff_s=0.01)
+    [outcome] = LocalBackend(settings, None).run([exit_task("t", 4)])
+    assert (outcome.status, outcome.attempts, outcome.retryable) == ("failed", 1, True)
+
+
+def test_one_failing_task_does_not_stop_the_others() -> None:
+    outcomes = by_key(LocalBackend(FAST, None).run(
+        [exit_task("a", 0), exit_task("b", 3), exit_task("c", 0)]
+    ))
+    assert {k: o.status for k, o in outcomes.items()} == {
+        "a": "done", "b": "failed", "c": "done"
+    }
+
+
+def test_command_that_cannot_start_is_a_permanent_failure() -> None:
+    task = Task(key="missing", argv=("/nonexistent/esd-worker",), label="missing")
+    outcomes = by_key(LocalBackend(FAST, None).run([task, exit_task("ok", 0)]))
+    missing = outcomes["missing"]
+    assert (missing.status, missing.attempts, missing.retryable) == ("failed", 1, False)
+    assert missing.error.startswith("StartFailed: cannot run /nonexistent/esd-worker")
+    assert outcomes["ok"].status == "done"
+
+
+@pytest.mark.parametrize(
+    ("returncode", "retryable"),
+    [(0, False), (2, False), (3, False), (4, True), (5, True), (1, False), (137, True),
+     (-15, True), (-9, True)],
+)
+def test_classify_exit(returncode: int, retryable: bool) -> None:
+    assert classify_exit(returncode)[1] is retryable
+
+
+# --- output: stderr tail and log files ----------------------------------------------------------
+
+
+def test_stderr_tail_is_the_last_20_lines_of_the_attempt() -> None:
+    task = make_task("noisy", """
+        import sys
+        print("to stdout")
+        for i in range(30):
+            print(f"line {i}", file=sys.stderr)
+        sys.exit(3)
+    """)
+    [outcome] = LocalBackend(FAST, None).run([task])
+    assert outcome.stderr_tail == tuple(f"line {i}" for i in range(10, 30))
+    assert outcome.log_path is None
+
+
+def test_each_attempt_is_appended_to_the_worker_log(tmp_path: Path) -> None:
+    """Three attempts of a transient failure: three headers, three outputs, one file; the
+    tail holds only the last attempt's lines."""
+    settings = LocalSettings(max_retries=2, backoff_s=0.01, log_dir=tmp_path / "logs")
+    task = make_task("org--model@main-1a2b", """
+        import sys
+        print("loading weights")
+        print("network is down", file=sys.stderr)
+        sys.exit(4)
+    """)
+    [outcome] = LocalBackend(settings, None).run([task])
+    log_file = tmp_path / "logs" / "workers" / "org--model@main-1a2b.log"
+    assert outcome.log_path == str(log_file)
+    text = log_file.read_text()
+    assert [line.split(" attempt ")[1].split()[0] for line in text.splitlines()
+            if line.startswith("=== ")] == ["1", "2", "3"]
+    assert text.splitlines().count("network is down") == 3
+    assert outcome.stderr_tail == ("loading weights", "network is down")
+
+
+def test_key_with_path_separators_gives_a_flat_log_name(tmp_path: Path) -> None:
+    settings = LocalSettings(log_dir=tmp_path)
+    [outcome] = LocalBackend(settings, None).run([exit_task("../odd/key", 0)])
+    assert outcome.log_path == str(tmp_path / "workers" / ".._odd_key.log")
+
+
+# --- environment and GPU placement --------------------------------------------------------------
+
+PRINT_ENV = """
+    import os
+    print("CVD=" + repr(os.environ.get("CUDA_VISIBLE_DEVICES")))
+    print("ORDER=" + repr(os.environ.get("CUDA_DEVICE_ORDER")))
+    print("EXTRA=" + repr(os.environ.get("EXTRA")))
+    print("INHERITED=" + repr(os.environ.get("ESD_TEST_INHERITED")))
+"""
+
+
+def test_cpu_mode_hides_every_gpu_and_passes_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CUDA_VISIBLE_DEVICES="" so a CPU worker never grabs a GPU; the controller's own
+    environment (HF_TOKEN and the like) is inherited; task.env is added."""
+    monkeypatch.setenv("ESD_TEST_INHERITED", "yes")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    [outcome] = LocalBackend(FAST, None).run([make_task("env", PRINT_ENV, EXTRA="1")])
+    assert outcome.stderr_tail == (
+        "CVD=''", "ORDER='PCI_BUS_ID'", "EXTRA='1'", "INHERITED='yes'"
+    )
+    assert outcome.gpus == ()
+
+
+@pytest.mark.parametrize(("workers", "preset"), [(1, None), (2, None), (2, "7")],
+                         ids=["one-worker", "two-workers", "user-setting-kept"])
+def test_cpu_workers_share_the_cores(
+    workers: int, preset: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each CPU worker gets cores // workers threads (at least 1) unless the user set
+    OMP_NUM_THREADS: N workers each using every core oversubscribe the machine."""
+    if preset is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+    settings = dataclasses.replace(FAST, cpu_workers=workers)
+    script = 'import os; print(os.environ["OMP_NUM_THREADS"])'
+    [outcome] = LocalBackend(settings, None).run([make_task("t", script)])
+    expected = preset or str(max(1, (os.cpu_count() or 1) // workers))
+    assert outcome.stderr_tail == (expected,)
+
+
+def test_gpu_mode_sets_cuda_visible_devices_to_the_assigned_gpus() -> None:
+    tracker = make_tracker([10.0, 9000.0, 10.0, 10.0], gpus_per_job=2)
+    backend = LocalBackend(FAST, tracker, gpus_per_job=2)
+    [outcome] = backend.run([make_task("env", PRINT_ENV)])
+    assert outcome.gpus == (0, 2)  # GPU 1 is busy with another user's job
+    assert outcome.stderr_tail[0] == "CVD='0,2'"
+    assert not any(g.taken for g in tracker.snapshot())  # released at exit
+
+
+def test_gpus_per_job_two_runs_disjoint_pairs() -> None:
+    """4 free GPUs, 2 per job, 4 tasks: never more than 2 at once, never sharing a GPU."""
+    tracker = make_tracker([10.0] * 4, gpus_per_job=2)
+    seen = Concurrency()
+    backend = LocalBackend(FAST, tracker, gpus_per_job=2, on_start=seen.start,
+                           on_outcome=seen.end)
+    script = """
+        import os, time
+        time.sleep(0.3)
+        print(os.environ["CUDA_VISIBLE_DEVICES"])
+    """
+    outcomes = backend.run([make_task(f"t{i}", script) for i in range(4)])
+    assert all(o.status == "done" for o in outcomes)
+    assert seen.most == 2 and not seen.overlap
+    for o in outcomes:
+        assert o.stderr_tail == (",".join(map(str, o.gpus)),)
+        assert len(o.gpus) == 2
+    assert max(o.wait_s for o in outcomes) > 0.2  # the second pair waited for the first
+
+
+def test_gpu_released_by_our_worker_is_reused_without_max_checks_polls() -> None:
+    """One GPU, max_checks=3 at 0.2 s: the first task waits for 3 polls (0.4 s); the next
+    ones start right after the previous worker exits (one immediate fresh poll)."""
+    tracker = make_tracker([10.0], max_checks=3, poll_interval_s=0.2)
+    starts: list[float] = []
+    backend = LocalBackend(FAST, tracker, on_start=lambda t, g: starts.append(time.monotonic()))
+    t0 = time.monotonic()
+    outcomes = backend.run([exit_task(f"t{i}", 0) for i in range(3)])
+    assert [o.gpus for o in outcomes] == [(0,)] * 3
+    assert starts[0] - t0 >= 0.39
+    # Between one worker's exit and the next start: reaping and one poll, not 2 more polls
+    # (0.4 s) as for a GPU busy for unknown reasons.
+    idle = [b - a - o.duration_s for a, b, o in zip(starts, starts[1:], outcomes, strict=False)]
+    assert max(idle) < 0.2, idle
+
+
+def test_gpus_per_job_over_what_the_tracker_has_is_rejected() -> None:
+    tracker = make_tracker([10.0, 10.0])
+    with pytest.raises(ValueError, match="gpus_per_job: 3 GPU"):
+        LocalBackend(FAST, tracker, gpus_per_job=3)
+
+
+def test_cpu_workers_caps_concurrency() -> None:
+    settings = LocalSettings(cpu_workers=2)
+    seen = Concurrency()
+    backend = LocalBackend(settings, None, on_start=seen.start, on_outcome=seen.end)
+    outcomes = backend.run([make_task(f"t{i}", "import time; time.sleep(0.2)") for i in range(5)])
+    assert [o.status for o in outcomes] == ["done"] * 5
+    assert seen.most == 2
+
+
+# --- stopping -------------------------------------------------------------------------------
+
+
+def test_first_stop_lets_running_finish_and_starts_nothing_new() -> None:
+    started: list[str] = []
+    holder: dict[str, LocalBackend] = {}
+
+    def on_start(task: Task, gpus: tuple[int, ...]) -> None:
+        started.append(task.key)
+        holder["b"].request_stop()
+
+    backend = LocalBackend(LocalSettings(cpu_workers=1), None, on_start=on_start)
+    holder["b"] = backend
+    tasks = [make_task(f"t{i}", "import time; time.sleep(0.3)") for i in range(3)]
+    outcomes = backend.run(tasks)
+    assert started == ["t0"]
+    assert [(o.task.key, o.status) for o in outcomes] == [("t0", "done")]
+
+
+def test_second_stop_terminates_the_process_group_as_cancelled(tmp_path: Path) -> None:
+    """SIGTERM goes to the worker's whole group: a child it started goes too."""
+    child_pid = tmp_path / "child.pid"
+    script = f"""
+        import pathlib, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        pathlib.Path({str(child_pid)!r}).write_text(str(child.pid))
+        time.sleep(60)
+    """
+    backend = LocalBackend(FAST, None)
+    stopper = _stop_when(backend, child_pid, times=2)
+    t0 = time.monotonic()
+    [outcome] = backend.run([make_task("long", script)])
+    stopper.join()
+    assert time.monotonic() - t0 < 10
+    assert (outcome.status, outcome.signal, outcome.exit_code) == ("cancelled", 15, None)
+    _assert_gone(int(child_pid.read_text()))
+
+
+def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    script = f"""
+        import pathlib, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        pathlib.Path({str(ready)!r}).write_text("x")
+        time.sleep(60)
+    """
+    settings = LocalSettings(terminate_grace_s=0.3)
+    backend = LocalBackend(settings, None)
+    stopper = _stop_when(backend, ready, times=2)
+    [outcome] = backend.run([make_task("stubborn", script)])
+    stopper.join()
+    assert (outcome.status, outcome.signal) == ("cancelled", 9)
+    assert outcome.duration_s >= 0.3
+
+
+def test_stop_during_a_retry_pause_reports_the_failure_as_retryable() -> None:
+    """A long backoff is not waited out after a stop; the transient failure is recorded as
+    retryable so the next run tries again."""
+    settings = LocalSettings(max_retries=3, backoff_s=30.0)
+    backend = LocalBackend(settings, None)
+
+    class StopOnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retry in" in record.getMessage():
+                backend.request_stop()
+
+    logger = logging.getLogger("controller.backends.local")
+    handler = StopOnRetry()
+    logger.addHandler(handler)
+    try:
+        t0 = time.monotonic()
+        [outcome] = backend.run([exit_task("t", 4)])
+    finally:
+        logger.removeHandler(handler)
+    assert time.monotonic() - t0 < 5
+    assert (outcome.status, outcome.attempts, outcome.retryable) == ("failed", 1, True)
+
+
+def test_error_in_a_callback_leaves_no_worker_behind(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    slow = make_task("slow", f"""
+        import os, pathlib, time
+        pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
+        time.sleep(60)
+    """)
+    fast = make_task("fast", f"""
+        import pathlib, time
+        while not pathlib.Path({str(pid_file)!r}).exists():
+            time.sleep(0.01)
+    """)
+
+    def on_outcome(outcome: Outcome) -> None:
+        raise RuntimeError("store is down")
+
+    backend = LocalBackend(LocalSettings(cpu_workers=2, terminate_grace_s=2.0), None,
+                           on_outcome=on_outcome)
+    with pytest.raises(RuntimeError, match="store is down"):
+        backend.run([slow, fast])
+    _assert_gone(int(pid_file.read_text()))
+
+
+def test_workers_die_with_a_killed_controller(tmp_path: Path) -> None:
+    """SIGKILL of the controller must not leave orphan workers holding GPUs and racing the
+    next run on the same models (they run in their own session, so Ctrl+C would not reach
+    them either)."""
+    pid_file = tmp_path / "worker.pid"
+    worker = (
+        f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()));"
+        " time.sleep(60)"
+    )
+    controller = textwrap.dedent(f"""
+        import sys
+        from controller.backends.local import LocalBackend, LocalSettings, Task
+        task = Task(key="w", argv=(sys.executable, "-c", {worker!r}), label="w")
+        LocalBackend(LocalSettings(), None).run([task])
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pid_file.exists(), "the worker never started"
+        proc.kill()
+        proc.wait()
+        _assert_gone(int(pid_file.read_text()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _stop_when(backend: LocalBackend, path: Path, *, times: int) -> threading.Thread:
+    """Call request_stop `times` times once `path` exists (the worker is ready)."""
+
+    def wait_then_stop() -> None:
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(times):
+            backend.request_stop()
+
+    thread = threading.Thread(target=wait_then_stop, daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_gone(pid: int) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # A killed child of a dead worker is reparented and reaped by init; a zombie of
+        # ours would show in /proc as state Z.
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"):
+            return
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"process {pid} still runs")
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+def test_backend_feeds_progress() -> None:
+    stream = io.StringIO()
+    progress = Progress(3, stream=stream, interactive=True)
+    backend = LocalBackend(FAST, None, progress=progress)
+    backend.run([exit_task("a", 0), exit_task("b", 3), exit_task("c", 0)])
+    progress.close()
+    last = stream.getvalue().rstrip("\n").split("\r\x1b[2K")[-1]
+    assert "3/3  done 2  failed 1  running 0  waiting 0" in last
+
+
+# --- custom commands ----------------------------------------------------------------------------
+
+
+def test_read_commands_splits_lines_like_a_shell_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "commands.txt"
+    path.write_text(textwrap.dedent("""\
+        # commands.txt
+        python esd_analysis/run_analysis.py --single-model model1 --output-dir ./out1
+
+        python custom_script.py --arg1 "two words" # trailing comment
+          # indented comment
+        echo 'a;b' $HOME
+    """))
+    tasks = read_commands(path)
+    assert [(t.key, t.argv) for t in tasks] == [
+        ("cmd-2", ("python", "esd_analysis/run_analysis.py", "--single-model", "model1",
+                   "--output-dir", "./out1")),
+        ("cmd-4", ("python", "custom_script.py", "--arg1", "two words")),
+        ("cmd-6", ("echo", "a;b", "$HOME")),
+    ]
+    assert tasks[1].label == 'python custom_script.py --arg1 "two words" # trailing comment'
+
+
+def test_read_commands_reports_unsplittable_lines(tmp_path: Path) -> None:
+    path = tmp_path / "commands.txt"
+    path.write_text('echo ok\necho "unclosed\n')
+    with pytest.raises(ValueError, match=r"commands.txt:2: cannot split the command"):
+        read_commands(path)
+
+
+def test_commands_run_under_the_backend(tmp_path: Path) -> None:
+    out = tmp_path / "out.txt"
+    path = tmp_path / "commands.txt"
+    script = 'import sys; open(sys.argv[1], "w").write("hi")'
+    path.write_text(f"{sys.executable} -c '{script}' {out}\n")
+    [outcome] = LocalBackend(FAST, None).run(read_commands(path))
+    assert outcome.status == "done"
+    assert out.read_text() == "hi"
+
+
+def test_settings_validation_names_every_bad_field() -> None:
+    settings = LocalSettings(max_retries=-1, backoff_s=-1, backoff_max_s=-1, cpu_workers=0,
+                             terminate_grace_s=-1)
+    with pytest.raises(ValueError) as info:
+        settings.validate()
+    for name in ("max_retries", "backoff_s", "backoff_max_s", "cpu_workers", "terminate_grace_s"):
+        assert f"{name}:" in str(info.value)
+

@@ -1,0 +1,359 @@
+"""`esd-sweep report`: summary.csv, layers.parquet, PNG plots and index.html from a results store.
+
+The example store is made by the real worker (in this process, CPU) on three models: a tiny
+GPT-2 (relation base), a LoRA adapter on it (adapter; adapter_config.json names the GPT-2
+directory as its base) and the real all-MiniLM-L6-v2 (finetune: it is a fine-tune of
+MiniLM-L6-H384). `example_results` builds it once per session; test_refit and test_compare
+use it too, each on a copy of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html.parser
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from controller.results import report
+from controller.results.report import (
+    ALPHA_PLOT,
+    ESD_PLOT,
+    INDEX_NAME,
+    PARQUET_NAME,
+    RELATION_PLOT,
+    SUMMARY_NAME,
+    VS_BASE_PLOT,
+    ModelResult,
+    ReportSettings,
+    ResultsError,
+    write_report,
+)
+from esd_worker.results import LAYER_COLUMNS, layers_from_csv
+from tests.support.results import (
+    copy_example,
+    example_results,
+    keys_by_relation,
+    wired_subparser,
+)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after the 8-byte signature)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory: pytest.TempPathFactory, gpt2_dir: Path) -> Path:
+    master = example_results(tmp_path_factory, gpt2_dir)
+    return copy_example(master, tmp_path_factory.mktemp("report") / "results")
+
+
+@pytest.fixture(scope="module")
+def written(example: Path) -> Path:
+    """The report of the example store, in its default place <results>/report/."""
+    write_report(ReportSettings(results=str(example)))
+    return example / "report"
+
+
+def test_report_writes_every_file(written: Path, example: Path) -> None:
+    """Tables and the across-model plot once; α and ESD plots for every model (all three have
+    eigs.npz); the adapter-vs-base plot only for the adapter, whose base is in the store."""
+    keys = keys_by_relation(example)
+    for name in (SUMMARY_NAME, PARQUET_NAME, INDEX_NAME, RELATION_PLOT):
+        assert (written / name).is_file(), name
+    for relation, key in keys.items():
+        folder = written / "models" / key
+        assert (folder / ALPHA_PLOT).is_file()
+        assert (folder / ESD_PLOT).is_file()
+        assert (folder / VS_BASE_PLOT).is_file() == (relation == "adapter")
+
+
+def _pngs(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.png"))
+
+
+def test_plots_are_real_non_empty_pngs(written: Path) -> None:
+    """Every plot is a PNG with a plausible size: at least 400 × 300 pixels at 100 dpi (the
+    smallest figure is 6 × 4.6 inches) and more than 10 kB (an empty 600 × 460 canvas is
+    ~3 kB: axes, labels and points make the rest). 3 models: 3 α + 3 ESD + 1 vs base +
+    the across-model plot = 8 files."""
+    pngs = _pngs(written)
+    assert len(pngs) == 8, pngs
+    for path in pngs:
+        data = path.read_bytes()
+        width, height = png_size(data)
+        assert width >= 400 and height >= 300, (path.name, width, height)
+        assert width <= 2000 and height <= 2000, (path.name, width, height)
+        assert len(data) > 10_000, (path, len(data))
+
+
+def test_esd_plot_is_a_grid_of_the_chosen_layers(written: Path, example: Path) -> None:
+    """The default ESD plot shows 6 layers in a 3 × 2 grid of 4.3 × 3.3-inch panels: about
+    1290 × 710 pixels (plus the title row)."""
+    path = written / "models" / keys_by_relation(example)["finetune"] / ESD_PLOT
+    width, height = png_size(path.read_bytes())
+    assert 1200 <= width <= 1400 and 650 <= height <= 800, (width, height)
+
+
+class _Links(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if name in ("href", "src") and value:
+                self.refs.append(value)
+            if name == "id" and value:
+                self.ids.add(value)
+
+
+def test_index_references_existing_files(written: Path, example: Path) -> None:
+    """Every link and image of index.html is relative and exists in the report folder; every
+    in-page anchor has its target; every model is in the table; every plot is shown."""
+    page = (written / INDEX_NAME).read_text()
+    links = _Links()
+    links.feed(page)
+    files = [r for r in links.refs if not r.startswith("#")]
+    anchors = [r[1:] for r in links.refs if r.startswith("#")]
+    assert files and anchors
+    for ref in files:
+        assert "://" not in ref and not ref.startswith("/"), ref
+        assert (written / ref).is_file(), ref
+    assert set(anchors) <= links.ids
+    for key in keys_by_relation(example).values():
+        assert key in links.ids
+    shown = {ref for ref in files if ref.endswith(".png")}
+    assert shown == {p.relative_to(written).as_posix() for p in _pngs(written)}
+
+
+def test_parquet_has_every_layer_of_every_model(written: Path, example: Path) -> None:
+    """One row per layers.csv row of each model (in that order), the layer table's columns
+    plus model_key, model, relation, base_key, layer_index; numbers equal to the CSV's cells
+    (floats written with repr read back exactly); the adapter's base_key is the GPT-2's."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pq.read_table(written / PARQUET_NAME)
+    keys = keys_by_relation(example)
+    expected_rows = {k: layers_from_csv((example / k / "layers.csv").read_bytes())
+                     for k in keys.values()}
+    assert table.num_rows == sum(len(rows) for rows in expected_rows.values())
+    assert table.column_names == [
+        "model_key", "model", "relation", "base_key", "layer_index", *LAYER_COLUMNS
+    ]
+    assert str(table.schema.field("alpha").type) == "double"
+    assert str(table.schema.field("M").type) == "int64"
+    data = table.to_pylist()
+    for key, rows in expected_rows.items():
+        mine = [r for r in data if r["model_key"] == key]
+        assert [r["layer"] for r in mine] == [r["layer"] for r in rows]
+        assert [r["layer_index"] for r in mine] == list(range(len(rows)))
+        for got, want in zip(mine, rows, strict=True):
+            assert got["alpha"] == float(want["alpha"])
+            assert got["spectral_norm"] == float(want["spectral_norm"])
+            assert got["M"] == int(want["M"])
+            assert got["status"] == want["status"]
+    adapter_rows = [r for r in data if r["model_key"] == keys["adapter"]]
+    assert {r["base_key"] for r in adapter_rows} == {keys["base"]}
+    assert {r["relation"] for r in adapter_rows} == {"adapter"}
+    assert {r["base_key"] for r in data if r["model_key"] != keys["adapter"]} == {None}
+
+
+def test_summary_csv_has_the_markers_numbers(written: Path, example: Path) -> None:
+    """report/summary.csv holds one row per model with the statistics the worker stored in
+    its marker's summary (controller.results.summary's columns and encoding)."""
+    import csv
+
+    rows = list(csv.DictReader((written / SUMMARY_NAME).open()))
+    assert len(rows) == 3
+    for row in rows:
+        marker = json.loads((example / row["model_key"] / "result.json").read_text())
+        assert float(row["alpha_mean"]) == marker["summary"]["alpha_mean"]
+        assert int(row["layers"]) == marker["summary"]["layers"]
+        assert row["relation"] == marker["relation"]
+
+
+def test_max_model_plots_caps_per_model_plots_and_says_so(example: Path, tmp_path: Path) -> None:
+    """With --max-model-plots 1 only the first model of the index (the base GPT-2: base
+    models come first) gets per-model plots; the index says how many of how many; the
+    tables still hold all three models. --out writes to another directory."""
+    out = tmp_path / "site"
+    result = write_report(ReportSettings(results=str(example), out=str(out),
+                                         max_model_plots=1, esd_layers=2))
+    assert result.plotted_models == 1 and result.models == 3
+    assert [p.name for p in (out / "models").iterdir()] == [keys_by_relation(example)["base"]]
+    page = (out / INDEX_NAME).read_text()
+    assert "Per-model plots for the first 1 of 3 models" in page
+    assert "--max-model-plots 1" in page
+    assert len((out / SUMMARY_NAME).read_text().splitlines()) == 1 + 3
+    links = _Links()
+    links.feed(page)
+    assert {r[1:] for r in links.refs if r.startswith("#")} <= links.ids
+    assert all((out / r).is_file() for r in links.refs if not r.startswith("#"))
+
+
+def test_tables_stream_in_chunks(example: Path) -> None:
+    """iter_results reads a few tables at a time and yields every model in the given order,
+    so a report or refit of a large store holds one chunk of tables in memory."""
+    from esd_worker.store import open_store
+
+    store = open_store(str(example))
+    markers = report.read_model_markers(store)
+    order = sorted(markers, reverse=True)
+    got = list(report.iter_results(store, markers, order, chunk=2))
+    assert [r.key for r in got] == order
+    assert all(r.rows for r in got)
+
+
+def _result(alphas: list[float], statuses: list[str] | None = None) -> ModelResult:
+    statuses = statuses or ["ok"] * len(alphas)
+    rows = [{"layer": f"l{i}", "alpha": repr(a), "status": s}
+            for i, (a, s) in enumerate(zip(alphas, statuses, strict=True))]
+    return ModelResult("m-0123456789", {"model_id": "org/m"}, rows)
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [
+        pytest.param(0, [0, 1, 2, 3, 4, 5], id="0-means-all"),
+        pytest.param(10, [0, 1, 2, 3, 4, 5], id="more-than-there-are"),
+        pytest.param(2, [1, 3], id="lowest-and-highest-alpha"),
+        pytest.param(3, [1, 3, 5], id="lowest-median-highest"),
+    ],
+)
+def test_esd_layers_are_picked_at_alpha_quantiles(count: int, expected: list[int]) -> None:
+    """α by row: 3.0, 1.5 (lowest), 2.0, 9.0 (highest), NaN (failed), 2.5. Sorted fitted
+    layers: rows 1, 2, 5, 0, 3; two picks are the ends (rows 1, 3), three add the median
+    (row 5). Picks come back in model order."""
+    result = _result([3.0, 1.5, 2.0, 9.0, float("nan"), 2.5],
+                     ["ok", "ok", "ok", "ok", "fit_failed", "ok"])
+    eigs = {f"l{i}": np.ones(3) for i in range(6)}
+    assert report.pick_esd_layers(result, eigs, count) == expected
+
+
+def test_plot_alpha_marks_failed_and_clipped_layers() -> None:
+    """A table with a failed fit, a too_small layer and an α far above the clip still plots."""
+    result = _result([2.5, 40.0, float("nan"), float("nan")],
+                     ["ok", "ok", "fit_failed", "too_small"])
+    width, height = png_size(report.plot_alpha(result))
+    assert width >= 600 and height >= 400
+
+
+@pytest.mark.parametrize(
+    ("name", "short"),
+    [
+        pytest.param("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf", id="hub-id"),
+        pytest.param("/data/models/org/name", "org/name", id="local-path"),
+        pytest.param("org/" + "x" * 60, "…" + "x" * 47, id="long"),
+    ],
+)
+def test_short_names(name: str, short: str) -> None:
+    assert report.short_name(name) == short
+
+
+def test_missing_location_is_one_line_usage_error(tmp_path: Path) -> None:
+    """A results directory that does not exist: one line naming it, exit status 2."""
+    with pytest.raises(ResultsError) as err:
+        write_report(ReportSettings(results=str(tmp_path / "nope")))
+    assert "\n" not in str(err.value) and "nope" in str(err.value)
+    assert err.value.exit_code == 2
+
+
+def test_store_without_results_is_one_line_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(ResultsError, match=r"no results in .*result\.json") as err:
+        write_report(ReportSettings(results=str(tmp_path)))
+    assert "\n" not in str(err.value)
+
+
+def test_bad_settings_are_reported_together(tmp_path: Path) -> None:
+    with pytest.raises(ResultsError) as err:
+        write_report(ReportSettings(results=str(tmp_path), max_model_plots=-1, esd_layers=-2))
+    assert "--max-model-plots" in str(err.value) and "--esd-layers" in str(err.value)
+
+
+def test_unknown_tag_says_how_to_make_it(example: Path) -> None:
+    with pytest.raises(ResultsError, match="esd-sweep refit --tag nothing-here"):
+        write_report(ReportSettings(results=str(example), tag="nothing-here"))
+
+
+def test_run_report_prints_where_the_index_is(
+    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The subcommand's flags (kebab-case and the old snake_case spellings) and its output."""
+    parser = argparse.ArgumentParser()
+    report.add_report_flags(parser)
+    args = parser.parse_args(["--output_dir", str(example), "--out", str(tmp_path / "r"),
+                              "--max-model-plots", "0"])
+    assert report.run_report(args) == 0
+    out = capsys.readouterr().out
+    assert f"open {tmp_path / 'r' / INDEX_NAME}" in out
+    assert not (tmp_path / "r" / "models").exists()
+
+
+# ---------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[object]:
+    from tests.support.s3server import serve_s3
+
+    yield from serve_s3()
+
+
+def test_report_reads_and_writes_s3(s3_server: object, example: Path) -> None:
+    """The same report from an s3:// store (moto over HTTP): its files land under
+    <prefix>/report/ in the bucket."""
+    from tests.support.s3server import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    bucket = s3_server.new_bucket()
+    client = s3_server.client()
+    for path in example.rglob("*"):
+        rel = path.relative_to(example).as_posix()
+        if path.is_file() and not rel.startswith("report/"):
+            client.put_object(Bucket=bucket, Key=f"results/{rel}", Body=path.read_bytes())
+    result = write_report(ReportSettings(results=s3_server.url(bucket, "results"),
+                                         max_model_plots=1, esd_layers=1))
+    keys = set(s3_server.keys(bucket, "results/report/"))
+    assert {f"results/report/{name}" for name in result.files} == keys
+    assert f"results/report/{INDEX_NAME}" in keys
+
+
+def test_unreachable_s3_store_is_a_store_error(s3_server: object) -> None:
+    """A bucket that does not exist: the store's permanent error, which the CLI maps to
+    exit 3 (store unreachable)."""
+    from esd_worker.errors import StorePermanentError
+    from tests.support.s3server import S3Server
+
+    assert isinstance(s3_server, S3Server)
+    with pytest.raises(StorePermanentError) as err:
+        write_report(ReportSettings(results=s3_server.url("no-such-bucket-here", "results")))
+    assert err.value.exit_code == 3
+
+
+
+
+def test_cli_report(
+    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], restore_logging: None
+) -> None:
+    """Through `esd-sweep report`: 0 and the index path; a missing location is one line on
+    stderr and exit 2."""
+    if wired_subparser("report", "--max-model-plots") is None:
+        pytest.skip("esd-sweep report is not wired to controller.results.report yet")
+    from controller.cli import main
+
+    assert main(["report", "--output-dir", str(example), "--out", str(tmp_path / "r"),
+                 "--max-model-plots", "0"]) == 0
+    assert (tmp_path / "r" / INDEX_NAME).is_file()
+    capsys.readouterr()
+    assert main(["report", "--output-dir", str(tmp_path / "missing")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("esd-sweep: error:") and "missing" in err[0]

@@ -1,0 +1,275 @@
+"""The `esd-worker` command: every expected failure is an exit code and one clear line on
+stderr, never a traceback; the flags reach the analysis."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from esd_worker import cli
+from esd_worker.errors import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.naming import model_key
+from tests.support.builders import (
+    CliResult,
+    corrupt_safetensors,
+    make_lora_adapter,
+    make_peft_adapter,
+    make_tensor_model,
+    read_result,
+    worker_command,
+)
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *argv: str) -> CliResult:
+    """cli.main in this process (torch is imported once for the whole test session)."""
+    code = cli.main(["--device", "cpu", *argv])
+    return CliResult(code, capsys.readouterr().err, Path())
+
+
+def run_subprocess(*argv: str) -> CliResult:
+    """The real console entry point in a fresh interpreter."""
+    proc = subprocess.run(
+        [*worker_command(), *argv], capture_output=True, text=True, timeout=120, check=False
+    )
+    return CliResult(proc.returncode, proc.stderr, Path())
+
+
+def assert_one_clear_line(run: CliResult, code: int, *fragments: str) -> str:
+    """Exit code as expected, exactly one error line (the last line), no traceback."""
+    assert run.code == code, run.stderr
+    assert "Traceback" not in run.stderr
+    assert len(run.errors) == 1, run.stderr
+    assert run.lines[-1] == run.errors[0]
+    for fragment in fragments:
+        assert fragment in run.errors[0], run.errors[0]
+    return run.errors[0]
+
+
+# --- usage errors (exit 2) -----------------------------------------------------------------
+
+
+def test_bad_flag_subprocess(tmp_path: Path) -> None:
+    """argparse's usage block is replaced by one line that points at --help."""
+    run = run_subprocess("--model", "x", "--output", str(tmp_path), "--bogus")
+    line = assert_one_clear_line(run, EXIT_USAGE, "unrecognized arguments: --bogus", "--help")
+    assert run.lines == [line]
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        pytest.param(["--min-evals", "1"], "min_evals: must be >= 2", id="min-evals"),
+        pytest.param(["--evals-thresh", "nan"], "evals_thresh", id="nan-thresh"),
+        pytest.param(["--conv-norm", "0"], "conv_norm", id="conv-norm"),
+        pytest.param(["--bins", "0", "--min-evals", "0"], "bins: must be >= 1", id="two"),
+        pytest.param(["--fix-fingers", "median"], "invalid choice", id="choice"),
+        pytest.param(["--bins", "many"], "invalid int value", id="type"),
+    ],
+)
+def test_bad_settings(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], fragment: str
+) -> None:
+    """Every bad field is named (two at once when two are bad)."""
+    with pytest.raises(SystemExit) as exc:
+        code = cli.main(["--model", "x", "--output", str(tmp_path), *argv])
+        raise SystemExit(code)
+    run = CliResult(int(exc.value.code or 0), capsys.readouterr().err, tmp_path)
+    line = assert_one_clear_line(run, EXIT_USAGE, fragment)
+    if "--min-evals" in argv and "--bins" in argv:
+        assert "min_evals" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_gpu_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = cli.main(["--model", str(tmp_path), "--output", str(tmp_path / "o"),
+                     "--device", "cuda"])
+    run = CliResult(code, capsys.readouterr().err, tmp_path)
+    assert_one_clear_line(run, EXIT_USAGE, "CUDA is not available")
+
+
+# --- permanent model errors (exit 3) -------------------------------------------------------
+
+
+def test_missing_path_subprocess(tmp_path: Path) -> None:
+    """The real console script on a path that does not exist."""
+    missing = tmp_path / "no" / "such" / "model"
+    run = run_subprocess("--model", str(missing), "--output", str(tmp_path / "out"),
+                         "--device", "cpu")
+    assert_one_clear_line(run, EXIT_PERMANENT, "model not found: no directory", str(missing))
+    assert not list((tmp_path / "out").rglob("*.*"))  # at most the (checked) empty output
+
+
+def test_corrupt_safetensors(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "corrupt"
+    model.mkdir()
+    for f in llama_dir.iterdir():
+        (model / f.name).write_bytes(f.read_bytes())
+    corrupt_safetensors(model)
+    run = run_main(capsys, "--model", str(model), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, "corrupt safetensors file model.safetensors")
+    assert not (tmp_path / "out" / model_key(str(model)) / "result.json").exists()
+
+
+def test_truncated_safetensors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A download cut short: the header promises more bytes than the file has."""
+    model = make_tensor_model(tmp_path / "cut", {"a.0.p.weight": torch.randn(64, 64)})
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 2])
+    run = run_main(capsys, "--model", str(model), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, "corrupt")
+
+
+@pytest.mark.parametrize(
+    ("files", "fragment"),
+    [
+        pytest.param({}, "no weights", id="empty-dir"),
+        pytest.param({"pytorch_model.bin": b"not a pickle"}, "corrupt or unsafe weights file",
+                     id="garbage-bin"),
+        pytest.param({"model.safetensors.index.json": b"{not json"}, "corrupt checkpoint index",
+                     id="bad-index"),
+        pytest.param({"model.safetensors.index.json":
+                      b'{"weight_map": {"a.weight": "model-00001-of-00002.safetensors"}}'},
+                     "names missing shards", id="missing-shard"),
+        pytest.param({"adapter_config.json": b"[1, 2]"}, "corrupt adapter_config.json",
+                     id="bad-adapter-config"),
+    ],
+)
+def test_bad_checkpoints(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, files: dict[str, bytes], fragment: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+    run = run_main(capsys, "--model", str(model), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, fragment)
+
+
+@pytest.mark.parametrize("kind", ["IA3", "LOHA"])
+def test_unknown_adapter_type(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path, kind: str
+) -> None:
+    """IA3 and LoHa adapters made with peft: exit 3, the message names the type."""
+    import peft
+
+    config = (
+        peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
+        if kind == "IA3" else peft.LoHaConfig(r=2, target_modules=["q_proj"])
+    )
+    adapter = make_peft_adapter(llama_dir, tmp_path / kind, config)
+    run = run_main(capsys, "--model", str(adapter), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, f"adapter type '{kind}' is not supported")
+
+
+def test_adapter_without_base(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    adapter = make_lora_adapter(
+        llama_dir, tmp_path / "orphan", target_modules=("q_proj",),
+        base_model_name_or_path=None,
+    )
+    run = run_main(capsys, "--model", str(adapter), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, "pass --base-model")
+    ok = run_main(capsys, "--model", str(adapter), "--base-model", str(llama_dir),
+                  "--output", str(tmp_path / "out"))
+    assert ok.code == 0, ok.stderr
+
+
+# --- transient (exit 4) --------------------------------------------------------------------
+
+
+def test_output_under_a_regular_file(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    """The output cannot be created (a path under a regular file; works as root too): exit 4
+    before any layer is analysed."""
+    blocker = tmp_path / "file"
+    blocker.write_text("I am a file")
+    run = run_main(capsys, "--model", str(llama_dir), "--output", str(blocker / "results"))
+    assert_one_clear_line(run, EXIT_TRANSIENT, str(blocker))
+    assert "analysed" not in run.stderr
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root can write to a read-only directory")
+def test_read_only_output_dir(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        run = run_main(capsys, "--model", str(llama_dir), "--output", str(out))
+    finally:
+        out.chmod(0o700)
+    assert_one_clear_line(run, EXIT_TRANSIENT)
+
+
+# --- success and logging -------------------------------------------------------------------
+
+
+def test_success_logs_device_diagnostics(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    """Old snake_case flags work; the device diagnostics users asked for are logged."""
+    run = CliResult(
+        cli.main(["--model_id", str(llama_dir), "--output_dir", str(tmp_path), "--no-eigs",
+                  "--device", "cpu", "--fix_fingers", "DKS", "--model-key", "custom-key"]),
+        capsys.readouterr().err,
+        tmp_path,
+    )
+    assert run.code == 0, run.stderr
+    assert run.errors == []
+    assert "CUDA_VISIBLE_DEVICES=" in run.stderr
+    assert "device used: cpu" in run.stderr
+    result = read_result(tmp_path, "custom-key")
+    assert result.marker["parameters"]["fix_fingers"] == "DKS"
+    assert result.marker["model_key"] == "custom-key"
+    assert not (tmp_path / "custom-key" / "eigs.npz").exists()
+
+
+def test_json_log_format(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--log-format json: every log line is a JSON object (the error among them); the last
+    line is still the plain one-line error."""
+    run = run_main(capsys, "--model", str(tmp_path / "missing"), "--output", str(tmp_path),
+                   "--log-format", "json")
+    assert_one_clear_line(run, EXIT_PERMANENT, "model not found")
+    records = [json.loads(line) for line in run.lines[:-1]]
+    assert records and all({"time", "level", "logger", "message"} <= set(r) for r in records)
+    assert [r["level"] for r in records][-1] == "error"
+
+
+def test_internal_error_keeps_traceback(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug (not a model problem) keeps its traceback for the failure record, then the line."""
+    import esd_worker.analyze
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(esd_worker.analyze, "analyse_model", broken)
+    run = run_main(capsys, "--model", str(llama_dir), "--output", str(tmp_path))
+    assert run.code == EXIT_PERMANENT
+    assert "Traceback" in run.stderr
+    assert run.lines[-1].startswith("esd-worker: error: internal error")
+    assert "RuntimeError: boom" in run.lines[-1]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("esd-worker ")
