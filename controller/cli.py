@@ -28,11 +28,11 @@ from controller.modellist import RELATIONS, ModelListError
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
+from controller.settings import SweepSettings
 from controller.sweep import (
     EXIT_INFRA,
     EXIT_USAGE,
     SweepError,
-    SweepSettings,
     format_summary_table,
     models_status,
     run_sweep,
@@ -306,6 +306,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         worker_log_format=args.log_format,
         backend=getattr(args, "backend", "local"),
         cluster=cluster,
+        dry_run=getattr(args, "dry_run", False),
     )
 
 
@@ -333,7 +334,7 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
         telemetry=not args.no_telemetry, telemetry_selector=args.telemetry_selector,
         telemetry_namespace=args.telemetry_namespace, telemetry_port=args.telemetry_port,
         telemetry_urls=tuple(args.telemetry_url), pending_timeout_s=args.pending_timeout,
-        wait=args.wait, dry_run=args.dry_run, allow_local_output=args.allow_local_output,
+        wait=args.wait, allow_local_output=args.allow_local_output,
     )
     if args.backend == "kubernetes":
         problems.extend(cluster.problems())

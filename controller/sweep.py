@@ -10,19 +10,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.client import KubeClient
 
-from controller.backends.kubernetes.backend import ClusterBackend, ClusterSettings, sweep_instance
+from controller.backends.kubernetes.backend import ClusterBackend, sweep_instance
 from controller.backends.local import (
     LocalBackend,
-    LocalSettings,
     LogDirError,
     Outcome,
     Task,
@@ -37,54 +35,17 @@ from controller.errors import (  # noqa: F401  (re-exported until the CLI moves)
     InfrastructureError,
     SweepError,
 )
-from controller.gpus import GpuSettings, GpuTracker, open_nvml
+from controller.gpus import GpuTracker, open_nvml
 from controller.modellist import ModelList, ModelRow, make_single, read_model_list
 from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.records import FailureRecord, clear_failure, redact, write_failure
 from controller.results.summary import new_run_id, write_run_report, write_summary
+from controller.settings import SweepSettings
 from esd_worker.flags import analysis_argv
-from esd_worker.settings import AnalysisSettings
 from esd_worker.store import MARKER_NAME, Store, open_store
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class SweepSettings:
-    """Everything `esd-sweep run` was asked to do (built in controller.cli from flags + env).
-
-    output: result store URL (directory, file://, s3://bucket/prefix).
-    model_list / single_model: where the models come from (exactly one is set), or
-    commands: a file of command lines (custom mode: run them under the same GPU management).
-    device: auto (GPUs when NVML sees any, else CPU), cpu, or cuda (GPUs required).
-    worker_cmd: how to start one worker; argv list, the model flags are appended.
-    backend: "local" (subprocesses here) or "kubernetes" (one Job per model; `cluster`).
-    """
-
-    output: str
-    model_list: Path | None = None
-    single_model: str | None = None
-    single_relation: str = ""
-    single_source: str | None = None
-    commands: Path | None = None
-    limit: int | None = None
-    strict: bool = False
-    overwrite: bool = False
-    skip_failed: bool = False
-    analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
-    device: str = "auto"
-    gpu: GpuSettings = field(default_factory=GpuSettings)
-    local: LocalSettings = field(default_factory=LocalSettings)
-    log_dir: Path | None = None
-    save_eigs: bool = True
-    trust_remote_code: bool = False
-    worker_log_format: str = "text"
-    worker_cmd: tuple[str, ...] = field(
-        default_factory=lambda: (sys.executable, "-m", "esd_worker.cli")
-    )
-    backend: str = "local"
-    cluster: ClusterSettings = field(default_factory=ClusterSettings)
-
 
 @dataclass
 class SweepResult:
@@ -364,7 +325,7 @@ def run_sweep(
     if cluster:
         if settings.commands is not None:
             raise SweepError("--mode custom runs on the local backend only")
-        if not settings.cluster.dry_run:
+        if not settings.dry_run:
             _check_cluster_output(settings)
     try:
         store = open_store(settings.output)
@@ -400,7 +361,7 @@ def run_sweep(
             on_plan(plan)
         tasks = []
 
-    if cluster and settings.cluster.dry_run:
+    if cluster and settings.dry_run:
         assert plan is not None
         return _dry_run(settings, plan, store.url, run_id, out or sys.stdout)
 

@@ -92,7 +92,6 @@ class ClusterSettings:
     telemetry_urls: tuple[str, ...] = ()
     pending_timeout_s: float = 600.0
     wait: bool = True
-    dry_run: bool = False
     allow_local_output: bool = False
     watch_timeout_s: int = 60
     log_tail_lines: int = 20

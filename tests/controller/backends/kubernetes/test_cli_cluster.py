@@ -26,7 +26,8 @@ import yaml
 from controller.backends.kubernetes.jobs import job_name
 from controller.cli import main
 from controller.modellist import ModelRow
-from controller.sweep import SweepSettings, worker_argv
+from controller.settings import SweepSettings
+from controller.sweep import worker_argv
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import MARKER_NAME, open_store

@@ -1,0 +1,56 @@
+"""Everything `esd-sweep run` and `status` were asked to do (built by controller.cli).
+
+Holds each backend's own settings beside the ones every backend shares; validation of each
+part lives with the part (GpuSettings.validate, LocalSettings.validate,
+ClusterSettings.problems), and controller.cli reports every problem at once.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from controller.backends.kubernetes.settings import ClusterSettings
+from controller.backends.local import LocalSettings
+from controller.gpus import GpuSettings
+from esd_worker.settings import AnalysisSettings
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """Everything `esd-sweep run` was asked to do (built in controller.cli from flags + env).
+
+    output: result store URL (directory, file://, s3://bucket/prefix).
+    model_list / single_model: where the models come from (exactly one is set), or
+    commands: a file of command lines (custom mode: run them under the same GPU management).
+    device: auto (GPUs when NVML sees any, else CPU), cpu, or cuda (GPUs required).
+    worker_cmd: how to start one worker; argv list, the model flags are appended.
+    backend: "local" (workers on this machine; `local`, `gpu`) or "kubernetes" (Jobs;
+    `cluster`). dry_run: print what would be started (commands or Jobs), start nothing.
+    """
+
+    output: str
+    model_list: Path | None = None
+    single_model: str | None = None
+    single_relation: str = ""
+    single_source: str | None = None
+    commands: Path | None = None
+    limit: int | None = None
+    strict: bool = False
+    overwrite: bool = False
+    skip_failed: bool = False
+    analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
+    device: str = "auto"
+    gpu: GpuSettings = field(default_factory=GpuSettings)
+    local: LocalSettings = field(default_factory=LocalSettings)
+    log_dir: Path | None = None
+    save_eigs: bool = True
+    trust_remote_code: bool = False
+    worker_log_format: str = "text"
+    worker_cmd: tuple[str, ...] = field(
+        default_factory=lambda: (sys.executable, "-m", "esd_worker.cli")
+    )
+    backend: str = "local"
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    dry_run: bool = False
