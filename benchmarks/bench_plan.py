@@ -20,7 +20,7 @@ from typing import Any
 
 from controller.modellist import read_model_list
 from controller.plan import plan_run
-from esd_worker.results import marker_to_json
+from esd_worker.layout import Marker
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore
 
@@ -84,8 +84,8 @@ def build(root: Path, n_rows: int, n_done: int) -> tuple[Path, float]:
     for row in models[::2][:n_done]:
         store.put_bytes(f"{row.key}/layers.csv", layers)
         store.put_bytes(
-            f"{row.key}/result.json", marker_to_json(fake_marker(row.ref, row.key, row.relation,
-                                                                 params))
+            f"{row.key}/result.json", Marker.from_dict(
+                fake_marker(row.ref, row.key, row.relation, params)).to_json()
         )
     stamp.write_text("ok\n")
     return csv_path, time.perf_counter() - t0

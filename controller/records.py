@@ -1,7 +1,8 @@
 """Failure records (`_failures/<model_key>.json`): what failed, how, and whether a retry may help.
 
-Owns the record format, exit-code classification and secret redaction of stderr lines.
-Does not decide when to retry: the dispatcher does, from `retryable`.
+Owns the record format and secret redaction of stderr lines. Where records live is
+esd_worker.layout's; what an exit code means is esd_worker.errors'. Does not decide when to
+retry: the backend does, from `retryable`.
 """
 
 from __future__ import annotations
@@ -9,35 +10,17 @@ from __future__ import annotations
 import json
 import logging
 import re
-import signal as _signal
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from esd_worker.errors import (
-    EXIT_GPU_OOM,
-    EXIT_OK,
-    EXIT_PERMANENT,
-    EXIT_TRANSIENT,
-    EXIT_USAGE,
-)
+from esd_worker.errors import classify_exit, signal_name  # noqa: F401  (until the k8s split lands)
+from esd_worker.layout import failure_key, fetch_all, list_failure_keys
 from esd_worker.store import Store
 
 log = logging.getLogger(__name__)
 
-FAILURES_PREFIX = "_failures/"
 RECORD_SCHEMA = 1
-
-_EXIT_CLASSES: dict[int, tuple[str, bool]] = {
-    EXIT_OK: ("", False),
-    EXIT_USAGE: ("UsageError", False),
-    EXIT_PERMANENT: ("PermanentModelError", False),
-    EXIT_TRANSIENT: ("TransientError", True),
-    EXIT_GPU_OOM: ("GpuOutOfMemoryError", True),
-}
-KILLED_BY_SIGNAL = ("KilledBySignal", True)
-WORKER_CRASHED = ("WorkerCrashed", False)
 
 _REDACTED = "[REDACTED]"
 # Order matters: whole header values first, then bare tokens that may stand anywhere.
@@ -78,40 +61,12 @@ def utc_timestamp(now: datetime | None = None) -> str:
     return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def classify_exit(exit_code: int | None, signal: int | None) -> tuple[str, bool]:
-    """(error class name, retryable) for how a worker ended.
-
-    0 → ("", False); 2 usage, 3 permanent: not retryable; 4 transient, 5 GPU OOM: retryable.
-    A signal kill counts as transient (preemption, OOM killer, Ctrl+C): that includes a
-    negative exit code (subprocess's -N for signal N) and 129..192 (128+N, what shells and
-    container runtimes report, e.g. 137 for SIGKILL). Any other code: WorkerCrashed, not
-    retryable (an uncaught bug, exit 1, fails the same way again).
-    """
-    if signal is not None and signal != 0:
-        return KILLED_BY_SIGNAL
-    if exit_code is None:
-        return WORKER_CRASHED
-    if exit_code in _EXIT_CLASSES:
-        return _EXIT_CLASSES[exit_code]
-    if exit_code < 0 or 128 < exit_code <= 128 + 64:
-        return KILLED_BY_SIGNAL
-    return WORKER_CRASHED
-
-
-def signal_name(signum: int) -> str:
-    """SIGKILL for 9; 'signal 99' for numbers the platform does not name."""
-    try:
-        return _signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
 @dataclass(frozen=True)
 class FailureRecord:
     """Why a model failed, as stored in `_failures/<model_key>.json`.
 
-    error: error class name (classify_exit); exit_code / signal: how the worker ended
-    (None when not known); retryable: whether another attempt may help; attempts: how
+    error: error class name (esd_worker.errors.classify_exit); exit_code / signal: how the
+    worker ended (None when not known); retryable: whether another attempt may help; attempts: how
     many attempts failed so far; stderr_tail: last stderr lines, secrets redacted;
     run_id: the sweep run that wrote it; time: ISO-8601 UTC.
     """
@@ -186,13 +141,6 @@ def _opt_int(value: Any, name: str) -> int | None:
     return None if value is None else int(_as(value, int, name))
 
 
-def failure_key(model_key: str) -> str:
-    """Store key of a model's failure record."""
-    if not model_key or "/" in model_key or model_key in (".", ".."):
-        raise ValueError(f"invalid model key {model_key!r}")
-    return f"{FAILURES_PREFIX}{model_key}.json"
-
-
 def write_failure(store: Store, record: FailureRecord) -> None:
     store.put_bytes(failure_key(record.model_key), record.to_json())
 
@@ -203,15 +151,8 @@ def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord
     Records are read concurrently (stores may be remote). An unreadable record is logged
     and left out: it cannot say whether to retry, so the model is treated as having none.
     """
-    keys: dict[str, str] = {}
-    for key in store.list_keys(FAILURES_PREFIX):
-        name = key[len(FAILURES_PREFIX):] if key.startswith(FAILURES_PREFIX) else ""
-        if name.endswith(".json") and "/" not in name and len(name) > len(".json"):
-            keys[name[: -len(".json")]] = key
-    if not keys:
-        return {}
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(keys)))) as pool:
-        blobs = dict(zip(keys, pool.map(store.get_bytes, keys.values()), strict=True))
+    keys = list_failure_keys(store)
+    blobs = dict(zip(keys, fetch_all(store, list(keys.values()), threads=threads), strict=True))
     records: dict[str, FailureRecord] = {}
     for model_key, data in blobs.items():
         if data is None:  # cleared since the listing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -19,20 +20,22 @@ import torch
 from esd_worker import __version__
 from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError, WorkerError
 from esd_worker.layers import CONV2D, LayerMap, LayerSpec, discover_layers
+from esd_worker.layout import (
+    EIGS_NAME,
+    LAYERS_NAME,
+    BaseModelRef,
+    Marker,
+    canonical_parameters,
+    write_model_result,
+)
 from esd_worker.lora import AdapterMatch, LoraAdapter, add_lora_
 from esd_worker.naming import model_key as make_model_key
 from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.resolve import ResolvedModel, parse_model_ref, resolve_model
-from esd_worker.results import (
-    MARKER_SCHEMA,
-    eigs_to_npz,
-    layers_to_csv,
-    marker_to_json,
-    summarize_layers,
-)
+from esd_worker.results import eigs_to_npz, layers_to_csv, summarize_layers
 from esd_worker.settings import AnalysisSettings, WorkerSettings
 from esd_worker.spectra import compute_spectrum
-from esd_worker.store import EIGS_NAME, LAYERS_NAME, MARKER_NAME, Store, open_store
+from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -219,10 +222,10 @@ class _Analysis:
 
 
 def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
-                  model_key: str | None = None) -> dict[str, Any]:
+                  model_key: str | None = None) -> Marker:
     """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
 
-    Returns the marker (result.json content).
+    Returns the marker written (result.json).
     """
     settings.validate()
     started = datetime.now(timezone.utc)
@@ -280,61 +283,61 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
             ) from e
     t_analyse = time.perf_counter()
 
-    # An older marker (other parameters) must not vouch for the files about to change: if
-    # this run dies between them, the model is simply not done.
-    store.delete(f"{key}/{MARKER_NAME}")
-    store.put_bytes(f"{key}/{LAYERS_NAME}", layers_to_csv(job.rows))
-    if settings.save_eigs:
-        store.put_bytes(f"{key}/{EIGS_NAME}", eigs_to_npz(job.eigs))
-    t_write = time.perf_counter()
+    layers_csv = layers_to_csv(job.rows)
+    eigs = eigs_to_npz(job.eigs) if settings.save_eigs else None
     statuses = Counter(row["status"] for row in job.rows)
-    marker: dict[str, Any] = {
-        "schema": MARKER_SCHEMA,
-        "model": settings.model,
-        "model_id": model.model_id,
-        "revision": model.revision,
-        "resolved_revision": model.resolved_revision,
-        "source": model.source,
-        "model_key": key,
-        "relation": settings.relation,
-        "base_model": None if base is None else {
-            "model": base.ref, "resolved_revision": base.resolved_revision, "source": base.source,
-        },
-        "adapter": None if adapter is None or matched is None else {
+    marker = Marker(
+        model=settings.model,
+        model_key=key,
+        parameters=canonical_parameters(settings.analysis.as_dict()),
+        model_id=model.model_id,
+        revision=model.revision,
+        resolved_revision=model.resolved_revision,
+        source=model.source,
+        relation=settings.relation,
+        base_model=None if base is None else BaseModelRef(
+            model=base.ref, resolved_revision=base.resolved_revision, source=base.source,
+        ),
+        adapter=None if adapter is None or matched is None else {
             **adapter.info.__dict__,
             "merged_modules": matched.merged_modules,
             "replaced_layers": len(matched.replaced),
             "unanalysed_modules": len(matched.unanalysed),
         },
-        "parameters": settings.analysis.as_dict(),
-        "layer_discovery": layer_map.discovery,
-        "architecture": layer_map.architecture,
-        "discovery_note": layer_map.note,
-        "layer_count": len(job.rows),
-        "status_counts": dict(sorted(statuses.items())),
-        "summary": summarize_layers(job.rows),
-        "outputs": {
-            "layers": LAYERS_NAME,
-            "eigs": EIGS_NAME if settings.save_eigs else None,
-        },
-        "timings": {
-            "resolve_s": round(t_resolve - t0, 4),
-            "discover_s": round(t_discover - t_resolve, 4),
-            "analyse_s": round(t_analyse - t_discover, 4),
-            "read_wait_s": round(job.wait_s, 4),
-            "write_s": round(t_write - t_analyse, 4),
-            "total_s": round(time.perf_counter() - t0, 4),
-        },
-        "device": _device_info(device),
-        "versions": _versions(),
-        "started_at": started.isoformat(timespec="seconds"),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        layer_discovery=layer_map.discovery,
+        architecture=layer_map.architecture,
+        discovery_note=layer_map.note,
+        layer_count=len(job.rows),
+        status_counts=dict(sorted(statuses.items())),
+        summary=summarize_layers(job.rows),
+        layers_name=LAYERS_NAME,
+        eigs_name=EIGS_NAME if eigs is not None else None,
+        device=_device_info(device),
+        versions=_versions(),
+        started_at=started.isoformat(timespec="seconds"),
+    )
+    timings = {
+        "resolve_s": round(t_resolve - t0, 4),
+        "discover_s": round(t_discover - t_resolve, 4),
+        "analyse_s": round(t_analyse - t_discover, 4),
+        "read_wait_s": round(job.wait_s, 4),
     }
+
+    def finish(written: Marker) -> Marker:
+        """Stamp the time the layer table and eigenvalues took to write, and the end."""
+        now = time.perf_counter()
+        return dataclasses.replace(
+            written,
+            timings={**timings, "write_s": round(now - t_analyse, 4),
+                     "total_s": round(now - t0, 4)},
+            finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+
     # The marker goes last: a model is done iff result.json exists.
-    store.put_bytes(f"{key}/{MARKER_NAME}", marker_to_json(marker))
+    marker = write_model_result(store, marker, layers=layers_csv, eigs=eigs, finish=finish)
     log.info(
         "model=%s key=%s done: %d layers %s in %.2fs",
-        settings.model, key, len(job.rows), dict(statuses), marker["timings"]["total_s"],
+        settings.model, key, len(job.rows), dict(statuses), marker.total_s,
     )
     return marker
 

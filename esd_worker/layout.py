@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,7 +295,7 @@ class Marker:
 
 def _need(doc: Mapping[str, Any], name: str, kind: type, *, where: str = "") -> Any:
     if name not in doc:
-        raise MarkerError(f"lacks {where}{name!r}")
+        raise MarkerError(f"lacks {(where + name)!r}")
     value = _get(doc, name, kind, None, where=where)
     if value is None:
         raise MarkerError(f"{where}{name} must not be null")
@@ -360,12 +360,19 @@ def read_markers(
 
 
 def write_model_result(
-    store: Store, marker: Marker, *, layers: bytes, eigs: bytes | None = None
-) -> None:
+    store: Store,
+    marker: Marker,
+    *,
+    layers: bytes,
+    eigs: bytes | None = None,
+    finish: Callable[[Marker], Marker] | None = None,
+) -> Marker:
     """Write a model's layer table, its eigenvalues (when given) and its marker, LAST.
 
     An older marker (other parameters) must not vouch for the files about to change, so it
     is deleted first: if the writer dies between the files, the model is simply not done.
+    finish: called once the data files are written, returns the marker to write (the
+    worker stamps the write time and finished_at there). Returns the marker written.
     """
     if (eigs is None) != (marker.eigs_name is None):
         raise ValueError("eigs and marker.eigs_name go together: both or neither")
@@ -374,4 +381,9 @@ def write_model_result(
     store.put_bytes(model_file_key(key, marker.layers_name), layers)
     if eigs is not None and marker.eigs_name is not None:
         store.put_bytes(model_file_key(key, marker.eigs_name), eigs)
+    if finish is not None:
+        marker = finish(marker)
+        if marker.model_key != key:
+            raise ValueError("finish() must not change the model key")
     store.put_bytes(marker_key(key), marker.to_json())
+    return marker

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from controller.modellist import ModelRow
-from controller.plan import Plan, list_markers, plan_run, read_marker
+from controller.plan import Plan, plan_run
 from controller.records import FailureRecord, write_failure
-from esd_worker.results import marker_to_json
+from esd_worker.layout import Marker, marker_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore, Store
 
@@ -28,14 +28,12 @@ def make_model_row(ref: str, relation: str = "") -> ModelRow:
 
 
 def write_marker(store: Store, row: ModelRow, parameters: Mapping[str, Any] = PARAMS) -> None:
-    """A marker as the worker writes it (marker_to_json), with layers.csv beside it."""
+    """A marker as the worker writes it (Marker.to_json), with layers.csv beside it."""
     store.put_bytes(f"{row.key}/layers.csv", b"model_id,layer\n")
     store.put_bytes(
-        f"{row.key}/result.json",
-        marker_to_json({
-            "schema": 1, "model": row.ref, "model_id": row.model_id, "revision": row.revision,
-            "model_key": row.key, "parameters": dict(parameters),
-        }),
+        marker_key(row.key),
+        Marker(model=row.ref, model_key=row.key, model_id=row.model_id, revision=row.revision,
+               parameters=dict(parameters)).to_json(),
     )
 
 
@@ -161,6 +159,11 @@ def test_skip_failed_still_applies_with_overwrite(store: CountingStore) -> None:
         pytest.param(b"[1, 2, 3]", id="not-an-object"),
         pytest.param(b"\xff\xfe\x00", id="not-utf8"),
         pytest.param(b"", id="empty"),
+        pytest.param(b'{"schema": 2, "model": "org/b", "model_key": "k"}', id="newer-schema"),
+        pytest.param(b'{"model": "org/b", "model_key": "k"}', id="no-schema"),
+        pytest.param(b'{"schema": 1, "model": "org/b"}', id="no-model-key"),
+        pytest.param(b'{"schema": 1, "model": "org/b", "model_key": "k", "parameters": [1]}',
+                     id="parameters-not-an-object"),
     ],
 )
 def test_corrupt_marker_is_not_done_and_warned(
@@ -168,7 +171,7 @@ def test_corrupt_marker_is_not_done_and_warned(
 ) -> None:
     write_marker(store, A)
     store.put_bytes(f"{B.key}/result.json", content)
-    with caplog.at_level(logging.WARNING, logger="controller.plan"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
         plan = plan_run([A, B], store, PARAMS)
     assert refs(plan.done) == ["org/a"]
     assert refs(plan.todo) == ["org/b@main"]
@@ -177,7 +180,7 @@ def test_corrupt_marker_is_not_done_and_warned(
 
 
 def test_marker_without_parameters_is_stale(store: CountingStore) -> None:
-    store.put_bytes(f"{A.key}/result.json", b'{"model": "org/a"}')
+    store.put_bytes(marker_key(A.key), Marker(model="org/a", model_key=A.key).to_json())
     plan = plan_run([A], store, PARAMS)
     assert refs(plan.stale) == ["org/a"]
 
@@ -201,22 +204,6 @@ def test_order_follows_the_list(store: CountingStore) -> None:
     plan = plan_run(rows, store, PARAMS, threads=8)
     assert plan.done == rows[::3]
     assert plan.todo == tuple(r for i, r in enumerate(rows) if i % 3)
-
-
-def test_list_markers(store: CountingStore) -> None:
-    write_marker(store, A)
-    store.put_bytes(f"{B.key}/layers.csv", b"")
-    store.put_bytes("runs/x/result.json", b"{}")  # too deep: not a model marker
-    store.put_bytes("result.json", b"{}")  # at the root: not a model marker
-    store.put_bytes("_failures/k.json", b"{}")
-    assert list_markers(store) == {A.key}
-
-
-def test_read_marker(store: CountingStore) -> None:
-    write_marker(store, A)
-    marker = read_marker(store, A.key)
-    assert marker is not None and marker["parameters"] == PARAMS
-    assert read_marker(store, B.key) is None
 
 
 def test_single_thread(store: CountingStore) -> None:

@@ -9,17 +9,14 @@ from pathlib import Path
 import pytest
 
 from controller.records import (
-    FAILURES_PREFIX,
     FailureRecord,
-    classify_exit,
     clear_failure,
-    failure_key,
     read_failures,
     redact,
-    signal_name,
     utc_timestamp,
     write_failure,
 )
+from esd_worker.layout import FAILURES_PREFIX, failure_key
 from esd_worker.naming import model_key
 from esd_worker.store import LocalStore
 
@@ -139,45 +136,13 @@ def test_from_json_rejects(data: bytes, expected: str) -> None:
         FailureRecord.from_json(data)
 
 
-@pytest.mark.parametrize("bad", ["", "a/b", "..", "."])
-def test_failure_key_rejects_unsafe_keys(bad: str) -> None:
-    with pytest.raises(ValueError, match="invalid model key"):
-        failure_key(bad)
 
 
 # --- exit classes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("exit_code", "signal", "expected"),
-    [
-        pytest.param(0, None, ("", False), id="ok"),
-        pytest.param(2, None, ("UsageError", False), id="usage"),
-        pytest.param(3, None, ("PermanentModelError", False), id="permanent"),
-        pytest.param(4, None, ("TransientError", True), id="transient"),
-        pytest.param(5, None, ("GpuOutOfMemoryError", True), id="gpu-oom"),
-        pytest.param(None, 9, ("KilledBySignal", True), id="sigkill"),
-        pytest.param(None, 15, ("KilledBySignal", True), id="sigterm"),
-        pytest.param(-9, None, ("KilledBySignal", True), id="popen-negative"),
-        pytest.param(137, None, ("KilledBySignal", True), id="container-137"),
-        pytest.param(143, None, ("KilledBySignal", True), id="container-143"),
-        pytest.param(1, None, ("WorkerCrashed", False), id="uncaught-exception"),
-        pytest.param(127, None, ("WorkerCrashed", False), id="command-not-found"),
-        pytest.param(255, None, ("WorkerCrashed", False), id="255"),
-        pytest.param(None, None, ("WorkerCrashed", False), id="unknown"),
-        pytest.param(3, 9, ("KilledBySignal", True), id="signal-wins"),
-    ],
-)
-def test_classify_exit(
-    exit_code: int | None, signal: int | None, expected: tuple[str, bool]
-) -> None:
-    """Exit codes are the worker contract in DESIGN.md; a signal kill is transient."""
-    assert classify_exit(exit_code, signal) == expected
 
 
-def test_signal_name() -> None:
-    assert signal_name(9) == "SIGKILL"
-    assert signal_name(999) == "signal 999"
 
 
 def test_utc_timestamp() -> None:

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from esd_worker.layout import Marker
 from esd_worker.results import (
     SUMMARY_FIELDS,
     layers_from_csv,
     layers_to_csv,
-    marker_to_json,
     summarize_layers,
 )
 
@@ -75,7 +75,7 @@ def test_nothing_to_average_is_null_not_nan(rows: list[dict[str, Any]]) -> None:
     for field in ("alpha_mean", "alpha_median", "alpha_std", "alpha_in_2_6_share",
                   "alpha_weighted_mean", "log_alpha_norm_mean"):
         assert summary[field] is None, field
-    text = marker_to_json({"summary": summary}).decode()
+    text = Marker(model="m", model_key="m", summary=summary).to_json().decode()
     assert "NaN" not in text
     assert json.loads(text)["summary"] == summary
 

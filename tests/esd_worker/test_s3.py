@@ -534,4 +534,4 @@ def test_worker_exits_4_without_marker_when_the_store_dies(
 
     url = s3_server.url(run.bucket, PREFIX)
     marker = analyse_model(WorkerSettings(model=str(gpt2_dir), output=url, device="cpu"))
-    assert marker_of(s3_server, run)["model_key"] == marker["model_key"]
+    assert marker_of(s3_server, run)["model_key"] == marker.model_key

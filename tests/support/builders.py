@@ -435,7 +435,7 @@ def run_analysis(model: Path | str, output: Path, **settings: Any) -> WorkerResu
     marker = analyse_model(
         WorkerSettings(model=str(model), output=str(output), analysis=analysis, **worker)
     )
-    return read_result(output, marker["model_key"])
+    return read_result(output, marker.model_key)
 
 
 def worker_command() -> list[str]:

@@ -1,0 +1,39 @@
+"""Tests of esd_worker.errors: what a worker exit status (or a signal) means to whoever ran it."""
+
+from __future__ import annotations
+
+import pytest
+
+from esd_worker.errors import classify_exit, signal_name
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "signal", "expected"),
+    [
+        pytest.param(0, None, ("", False), id="ok"),
+        pytest.param(2, None, ("UsageError", False), id="usage"),
+        pytest.param(3, None, ("PermanentModelError", False), id="permanent"),
+        pytest.param(4, None, ("TransientError", True), id="transient"),
+        pytest.param(5, None, ("GpuOutOfMemoryError", True), id="gpu-oom"),
+        pytest.param(None, 9, ("KilledBySignal", True), id="sigkill"),
+        pytest.param(None, 15, ("KilledBySignal", True), id="sigterm"),
+        pytest.param(-9, None, ("KilledBySignal", True), id="popen-negative"),
+        pytest.param(137, None, ("KilledBySignal", True), id="container-137"),
+        pytest.param(143, None, ("KilledBySignal", True), id="container-143"),
+        pytest.param(1, None, ("WorkerCrashed", False), id="uncaught-exception"),
+        pytest.param(127, None, ("WorkerCrashed", False), id="command-not-found"),
+        pytest.param(255, None, ("WorkerCrashed", False), id="255"),
+        pytest.param(None, None, ("WorkerCrashed", False), id="unknown"),
+        pytest.param(3, 9, ("KilledBySignal", True), id="signal-wins"),
+    ],
+)
+def test_classify_exit(
+    exit_code: int | None, signal: int | None, expected: tuple[str, bool]
+) -> None:
+    """Exit codes are the worker contract (docs/design.md); a signal kill is transient."""
+    assert classify_exit(exit_code, signal) == expected
+
+
+def test_signal_name() -> None:
+    assert signal_name(9) == "SIGKILL"
+    assert signal_name(999) == "signal 999"

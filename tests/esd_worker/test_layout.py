@@ -1,0 +1,239 @@
+"""Tests of esd_worker.layout: store keys, the typed marker (JSON round trip, schema check) and
+marker-last writing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from esd_worker.errors import StoreError
+from esd_worker.layout import (
+    EIGS_NAME,
+    MARKER_SCHEMA,
+    BaseModelRef,
+    LayoutError,
+    Marker,
+    MarkerError,
+    canonical_parameters,
+    failure_key,
+    is_tag,
+    layers_name,
+    list_failure_keys,
+    list_markers,
+    marker_key,
+    model_file_key,
+    read_marker,
+    read_markers,
+    refit_record_key,
+    run_report_key,
+    summary_key,
+    write_model_result,
+)
+from esd_worker.settings import AnalysisSettings
+from esd_worker.store import LocalStore
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "..", "."])
+def test_failure_key_rejects_unsafe_keys(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid model key"):
+        failure_key(bad)
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        pytest.param(lambda: marker_key("m-0123456789"), "m-0123456789/result.json", id="marker"),
+        pytest.param(lambda: failure_key("m-0123456789"), "_failures/m-0123456789.json",
+                     id="failure"),
+        pytest.param(lambda: layers_name(), "layers.csv", id="layers"),
+        pytest.param(lambda: layers_name("dks"), "layers.dks.csv", id="layers-tag"),
+        pytest.param(lambda: summary_key(), "summary.csv", id="summary"),
+        pytest.param(lambda: summary_key("dks"), "summary.dks.csv", id="summary-tag"),
+        pytest.param(lambda: refit_record_key("dks"), "refits/dks.json", id="refit-record"),
+        pytest.param(lambda: run_report_key("20261123T070501Z-abcdef"),
+                     "runs/20261123T070501Z-abcdef.json", id="run-report"),
+        pytest.param(lambda: model_file_key("m", EIGS_NAME), "m/eigs.npz", id="eigs"),
+    ],
+)
+def test_keys_are_the_documented_layout(key: Callable[[], str], expected: str) -> None:
+    """The layout users script against (docs/design.md, "Store layout")."""
+    assert key() == expected
+
+
+@pytest.mark.parametrize("bad", ["a b", "../x", "-x", "x" * 101, "a/b"])
+def test_bad_tags_have_no_place_in_the_layout(bad: str) -> None:
+    assert not is_tag(bad)
+    with pytest.raises(LayoutError, match="invalid tag"):
+        layers_name(bad)
+    with pytest.raises(LayoutError, match="invalid tag"):
+        summary_key(bad)
+
+
+def test_list_markers_finds_only_model_markers(store: LocalStore) -> None:
+    store.put_bytes(marker_key("a"), make_marker("a").to_json())
+    store.put_bytes("b/layers.csv", b"")
+    store.put_bytes("runs/x/result.json", b"{}")  # too deep: not a model marker
+    store.put_bytes("result.json", b"{}")  # at the root: not a model marker
+    store.put_bytes("_failures/k.json", b"{}")
+    assert list_markers(store) == {"a"}
+    assert list_failure_keys(store) == {"k": "_failures/k.json"}
+
+
+# --- the marker -------------------------------------------------------------------------------
+
+
+def make_marker(key: str = "org--m-0123456789", **kw: Any) -> Marker:
+    fields: dict[str, Any] = {
+        "model": "org/m", "model_key": key, "model_id": "org/m",
+        "parameters": canonical_parameters(AnalysisSettings().as_dict()),
+        "relation": "lora", "base_model": BaseModelRef("org/base", "a" * 40, "hub"),
+        "summary": {"layers": 3, "alpha_mean": 3.5}, "eigs_name": EIGS_NAME,
+        "timings": {"total_s": 1.25}, "device": {"type": "cpu", "name": "x86_64"},
+        "finished_at": "2026-11-23T07:05:01+00:00",
+    }
+    fields.update(kw)
+    return Marker(**fields)
+
+
+def test_marker_round_trips_through_json() -> None:
+    marker = make_marker()
+    assert Marker.from_json(marker.to_json()) == marker
+    assert marker.total_s == 1.25
+
+
+def test_marker_json_is_the_documented_document() -> None:
+    """result.json as users read it: sorted keys, outputs nested, base_model an object."""
+    doc = json.loads(make_marker().to_json())
+    assert list(doc) == sorted(doc)
+    assert doc["schema"] == MARKER_SCHEMA
+    assert doc["outputs"] == {"layers": "layers.csv", "eigs": "eigs.npz"}
+    assert doc["base_model"] == {"model": "org/base", "resolved_revision": "a" * 40,
+                                 "source": "hub"}
+
+
+def test_marker_matches_parameters_as_stored() -> None:
+    """Tuples in the settings become lists in JSON: a round trip still matches."""
+    params = AnalysisSettings().as_dict()
+    marker = Marker.from_json(make_marker(parameters=canonical_parameters(params)).to_json())
+    assert marker.matches(params)
+    assert not marker.matches({**params, "fix_fingers": "DKS"})
+
+
+@pytest.mark.parametrize(
+    ("doc", "problem"),
+    [
+        pytest.param(b"[]", "not a JSON object", id="not-object"),
+        pytest.param(b"{", "not JSON", id="not-json"),
+        pytest.param(b'{"model": "m", "model_key": "k"}', "schema must be an integer",
+                     id="no-schema"),
+        pytest.param(b'{"schema": 2, "model": "m", "model_key": "k"}', "newer", id="newer"),
+        pytest.param(b'{"schema": 0, "model": "m", "model_key": "k"}', "schema 0", id="zero"),
+        pytest.param(b'{"schema": true, "model": "m", "model_key": "k"}', "integer",
+                     id="bool-schema"),
+        pytest.param(b'{"schema": 1, "model_key": "k"}', "lacks 'model'", id="no-model"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": null}', "must not be null",
+                     id="null-key"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "layer_count": "3"}',
+                     "layer_count must be int", id="bad-type"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "base_model": {}}',
+                     "lacks 'base_model.model'", id="base-without-model"),
+    ],
+)
+def test_marker_refuses_what_it_cannot_read(doc: bytes, problem: str) -> None:
+    with pytest.raises(MarkerError, match=re.escape(problem)):
+        Marker.from_json(doc)
+
+
+def test_marker_ignores_keys_it_does_not_know() -> None:
+    marker = Marker.from_json(b'{"schema": 1, "model": "m", "model_key": "k", "later": 1}')
+    assert (marker.model, marker.model_key, dict(marker.parameters)) == ("m", "k", {})
+
+
+def test_read_markers_reads_missing_and_corrupt_as_none(
+    store: LocalStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.put_bytes(marker_key("a"), make_marker("a").to_json())
+    store.put_bytes(marker_key("b"), b"{broken")
+    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
+        markers = read_markers(store, ["a", "b", "c", "a"], threads=2)
+    assert list(markers) == ["a", "b", "c"]
+    assert markers["a"] == make_marker("a") == read_marker(store, "a")
+    assert markers["b"] is None and markers["c"] is None
+    assert "model_key=b" in caplog.text
+
+
+# --- marker last -------------------------------------------------------------------------------
+
+
+class RecordingStore(LocalStore):
+    """A LocalStore that records the order of writes and deletes."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.ops: list[str] = []
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self.ops.append(f"put {key}")
+        super().put_bytes(key, data)
+
+    def delete(self, key: str) -> None:
+        self.ops.append(f"delete {key}")
+        super().delete(key)
+
+
+def test_write_model_result_writes_the_marker_last(tmp_path: Path) -> None:
+    """An old marker goes first, the new one last: a crash in between leaves no marker
+    vouching for half-written files."""
+    store = RecordingStore(tmp_path)
+    marker = make_marker("k")
+    stamped = write_model_result(
+        store, marker, layers=b"layers", eigs=b"eigs",
+        finish=lambda m: dataclasses.replace(m, finished_at="later"),
+    )
+    assert store.ops == ["delete k/result.json", "put k/layers.csv", "put k/eigs.npz",
+                         "put k/result.json"]
+    assert stamped.finished_at == "later"
+    assert read_marker(store, "k") == stamped
+
+
+def test_write_model_result_without_eigs(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path)
+    write_model_result(store, make_marker("k", eigs_name=None), layers=b"layers")
+    assert store.ops == ["delete k/result.json", "put k/layers.csv", "put k/result.json"]
+
+
+def test_write_model_result_refuses_eigs_the_marker_does_not_name(tmp_path: Path) -> None:
+    store = RecordingStore(tmp_path)
+    with pytest.raises(ValueError, match="both or neither"):
+        write_model_result(store, make_marker("k", eigs_name=None), layers=b"x", eigs=b"y")
+    assert store.ops == []
+
+
+class FailingStore(RecordingStore):
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if key.endswith(EIGS_NAME):
+            raise StoreError("disk full")
+        super().put_bytes(key, data)
+
+
+def test_a_failed_write_leaves_no_marker(tmp_path: Path) -> None:
+    store = FailingStore(tmp_path)
+    store.put_bytes(marker_key("k"), make_marker("k").to_json())  # an older result
+    with pytest.raises(StoreError):
+        write_model_result(store, make_marker("k"), layers=b"x", eigs=b"y")
+    assert read_marker(store, "k") is None
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
