@@ -10,7 +10,7 @@
 #   1. versions and the GPU;
 #   2. correctness on the GPU: float32 Gram + eigvalsh on CUDA vs float64 SVD (4096×4096 and
 #      11008×4096; Gaussian and heavy-tailed spectra): max relative error of the top 500
-#      eigenvalues (ESD_SPEC.md: < 1e-6) and the α differences; plus kernel timings;
+#      eigenvalues (docs/metrics.md: < 1e-6) and the α differences; plus kernel timings;
 #   3. tests/esd_worker/test_spectra.py, if present, with pytest (CUDA visible);
 #   4. bench_worker.py on the Llama-2-7B shape (checkpoint written to $CKPT on local disk):
 #      the worker end to end vs the whole-model svdvals baseline (its SVD loop capped at

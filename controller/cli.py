@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import __version__
-from controller.backends.kubernetes.backend import (
+from controller.backends.kubernetes.settings import (
     DEFAULT_NAMESPACE,
     DEFAULT_SERVICE_ACCOUNT,
     DEFAULT_TELEMETRY_PORT,
@@ -22,22 +22,17 @@ from controller.backends.kubernetes.backend import (
     job_setting_problems,
 )
 from controller.backends.local import LocalSettings
+from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
-from controller.modellist import RELATIONS, ModelListError
+from controller.modellist import RELATIONS
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
+from controller.results.summary import format_summary_table
 from controller.settings import SweepSettings
-from controller.sweep import (
-    EXIT_INFRA,
-    EXIT_USAGE,
-    SweepError,
-    format_summary_table,
-    models_status,
-    run_sweep,
-)
-from esd_worker.errors import StoreError, WorkerError
+from controller.sweep import models_status, run_commands, run_sweep
+from esd_worker.errors import WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.settings import DEVICES
@@ -116,8 +111,6 @@ def _add_kube_flags(g: Any) -> None:
              help="report why a Job is not running after S seconds (default 600)")
     add_flag(g, "--allow-local-output", action="store_true",
              help="accept a local --output-dir (a volume mounted at that path in every pod)")
-    add_flag(g, "--dry-run", action="store_true",
-             help="print the Jobs as YAML (kubectl apply -f -) and create nothing")
     wait = g.add_mutually_exclusive_group()
     add_flag(wait, "--wait", dest="wait", action="store_true", default=True,
              help="wait until every Job has ended (default)")
@@ -172,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="local: first retry delay in seconds, doubled each attempt, with jitter "
              "(default 5)")
     add_flag(running, "--overwrite", action="store_true", help="recompute models that are done")
+    add_flag(running, "--dry-run", action="store_true",
+             help="print what would start and start nothing: Kubernetes Jobs as YAML "
+             "(kubectl apply -f -), or the local worker command lines")
     failed = running.add_mutually_exclusive_group()
     add_flag(failed, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record (not found, gated, corrupt)")
@@ -342,8 +338,6 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
         problems.extend(job_setting_problems(cluster, gpus))
         if args.mode == "custom":
             problems.append("--mode custom runs on the local backend only")
-    elif args.dry_run:
-        problems.append("--dry-run prints Kubernetes Jobs: use it with --backend kubernetes")
     return cluster
 
 
@@ -356,7 +350,7 @@ def _default_log_dir(output: str) -> Path | None:
 
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    result = run_sweep(settings)
+    result = run_commands(settings) if settings.commands is not None else run_sweep(settings)
     args.result = result
     if result.report.get("dry_run"):
         return result.exit_code
@@ -410,12 +404,11 @@ def _dispatch(args: argparse.Namespace) -> tuple[int, str]:
     }
     try:
         return handlers[args.command](args), ""
-    except (SweepError, ModelListError) as e:
-        return getattr(e, "exit_code", EXIT_USAGE), str(e)
-    except StoreError as e:
-        return EXIT_INFRA, f"result store: {e}"
-    except WorkerError as e:  # the store's permanent errors (bad bucket, no access)
-        return (EXIT_INFRA if "store" in type(e).__name__.lower() else EXIT_USAGE), str(e)
+    except Exception as e:
+        described = describe_error(e)  # the one mapping of errors to exit statuses
+        if described is None:
+            raise  # a bug: the traceback says more than a line could
+        return described
 
 
 def write_report_file(path: Path, result: Any, code: int, error: str) -> None:

@@ -37,7 +37,7 @@ class ResultsError(SweepError):
 
 
 class ModelListError(SweepError):
-    """The model list as a whole cannot be used (missing file, no id column, encoding)."""
+    """The list as a whole is unusable: missing, unreadable, no header or id column, empty."""
 
     exit_code = EXIT_USAGE
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controller.errors import InfrastructureError, SweepError
+
 log = logging.getLogger(__name__)
 
 _MIB = float(2**20)
@@ -312,3 +314,33 @@ class GpuTracker:
             GpuState(index=g.index, used_mib=g.used_mib, free_checks=g.free_checks, taken=g.taken)
             for g in self._state.values()
         )
+
+
+def open_tracker(device: str, settings: GpuSettings, cpu_workers: int) -> GpuTracker | None:
+    """A GPU tracker, or None for CPU mode (device "cpu", or "auto" and no GPU visible).
+
+    device "cuda" without a GPU is an InfrastructureError; settings NVML cannot satisfy
+    (a GPU index that does not exist) a SweepError.
+    """
+    if device == "cpu":
+        log.info("device=cpu: running %d CPU worker(s) at a time", cpu_workers)
+        return None
+    nvml = open_nvml()
+    if nvml is None:
+        if device == "cuda":
+            raise InfrastructureError(
+                "--device cuda asked for, but NVML finds no GPU (driver missing?): "
+                "use --device cpu to run on the CPU"
+            )
+        log.info("no GPU found: running on the CPU with %d worker(s) at a time "
+                 "(--cpu-workers)", cpu_workers)
+        return None
+    try:
+        tracker = GpuTracker(nvml, settings)
+    except ValueError as e:
+        nvml.close()
+        raise SweepError(str(e)) from e
+    log.info("GPUs %s managed: free after %d checks under %g MiB, %d per job",
+             ",".join(map(str, tracker.gpus)), settings.max_checks,
+             settings.threshold_mib, settings.gpus_per_job)
+    return tracker

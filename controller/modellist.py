@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from controller.errors import ModelListError
 from esd_worker.naming import model_key
 
 RELATIONS: tuple[str, ...] = (
@@ -49,10 +50,6 @@ _REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?", r
 # hashes are a subset. '/' is allowed: the hub has refs like refs/pr/1.
 _REV_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 _REV_MAX = 255
-
-
-class ModelListError(Exception):
-    """The list as a whole is unusable: missing, unreadable, no header or id column, empty."""
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
-from esd_worker.layout import run_report_key
+from controller.records import FailureRecord
+from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.store import Store
+
+
+class Tally(Protocol):
+    """What a run did, task by task (controller.recorder.Recorder is one)."""
+
+    done: Sequence[str]
+    failed: Mapping[str, FailureRecord]
+    cancelled: Sequence[str]
+    durations: Mapping[str, float]
+    waits: Sequence[float]
 
 
 def new_run_id(now: datetime | None = None) -> str:
@@ -47,3 +60,59 @@ def write_run_report(store: Store, run_id: str, report: Mapping[str, Any]) -> st
     text = json.dumps(_json_safe(report), indent=2, allow_nan=False, default=str)
     store.put_bytes(key, (text + "\n").encode("utf-8"))
     return key
+
+
+def run_report(
+    *,
+    run_id: str,
+    started_at: str,
+    finished_at: str,
+    output: str,
+    mode: str,
+    backend: str,
+    backend_report: Mapping[str, Any],
+    parameters: Mapping[str, Any],
+    counts: Mapping[str, int],
+    tally: Tally,
+    summary_rows: int,
+    runtime_s: float,
+    interrupted: bool,
+) -> dict[str, Any]:
+    """The run report's document. counts: models, bad_rows, already_done, skipped_failed;
+    the tally adds what this run did. backend_report: the backend's own part ("device",
+    "gpus", "running" and a section under its name)."""
+    extra = dict(backend_report)
+    device, gpus, running = extra.pop("device", "cpu"), extra.pop("gpus", []), extra.pop(
+        "running", None)
+    attempted = len(tally.done) + len(tally.failed)
+    all_counts = {**counts, "attempted": attempted, "done": len(tally.done),
+                  "failed": len(tally.failed), "cancelled": len(tally.cancelled)}
+    if running is not None:
+        all_counts["running"] = running
+    return {
+        "run_id": run_id,
+        "started_at": started_at,
+        "finished_at": finished_at,
+        "output": output,
+        "mode": mode,
+        "backend": backend,
+        "device": device,
+        "gpus": gpus,
+        "parameters": dict(parameters),
+        "counts": all_counts,
+        "success_rate": round(len(tally.done) / attempted, 4) if attempted else None,
+        "avg_wait_s": round(sum(tally.waits) / len(tally.waits), 3) if tally.waits else None,
+        "durations_s": dict(tally.durations),
+        "failures": {
+            key: {"model": r.model, "error": r.error, "exit_code": r.exit_code,
+                  "retryable": r.retryable, "attempts": r.attempts}
+            for key, r in tally.failed.items()
+        },
+        "summary": SUMMARY_KEY if summary_rows else None,
+        "summary_rows": summary_rows,
+        "total_runtime_s": round(runtime_s, 3),
+        "interrupted": interrupted,
+        "host": platform.node(),
+        "pid": os.getpid(),
+        **extra,
+    }

@@ -36,7 +36,7 @@ def add_fit_flags(parser: argparse.ArgumentParser | Any) -> None:
 
 
 def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """The ESD flags; their defaults are AnalysisSettings' (ESD_SPEC.md)."""
+    """The ESD flags; their defaults are AnalysisSettings' (docs/metrics.md)."""
     d = AnalysisSettings()
     add_fit_flags(parser)
     add_flag(parser, "--min-evals", type=int, default=d.min_evals,

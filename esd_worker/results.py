@@ -1,10 +1,12 @@
-"""The per-layer table and the completion marker: columns, CSV and JSON encoding (no torch)."""
+"""The per-layer table: columns, CSV and eigs.npz encoding, the per-model summary (no torch).
+
+The marker (result.json) is esd_worker.layout's.
+"""
 
 from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -25,7 +27,6 @@ LAYER_COLUMNS: tuple[str, ...] = (
     "fix_fingers",
     "status",
 )
-MARKER_SCHEMA = 1
 
 
 def _cell(value: Any) -> str:
@@ -63,10 +64,6 @@ def eigs_to_npz(eigs: Mapping[str, np.ndarray]) -> bytes:
 def eigs_from_npz(data: bytes) -> dict[str, np.ndarray]:
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
         return {name: npz[name] for name in npz.files}
-
-
-def marker_to_json(marker: Mapping[str, Any]) -> bytes:
-    return (json.dumps(marker, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
 
 
 # Per-model summary: the alpha family needs a fit, so it is over "ok" layers only; the norm

@@ -55,7 +55,7 @@ def compute_spectrum(
     fp16/bf16 weights are upcast before any linear algebra.
 
     The Gram matrix is always formed in float32 (the costly matmul). On the GPU it is
-    diagonalised in float32 too (ESD_SPEC: top-500 eigenvalues within 1e-6 of float64 SVD,
+    diagonalised in float32 too (docs/metrics.md: top-500 eigenvalues within 1e-6 of float64 SVD,
     measured on an H100). On the CPU, LAPACK's float32 eigensolver was measured 4.7e-5 off
     (4096² bf16 Gaussian) while float64 eigvalsh of the same float32 Gram is 1e-7 off, so
     the CPU diagonalises in float64.

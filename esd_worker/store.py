@@ -1,4 +1,7 @@
-"""Result stores behind one small interface: where bytes for a key live (no torch, no analysis)."""
+"""Result stores behind one small interface: where bytes for a key live (no torch, no analysis).
+
+Which keys exist, and what they hold, is esd_worker.layout's.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +14,6 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from esd_worker.errors import StoreError, UsageError
-
-# Store layout (DESIGN.md): <model_key>/layers.csv, <model_key>/eigs.npz,
-# <model_key>/result.json (marker, written last), _failures/<model_key>.json, summary.csv,
-# runs/<run_id>.json.
-LAYERS_NAME = "layers.csv"
-EIGS_NAME = "eigs.npz"
-MARKER_NAME = "result.json"
 
 # Lenient on purpose (older AWS buckets and S3-compatible stores allow more); the store has the
 # last word. No ':' so that `s3://host:9000/...` is caught: endpoints go in AWS_ENDPOINT_URL.

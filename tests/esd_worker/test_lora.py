@@ -24,7 +24,7 @@ from tests.support.builders import (
 
 
 def svd_evals(w: torch.Tensor, *, conv_norm: float = 0.5) -> np.ndarray:
-    """σ² of a weight in float64, Conv2d slices pooled as ESD_SPEC.md says."""
+    """σ² of a weight in float64, Conv2d slices pooled as docs/metrics.md says."""
     a = w.double().numpy()
     if a.ndim == 4:
         mats = [a[:, :, i, j] * np.sqrt(conv_norm) for i in range(a.shape[2])

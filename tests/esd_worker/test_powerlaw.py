@@ -1,4 +1,4 @@
-"""Tests of esd_worker.powerlaw against ESD_SPEC.md: fit formulas, xmin choice, layer metrics."""
+"""Tests of esd_worker.powerlaw against docs/metrics.md: fit formulas, xmin choice, metrics."""
 
 from __future__ import annotations
 

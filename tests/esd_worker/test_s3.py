@@ -30,9 +30,10 @@ from esd_worker.errors import (
     StorePermanentError,
     UsageError,
 )
+from esd_worker.layout import EIGS_NAME, LAYERS_NAME, MARKER_NAME
 from esd_worker.results import layers_from_csv
 from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, LIST_PAGE_SIZE, MULTIPART_THRESHOLD, S3Store
-from esd_worker.store import EIGS_NAME, LAYERS_NAME, MARKER_NAME, open_store
+from esd_worker.store import open_store
 from tests.support.s3server import S3Server, serve_s3
 
 # --- builders -------------------------------------------------------------------------------

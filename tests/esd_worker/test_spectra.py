@@ -171,7 +171,7 @@ def test_wrong_rank_is_refused(layer_type: str, shape: tuple[int, ...]) -> None:
 
 
 def test_cpu_fast_path_meets_the_spec_accuracy_on_a_real_size_layer() -> None:
-    """ESD_SPEC: the float32 Gram path's top-500 eigenvalues are within 1e-6 (relative) of a
+    """docs/metrics.md: the float32 Gram path's top-500 eigenvalues are within 1e-6 (relative) of a
     float64 SVD. On the CPU, LAPACK's float32 eigensolver alone misses that (measured 4.7e-5
     on a 4096² bf16 layer), so the CPU diagonalises the float32 Gram in float64; this checks
     the bound on a 1024² bf16 Gaussian layer (the size where float32 eigvalsh failed it)."""

