@@ -11,11 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,9 +28,18 @@ from esd_worker.errors import (
 )
 from esd_worker.layout import EIGS_NAME, LAYERS_NAME, MARKER_NAME
 from esd_worker.results import layers_from_csv
-from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, LIST_PAGE_SIZE, MULTIPART_THRESHOLD, S3Store
+from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store
 from esd_worker.store import open_store
-from tests.support.s3server import S3Server, serve_s3
+from tests.support.s3server import (
+    PREFIX,
+    S3Server,
+    WorkerRun,
+    closed_port,
+    make_store,
+    serve_s3,
+    start_worker,
+    wait_for_workers,
+)
 
 # --- builders -------------------------------------------------------------------------------
 
@@ -45,20 +50,10 @@ def s3_server() -> Iterator[S3Server]:
     yield from serve_s3()
 
 
-def make_store(server: S3Server, prefix: str = "results", *,
-               list_page_size: int = LIST_PAGE_SIZE) -> S3Store:
-    """An S3Store on a fresh bucket of `server`, opened the way the worker opens one."""
-    store = open_store(server.url(server.new_bucket(), prefix))
-    assert isinstance(store, S3Store)
-    store.list_page_size = list_page_size
-    return store
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+
 
 
 # --- the Store contract over HTTP -----------------------------------------------------------
@@ -377,53 +372,12 @@ def test_unreachable_endpoint_is_transient(monkeypatch: pytest.MonkeyPatch,
 # so the faults injected above never reach them; `auth` waits for them, because moto's auth
 # switch is process-wide.
 
-ESD_WORKER = Path(sys.executable).with_name("esd-worker")
-PREFIX = "sweep/atlas"
-_STARTED: list[WorkerRun] = []
 
 
-@dataclass
-class WorkerRun:
-    """One `esd-worker` process writing to s3://bucket/PREFIX on `server`."""
-
-    server: S3Server
-    bucket: str
-    secret: str
-    proc: subprocess.Popen[str]
-    returncode: int | None = None
-    stdout: str = ""
-    stderr: str = ""
-
-    def result(self) -> WorkerRun:
-        if self.returncode is None:
-            self.stdout, self.stderr = self.proc.communicate(timeout=300)
-            self.returncode = self.proc.returncode
-        return self
-
-    @property
-    def error_lines(self) -> list[str]:
-        return [line for line in self.result().stderr.splitlines()
-                if line.startswith("esd-worker: error:")]
 
 
-def start_worker(server: S3Server, bucket: str, model: Path) -> WorkerRun:
-    """`esd-worker -v` on `model` into s3://bucket/PREFIX, with a secret of its own."""
-    secret = f"esd-secret-{uuid.uuid4().hex}"
-    env = server.subprocess_env(AWS_SECRET_ACCESS_KEY=secret, AWS_MAX_ATTEMPTS="2",
-                                HF_HUB_OFFLINE="1")
-    proc = subprocess.Popen(
-        [str(ESD_WORKER), "--model", str(model), "--device", "cpu", "-v",
-         "--output", server.url(bucket, PREFIX)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    run = WorkerRun(server, bucket, secret, proc)
-    _STARTED.append(run)
-    return run
 
 
-def wait_for_workers() -> None:
-    for run in _STARTED:
-        run.result()
 
 
 @pytest.fixture(scope="module")

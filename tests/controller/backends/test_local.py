@@ -9,113 +9,36 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import logging
 import os
 import shlex
-import signal
-import subprocess
 import sys
-import textwrap
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from controller.backends.base import Outcome, Task, WorkerSpec
+from controller.backends.base import Task, WorkerSpec
 from controller.backends.local import LocalBackend, LocalSettings
 from controller.backends.process import describe_exit
 from controller.commands import read_commands
 from controller.errors import SweepError
-from controller.gpus import GpuSettings, GpuTracker, Nvml
+from controller.gpus import GpuTracker
 from controller.modellist import ModelRow
 from controller.progress import Progress
 from esd_worker.settings import AnalysisSettings
-from tests.support import REPO_ROOT
-
-FAST = LocalSettings(max_retries=2, backoff_s=0.01, backoff_max_s=0.05, terminate_grace_s=2.0)
-
+from tests.support.local import FAST, Concurrency, by_key, exit_task, make_task, make_tracker
 
 # --- builders -----------------------------------------------------------------------------------
 
 
-def make_task(key: str, code: str, **env: str) -> Task:
-    """A task running `code` in a fresh Python interpreter."""
-    return Task(key=key, argv=(sys.executable, "-c", textwrap.dedent(code)), label=key, env=env)
 
 
-def exit_task(key: str, code: int) -> Task:
-    return make_task(key, f"import sys; sys.exit({code})")
 
 
-class _FakeNVMLError(Exception):
-    pass
 
 
-@dataclass
-class _Memory:
-    used: int
-    free: int
-    total: int
 
 
-class FakePynvml:
-    """pynvml at its function boundary: `used_mib[i]` is what GPU i reads now."""
-
-    NVMLError = _FakeNVMLError
-
-    def __init__(self, used_mib: list[float]) -> None:
-        self.used_mib = used_mib
-
-    def nvmlInit(self) -> None:
-        pass
-
-    def nvmlShutdown(self) -> None:
-        pass
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.used_mib)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        return index
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> _Memory:
-        total = 80 * 2**30
-        used = int(self.used_mib[handle] * 2**20)
-        return _Memory(used=used, free=total - used, total=total)
-
-
-def make_tracker(used_mib: list[float], **settings: Any) -> GpuTracker:
-    settings.setdefault("poll_interval_s", 0.005)
-    settings.setdefault("max_checks", 2)
-    return GpuTracker(Nvml(FakePynvml(used_mib)), GpuSettings(**settings))
-
-
-class Concurrency:
-    """on_start/on_outcome callbacks that track how many tasks run at once."""
-
-    def __init__(self) -> None:
-        self.now = 0
-        self.most = 0
-        self.gpus_in_use: set[int] = set()
-        self.overlap = False
-
-    def start(self, task: Task, gpus: tuple[int, ...]) -> None:
-        self.now += 1
-        self.most = max(self.most, self.now)
-        if self.gpus_in_use & set(gpus):
-            self.overlap = True
-        self.gpus_in_use |= set(gpus)
-
-    def end(self, outcome: Outcome) -> None:
-        self.now -= 1
-        self.gpus_in_use -= set(outcome.gpus)
-
-
-def by_key(outcomes: list[Outcome]) -> dict[str, Outcome]:
-    return {o.task.key: o for o in outcomes}
 
 
 # --- exit codes and retries ---------------------------------------------------------------------
@@ -347,162 +270,20 @@ def test_cpu_workers_caps_concurrency() -> None:
 # --- stopping -------------------------------------------------------------------------------
 
 
-def test_first_stop_lets_running_finish_and_starts_nothing_new() -> None:
-    started: list[str] = []
-    holder: dict[str, LocalBackend] = {}
-
-    def on_start(task: Task, gpus: tuple[int, ...]) -> None:
-        started.append(task.key)
-        holder["b"].request_stop()
-
-    backend = LocalBackend(LocalSettings(cpu_workers=1), None, on_start=on_start)
-    holder["b"] = backend
-    tasks = [make_task(f"t{i}", "import time; time.sleep(0.3)") for i in range(3)]
-    outcomes = backend.run(tasks)
-    assert started == ["t0"]
-    assert [(o.task.key, o.status) for o in outcomes] == [("t0", "done")]
 
 
-def test_second_stop_terminates_the_process_group_as_cancelled(tmp_path: Path) -> None:
-    """SIGTERM goes to the worker's whole group: a child it started goes too."""
-    child_pid = tmp_path / "child.pid"
-    script = f"""
-        import pathlib, subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        pathlib.Path({str(child_pid)!r}).write_text(str(child.pid))
-        time.sleep(60)
-    """
-    backend = LocalBackend(FAST, None)
-    stopper = _stop_when(backend, child_pid, times=2)
-    t0 = time.monotonic()
-    [outcome] = backend.run([make_task("long", script)])
-    stopper.join()
-    assert time.monotonic() - t0 < 10
-    assert (outcome.status, outcome.signal, outcome.exit_code) == ("cancelled", 15, None)
-    _assert_gone(int(child_pid.read_text()))
 
 
-def test_worker_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path: Path) -> None:
-    ready = tmp_path / "ready"
-    script = f"""
-        import pathlib, signal, time
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        pathlib.Path({str(ready)!r}).write_text("x")
-        time.sleep(60)
-    """
-    settings = LocalSettings(terminate_grace_s=0.3)
-    backend = LocalBackend(settings, None)
-    stopper = _stop_when(backend, ready, times=2)
-    [outcome] = backend.run([make_task("stubborn", script)])
-    stopper.join()
-    assert (outcome.status, outcome.signal) == ("cancelled", 9)
-    assert outcome.duration_s >= 0.3
 
 
-def test_stop_during_a_retry_pause_reports_the_failure_as_retryable() -> None:
-    """A long backoff is not waited out after a stop; the transient failure is recorded as
-    retryable so the next run tries again."""
-    settings = LocalSettings(max_retries=3, backoff_s=30.0)
-    backend = LocalBackend(settings, None)
-
-    class StopOnRetry(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "retry in" in record.getMessage():
-                backend.request_stop()
-
-    logger = logging.getLogger("controller.backends.local")
-    handler = StopOnRetry()
-    logger.addHandler(handler)
-    try:
-        t0 = time.monotonic()
-        [outcome] = backend.run([exit_task("t", 4)])
-    finally:
-        logger.removeHandler(handler)
-    assert time.monotonic() - t0 < 5
-    assert (outcome.status, outcome.attempts, outcome.retryable) == ("failed", 1, True)
 
 
-def test_error_in_a_callback_leaves_no_worker_behind(tmp_path: Path) -> None:
-    pid_file = tmp_path / "pid"
-    slow = make_task("slow", f"""
-        import os, pathlib, time
-        pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))
-        time.sleep(60)
-    """)
-    fast = make_task("fast", f"""
-        import pathlib, time
-        while not pathlib.Path({str(pid_file)!r}).exists():
-            time.sleep(0.01)
-    """)
-
-    def on_outcome(outcome: Outcome) -> None:
-        raise RuntimeError("store is down")
-
-    backend = LocalBackend(LocalSettings(cpu_workers=2, terminate_grace_s=2.0), None)
-    with pytest.raises(RuntimeError, match="store is down"):
-        backend.run([slow, fast], on_outcome)
-    _assert_gone(int(pid_file.read_text()))
 
 
-def test_workers_die_with_a_killed_controller(tmp_path: Path) -> None:
-    """SIGKILL of the controller must not leave orphan workers holding GPUs and racing the
-    next run on the same models (they run in their own session, so Ctrl+C would not reach
-    them either)."""
-    pid_file = tmp_path / "worker.pid"
-    worker = (
-        f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()));"
-        " time.sleep(60)"
-    )
-    controller = textwrap.dedent(f"""
-        import sys
-        from controller.backends.local import LocalBackend, LocalSettings, Task
-        task = Task(key="w", argv=(sys.executable, "-c", {worker!r}), label="w")
-        LocalBackend(LocalSettings(), None).run([task])
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO_ROOT)
-    try:
-        deadline = time.monotonic() + 10
-        while not pid_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert pid_file.exists(), "the worker never started"
-        proc.kill()
-        proc.wait()
-        _assert_gone(int(pid_file.read_text()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
-def _stop_when(backend: LocalBackend, path: Path, *, times: int) -> threading.Thread:
-    """Call request_stop `times` times once `path` exists (the worker is ready)."""
-
-    def wait_then_stop() -> None:
-        deadline = time.monotonic() + 10
-        while not path.exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for _ in range(times):
-            backend.request_stop()
-
-    thread = threading.Thread(target=wait_then_stop, daemon=True)
-    thread.start()
-    return thread
 
 
-def _assert_gone(pid: int) -> None:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        # A killed child of a dead worker is reparented and reaped by init; a zombie of
-        # ours would show in /proc as state Z.
-        stat = Path(f"/proc/{pid}/stat")
-        if stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"):
-            return
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"process {pid} still runs")
 
 
 # --- progress -----------------------------------------------------------------------------------
