@@ -37,6 +37,7 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/hadolint Dockerfile
+	$(PY) .ci/check_sizes.py
 
 bench: setup
 	$(PY) benchmarks/bench_minilm_cpu.py

@@ -314,9 +314,9 @@ class LocalBackend:
             self.tracker.nvml.close()
 
     def argv(self, task: Task, device: str) -> tuple[str, ...]:
-        if task.argv or task.row is None or self.spec is None:
-            return task.argv
-        return worker_argv(self.worker_cmd, task.row, self.spec, device)
+        spec, row = self.spec, task.row
+        return task.argv if task.argv or row is None or spec is None else worker_argv(
+            self.worker_cmd, row, spec, device)
 
     def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int:
         """The command lines run() would start (device as asked), one per line."""
