@@ -233,12 +233,11 @@ class _Ended(list[Outcome]):
 class LocalBackend:
     """Runs tasks as subprocesses, each on its own GPUs (tracker) or a CPU slot (no tracker).
 
-    With a tracker every task needs `gpus_per_job` GPUs from `tracker.acquire` (its
-    CUDA_VISIBLE_DEVICES) and gives them back when it exits; without one, up to
-    `settings.cpu_workers` run at once with no GPU visible. Workers get their own session:
-    Ctrl+C reaches the controller only, which decides via request_stop. A model task (no
-    argv) runs `worker_cmd` with `spec`'s flags. open_tracker: called when the first tasks
-    arrive (nothing to do opens no NVML). on_start: called as each attempt starts.
+    With a tracker each task takes `gpus_per_job` GPUs (its CUDA_VISIBLE_DEVICES) until it
+    exits; without one, up to `settings.cpu_workers` run at once, no GPU visible. Workers get
+    their own session: Ctrl+C reaches the controller only (request_stop). A model task runs
+    `worker_cmd` with `spec`'s flags. open_tracker: called when the first tasks arrive
+    (nothing to do opens no NVML). on_start: called as each attempt starts.
     """
 
     name = "local"
