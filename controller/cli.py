@@ -34,6 +34,7 @@ from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
+from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.settings import DEVICES
 from esd_worker.store import open_store
@@ -361,7 +362,7 @@ def _run(args: argparse.Namespace) -> int:
     print(
         f"run {result.run_id}: {counts['done']} done, {counts['failed']} failed, "
         f"{counts['already_done']} already done, {counts['bad_rows']} bad row(s){running}; "
-        f"report: {result.report['output']}/runs/{result.run_id}.json"
+        f"report: {result.report['output']}/{run_report_key(result.run_id)}"
     )
     return result.exit_code
 
@@ -427,8 +428,9 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
             "run_id": result.run_id,
             "counts": report.get("counts") or {},
             "failures": report.get("failures") or {},
-            "summary": f"{output}/summary.csv" if report.get("summary") else None,
-            "run_report": None if report.get("dry_run") else f"{output}/runs/{result.run_id}.json",
+            "summary": f"{output}/{SUMMARY_KEY}" if report.get("summary") else None,
+            "run_report": None if report.get("dry_run")
+            else f"{output}/{run_report_key(result.run_id)}",
             "report": report,
         })
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ from controller.recorder import Recorder
 from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
+from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,10 @@ def run_sweep(
               "already_done": len(plan.done), "skipped_failed": len(plan.skipped_failed)}
     result = _finish(settings, store, started, backend, recorder, counts, mode="esd",
                      summary_rows=summary_rows, interrupted=interrupted)
-    log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report runs/%s.json%s",
+    log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
              started.run_id, len(recorder.done), len(recorder.failed), len(recorder.cancelled),
-             len(plan.done), started.run_id,
-             f", summary.csv ({summary_rows} models)" if summary_rows else "")
+             len(plan.done), run_report_key(started.run_id),
+             f", {SUMMARY_KEY} ({summary_rows} models)" if summary_rows else "")
     return result
 
 
