@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from controller import __version__
-from controller.backends.kubernetes.backend import (
+from controller.backends.kubernetes.settings import (
     DEFAULT_NAMESPACE,
     DEFAULT_SERVICE_ACCOUNT,
     DEFAULT_TELEMETRY_PORT,
