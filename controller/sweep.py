@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 if TYPE_CHECKING:
     from controller.backends.kubernetes.client import KubeClient
 
-from controller.backends.kubernetes.backend import ClusterBackend, sweep_instance
+from controller.backends.base import Outcome as BackendOutcome
+from controller.backends.base import Task as BackendTask
+from controller.backends.base import WorkerSpec
+from controller.backends.kubernetes.backend import KubernetesBackend, check_output
 from controller.backends.local import (
     LocalBackend,
     LogDirError,
@@ -196,7 +199,7 @@ class _Recorder:
         self.cancelled: list[str] = []
         self.waits: list[float] = []
 
-    def __call__(self, outcome: Outcome) -> None:
+    def __call__(self, outcome: Outcome | BackendOutcome) -> None:
         key = outcome.task.key
         row = self.rows.get(key)
         label = row.ref if row is not None else outcome.task.label
@@ -216,9 +219,7 @@ class _Recorder:
             self.durations[key] = round(outcome.duration_s, 3)
             if row is not None:
                 clear_failure(self.store, key)
-            where = ",".join(map(str, outcome.gpus)) or "cpu"
-            if outcome.log_path and outcome.log_path.startswith(("pod/", "job/")):
-                where = outcome.log_path  # a Kubernetes Job
+            where = getattr(outcome, "where", "") or ",".join(map(str, outcome.gpus)) or "cpu"
             log.info("model=%s key=%s done in %.1fs on %s", label, key, outcome.duration_s,
                      where)
             return
@@ -251,59 +252,14 @@ def _tasks_for(plan: Plan, settings: SweepSettings, store_url: str, device: str)
     ]
 
 
-def _check_cluster_output(settings: SweepSettings) -> None:
-    """The pods must reach the store: object storage, or a shared volume when allowed."""
-    url = settings.output
-    remote = "://" in url and not url.startswith("file://")
-    if not remote and not settings.cluster.allow_local_output:
-        raise SweepError(
-            f"--output-dir {url}: the kubernetes backend needs a store the pods can reach "
-            "(s3://bucket/prefix); pass --allow-local-output if this path is a volume "
-            "mounted at the same path in every pod"
-        )
-
-
-def _cluster_job_settings(settings: SweepSettings, run_id: str, store_url: str) -> Any:
-    gpus = 0 if settings.device == "cpu" else settings.gpu.gpus_per_job
-    return settings.cluster.job_settings(
-        run_id=run_id, instance=sweep_instance(store_url), gpus_per_job=gpus,
-        worker_args=worker_flags(settings), log_format=settings.worker_log_format,
+def _worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerSpec:
+    return WorkerSpec(
+        run_id=run_id, store_url=store_url, analysis=settings.analysis,
+        save_eigs=settings.save_eigs, trust_remote_code=settings.trust_remote_code,
+        log_format=settings.worker_log_format, device=settings.device,
+        gpus_per_job=settings.gpu.gpus_per_job, max_retries=settings.local.max_retries,
+        overwrite=settings.overwrite,
     )
-
-
-def _open_kube(settings: SweepSettings) -> KubeClient:
-    try:
-        from controller.backends.kubernetes import client as kube
-    except ImportError as e:
-        raise SweepError(
-            f"--backend kubernetes needs the Kubernetes client ({e}): "
-            "pip install 'esd-sweep[kube]'"
-        ) from e
-    try:
-        return kube.load_client(settings.cluster.kube_context)
-    except kube.KubeConfigError as e:
-        raise SweepError(f"kubernetes: {e}") from e
-
-
-def _cluster_error(e: Exception) -> SweepError | None:
-    """A controller.backends.kubernetes.client error as the sweep error that says what to do (None: not one)."""
-    try:
-        from controller.backends.kubernetes import client as kube
-    except ImportError:
-        return None
-    if isinstance(e, kube.KubePermissionError):
-        return InfrastructureError(f"kubernetes: {e}")
-    if isinstance(e, kube.KubeUnavailableError):
-        return InfrastructureError(f"kubernetes API unreachable: {e}")
-    if isinstance(e, kube.KubeConfigError):
-        return SweepError(f"kubernetes: {e}")
-    if isinstance(e, kube.KubeNotFoundError):
-        return SweepError(f"kubernetes: {e} (does the namespace exist? --namespace)")
-    if isinstance(e, kube.KubeInvalidError):
-        return SweepError(f"kubernetes rejected a Job: {e}")
-    if isinstance(e, kube.KubeError):
-        return InfrastructureError(f"kubernetes: {e}")
-    return None
 
 
 def run_sweep(
@@ -326,7 +282,7 @@ def run_sweep(
         if settings.commands is not None:
             raise SweepError("--mode custom runs on the local backend only")
         if not settings.dry_run:
-            _check_cluster_output(settings)
+            check_output(settings)
     try:
         store = open_store(settings.output)
     except Exception as e:  # the store's own errors are already clear; keep them one line
@@ -363,7 +319,7 @@ def run_sweep(
 
     if cluster and settings.dry_run:
         assert plan is not None
-        return _dry_run(settings, plan, store.url, run_id, out or sys.stdout)
+        return _dry_run(settings, plan, store.url, run_id, out or sys.stdout, kube)
 
     tracker = None
     if not cluster:
@@ -377,25 +333,13 @@ def run_sweep(
     recorder = _Recorder(store, run_id, rows)
     todo = len(plan.todo) if (cluster and plan is not None) else len(tasks)
     progress = Progress(todo)
-    backend: LocalBackend | ClusterBackend
-    own_kube = False
+    backend: LocalBackend | KubernetesBackend
     interrupted = False
+    cluster_backend: KubernetesBackend | None = None
     try:
         if cluster:
-            if kube is None:
-                kube = _open_kube(settings)
-                own_kube = True
-            backend = ClusterBackend(
-                settings.cluster, kube,
-                job_settings=_cluster_job_settings(settings, run_id, store.url),
-                output_url=store.url, gpus_per_job=0 if device == "cpu"
-                else settings.gpu.gpus_per_job,
-                max_retries=settings.local.max_retries,
-                adopt_complete=not settings.overwrite,
-                threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
-                poll_interval_s=settings.gpu.poll_interval_s,
-                on_outcome=recorder, progress=progress,
-            )
+            backend = cluster_backend = KubernetesBackend.from_settings(
+                settings, _worker_spec(settings, run_id, store.url), kube=kube)
         else:
             try:
                 backend = LocalBackend(
@@ -405,25 +349,21 @@ def run_sweep(
             except ValueError as e:  # e.g. --gpus-per-job larger than the usable GPUs
                 raise SweepError(str(e)) from e
         with _Interrupts(backend, cluster=cluster) as interrupts:
-            if isinstance(backend, ClusterBackend):
+            if isinstance(backend, KubernetesBackend):
                 assert plan is not None
-                backend.run(plan.todo)
+                backend.run([BackendTask.for_model(row) for row in plan.todo], recorder,
+                            progress)
             else:
                 backend.run(tasks)
             interrupted = interrupts.count > 0
     except LogDirError as e:
         raise SweepError(f"{e} (--log-dir)") from e
-    except Exception as e:
-        mapped = _cluster_error(e) if cluster else None
-        if mapped is not None:
-            raise mapped from e
-        raise
     finally:
         progress.close()
         if tracker is not None:
             tracker.nvml.close()
-        if own_kube and kube is not None:
-            kube.close()
+        if cluster_backend is not None:
+            cluster_backend.close()
 
     summary_rows = 0
     if not custom:
@@ -468,20 +408,10 @@ def run_sweep(
         "host": platform.node(),
         "pid": os.getpid(),
     }
-    if isinstance(backend, ClusterBackend):
-        report["counts"]["running"] = len(backend.left_running)
-        report["kubernetes"] = {
-            "namespace": settings.cluster.namespace,
-            "instance": backend.instance,
-            "image": settings.cluster.image,
-            "placement": backend.placement,
-            "jobs_created": backend.created,
-            "jobs_adopted": backend.adopted,
-            "jobs_left_running": backend.left_running,
-            "pending": dict(backend.pending),
-            "api_requests": backend.kube.requests,
-            "waited": settings.cluster.wait,
-        }
+    if isinstance(backend, KubernetesBackend):
+        own = backend.report()
+        report["counts"]["running"] = own["running"]
+        report["kubernetes"] = own["kubernetes"]
     write_run_report(store, run_id, report)
     if interrupted:
         code = EXIT_INTERRUPTED
@@ -499,33 +429,19 @@ def run_sweep(
 
 
 def _dry_run(
-    settings: SweepSettings, plan: Plan, store_url: str, run_id: str, out: TextIO
+    settings: SweepSettings, plan: Plan, store_url: str, run_id: str, out: TextIO,
+    kube: KubeClient | None,
 ) -> SweepResult:
     """Print the Jobs the sweep would create (first attempts) as YAML; create nothing."""
-    from controller.backends.kubernetes.jobs import JobSpecError, build_job, jobs_to_yaml
-
-    job_settings = _cluster_job_settings(settings, run_id, store_url)
-    jobs = []
-    problems = []
-    for row in plan.todo:
-        try:
-            jobs.append(build_job(
-                model_ref=row.ref, model_key=row.key, relation=row.relation,
-                source_model=row.source_model, output_url=store_url, settings=job_settings,
-            ))
-        except JobSpecError as e:
-            problems.append(f"model={row.ref}: {e}")
-    if problems:
-        raise SweepError("; ".join(problems))
-    if jobs:
-        out.write(jobs_to_yaml(jobs))
-    out.flush()
+    backend = KubernetesBackend.from_settings(
+        settings, _worker_spec(settings, run_id, store_url), kube=kube)
+    jobs = backend.dry_run([BackendTask.for_model(row) for row in plan.todo], out)
     log.info("--dry-run: %d Job(s) printed, nothing created (%d already done)",
-             len(jobs), len(plan.done))
+             jobs, len(plan.done))
     report = {
         "run_id": run_id, "output": store_url, "backend": "kubernetes", "dry_run": True,
         "counts": {"models": len(plan.todo) + len(plan.done) + len(plan.skipped_failed),
-                   "already_done": len(plan.done), "jobs": len(jobs), "done": 0,
+                   "already_done": len(plan.done), "jobs": jobs, "done": 0,
                    "failed": 0, "bad_rows": 0},
         "failures": {}, "summary": None,
     }
