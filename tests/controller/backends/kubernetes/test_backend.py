@@ -431,8 +431,7 @@ def test_report_and_where(sim: KubeSim, kube: KubeClient, store: Store,
     outcomes: list[Outcome] = []
     with cluster.autopilot():
         backend.run(tasks, outcomes.append)
-    assert sorted(outcomes, key=lambda o: o.task.key) == sorted(
-        outcomes, key=lambda o: o.task.key)
+    assert len(outcomes) == 2 and {o.status for o in outcomes} == {"done"}
     for outcome in outcomes:
         assert outcome.task in tasks
         assert outcome.where == f"job={NS}/{job_name(outcome.task.key)}"
