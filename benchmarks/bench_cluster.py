@@ -12,7 +12,7 @@ How it is measured:
   --fail-every-th model instead fails with exit 3 through tests.support.kubesim.JobSimulator, with
   a pod, so the controller's failure path — pod list, log read — is included), and the GPU
   telemetry: one static dcgm-exporter-format /metrics page listing every node's GPUs.
-- This process runs only the controller: ClusterBackend with the sweep's real _Recorder
+- This process runs only the controller: KubernetesBackend with the sweep's real _Recorder
   (it confirms every marker in the store and writes failure records), i.e. everything
   `esd-sweep run` does per model after planning. Controller CPU = this process's CPU time
   (time.process_time: the controller thread, its watch thread and the telemetry scrape
@@ -153,12 +153,10 @@ def main() -> int:
 
     from kubernetes import client as k8s  # imported before the baseline: not per model
 
-    from controller.backends.kubernetes.backend import (
-        ClusterBackend,
-        ClusterSettings,
-        sweep_instance,
-    )
+    from controller.backends.base import Task
+    from controller.backends.kubernetes.backend import KubernetesBackend
     from controller.backends.kubernetes.client import KubeClient
+    from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
     from controller.modellist import ModelRow
     from controller.sweep import _Recorder
     from esd_worker.store import open_store
@@ -185,19 +183,19 @@ def main() -> int:
             run_id="bench", instance=sweep_instance(store.url), gpus_per_job=1,
             worker_args=("--fix-fingers", "xmin_mid"))
         recorder = _Recorder(store, "bench", {r.key: r for r in rows})
-        backend = ClusterBackend(
+        backend = KubernetesBackend(
             settings, kube, job_settings=job_settings, output_url=store.url,
-            gpus_per_job=1, max_retries=2, max_checks=1, poll_interval_s=1.0,
-            on_outcome=recorder)
+            gpus_per_job=1, max_retries=2, max_checks=1, poll_interval_s=1.0)
+        tasks = [Task.for_model(row) for row in rows]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if args.profile:
             import cProfile
 
             profiler = cProfile.Profile()
-            outcomes = profiler.runcall(backend.run, rows)
+            outcomes = profiler.runcall(backend.run, tasks, recorder)
             profiler.dump_stats(args.profile)
         else:
-            outcomes = backend.run(rows)
+            outcomes = backend.run(tasks, recorder)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         parent.send("done")

@@ -58,6 +58,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
+from controller.backends.kubernetes.telemetry import FB_FREE, FB_TOTAL, FB_USED
 from controller.gpus import NvmlUnavailable
 from esd_worker.flags import add_flag
 
@@ -72,10 +73,6 @@ EXIT_NO_NVML = 3
 DEFAULT_PORT = 9400
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 HOSTNAME_LABELS = ("Hostname", "hostname")
-
-FB_USED = "DCGM_FI_DEV_FB_USED"
-FB_FREE = "DCGM_FI_DEV_FB_FREE"
-FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
 
 # (metric, help text, GpuReading field), in the order they are served.
 _METRICS: tuple[tuple[str, str, str], ...] = (

@@ -290,7 +290,7 @@ def test_gpu_exporter_daemonset(rendered: dict[str, list[Obj]], name: str) -> No
     assert labels[key] == value
     assert flags["--telemetry-port"] == str(port["containerPort"])
     # ...and the CLI's defaults find it too (`esd-sweep run` from a laptop, no flags).
-    from controller.backends.kubernetes.backend import (
+    from controller.backends.kubernetes.settings import (
         DEFAULT_TELEMETRY_PORT,
         DEFAULT_TELEMETRY_SELECTOR,
     )

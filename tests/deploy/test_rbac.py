@@ -1,11 +1,12 @@
 """The manifests' RBAC allows exactly what the controller calls: nothing missing, nothing extra.
 
 What the controller calls is not written down by hand: every public method of
-controller.backends.kubernetes.client.KubeClient (the only code that talks to the API server) is run against
-tests/support/kubesim.py's API server, which counts the requests it serves by (verb, resource), and
-the union is compared with the rules the manifests grant the controller's service account.
-A KubeClient method added later fails `test_every_client_method_is_exercised` until it has a
-row in CALLS here (and, if it needs a new verb, a rule in manifests/base/rbac.yaml).
+controller.backends.kubernetes.client.KubeClient (the only code that talks to the API
+server) is run against tests/support/kubesim.py's API server, which counts the requests it
+serves by (verb, resource), and the union is compared with the rules the manifests grant
+the controller's service account. A KubeClient method added later fails
+`test_every_client_method_is_exercised` until it has a row in CALLS here (and, if it needs a
+new verb, a rule in manifests/base/rbac.yaml).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 
 import pytest
 
-from controller.backends.kubernetes.client import KubeClient, KubePermissionError, RetryPolicy
-from controller.backends.kubernetes.jobs import JobSettings, build_job, managed_selector
+from controller.backends.kubernetes.client import KubeClient, RetryPolicy
+from controller.backends.kubernetes.errors import KubePermissionError
+from controller.backends.kubernetes.jobs import JobSettings, build_job
+from controller.backends.kubernetes.names import managed_selector
 from esd_worker.naming import model_key
 from tests.support.kubesim import RESOURCES, KubeSim
 from tests.support.kustomize import KUSTOMIZATIONS, Obj, render_kustomization
@@ -28,8 +31,9 @@ FAST = RetryPolicy(attempts=2, base_s=0.001, max_s=0.01, deadline_s=2.0)
 MODEL = "openai-community/gpt2"
 # Resources without a namespace: permissions for them come from a ClusterRole.
 CLUSTER_SCOPED = frozenset({"nodes"})
-# The KubeClient methods the controller calls in the telemetry namespace (controller.backends.kubernetes.backend
-# lists the exporter pods there, then scrapes them over HTTP, which RBAC does not cover).
+# The KubeClient methods the controller calls in the telemetry namespace
+# (controller.backends.kubernetes.placement lists the exporter pods there, then scrapes them
+# over HTTP, which RBAC does not cover).
 TELEMETRY_METHODS = frozenset({"list_pods"})
 
 Perm = tuple[str, str, str]  # (API group, resource, verb), as an RBAC rule spells them
@@ -167,9 +171,10 @@ def test_worker_gets_no_api_access() -> None:
 @pytest.mark.parametrize("method", sorted(CALLS))
 def test_a_denial_names_a_rule_the_role_has(sim: KubeSim, method: str,
                                             requests_by_method: dict[str, set[Perm]]) -> None:
-    """When RBAC is missing a verb, the controller's message (controller.backends.kubernetes.client) names the
-    verb and resource to add, and that is a rule the shipped Role grants: a user who
-    trimmed the Role is told how to put back exactly what was taken out."""
+    """When RBAC is missing a verb, the controller's message
+    (controller.backends.kubernetes.client) names the verb and resource to add, and that is
+    a rule the shipped Role grants: a user who trimmed the Role is told how to put back
+    exactly what was taken out."""
     (perm,) = requests_by_method[method]
     group, resource, verb = perm
     role = granted(render_kustomization(KUSTOMIZATIONS["default"]), CONTROLLER_SA, NS,

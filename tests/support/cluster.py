@@ -1,20 +1,29 @@
-"""Shared pieces of the Kubernetes backend tests: a JobSimulator that writes markers as the worker
-does, and polling."""
+"""Shared pieces of the Kubernetes backend tests: a JobSimulator that writes markers as the
+worker does, a backend builder over KubeSim, and polling."""
 
 from __future__ import annotations
 
-import json
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from controller.plan import canonical_parameters
+from controller.backends.base import Outcome, Task
+from controller.backends.kubernetes.backend import KubernetesBackend
+from controller.backends.kubernetes.client import KubeClient, RetryPolicy
+from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
+from controller.modellist import ModelRow
+from esd_worker.layout import Marker, canonical_parameters, marker_key
 from esd_worker.settings import AnalysisSettings
-from esd_worker.store import MARKER_NAME, Store
-from tests.support.kubesim import JobSimulator
+from esd_worker.store import Store
+from tests.support.kubesim import JobSimulator, KubeSim
 
 NS = "esd"
 PARAMS = canonical_parameters(AnalysisSettings().as_dict())  # what `run` asks for by default
+IMAGE = "ghcr.io/example/esd-sweep:0.1.0"
+RUN_ID = "20261123T070501Z-3fa9c2"
+# Fast retries: KubeSim's injected faults must not make a test slow.
+RETRY = RetryPolicy(attempts=40, base_s=0.01, max_s=0.1, deadline_s=20.0)
 
 
 class MarkerSimulator(JobSimulator):
@@ -27,9 +36,9 @@ class MarkerSimulator(JobSimulator):
         job = self.job(name)
         annotations = job["metadata"]["annotations"]
         key = annotations["esd-sweep/model-key"]
-        marker = {"model": annotations["esd-sweep/model-ref"], "model_key": key,
-                  "parameters": PARAMS, "summary": {"layers": 1}}
-        self.store.put_bytes(f"{key}/{MARKER_NAME}", json.dumps(marker).encode())
+        marker = Marker(model=annotations["esd-sweep/model-ref"], model_key=key,
+                        parameters=PARAMS, summary={"layers": 1})
+        self.store.put_bytes(marker_key(key), marker.to_json())
         return super().succeed(name, log=log)
 
 
@@ -41,3 +50,75 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float = 10.0) -> Any:
             return value
         time.sleep(0.02)
     raise AssertionError("condition not met in time")
+
+
+def make_rows(n: int, prefix: str = "org/model") -> list[ModelRow]:
+    return [ModelRow(model_id=f"{prefix}-{i}", revision=None, relation="", source_model=None)
+            for i in range(n)]
+
+
+def make_backend(
+    kube: KubeClient, store: Store, *, max_retries: int = 2, gpus_per_job: int = 1,
+    poll_interval_s: float = 0.02, max_checks: int = 1,
+    worker_args: Sequence[str] = ("--fix-fingers", "xmin_mid"), log_format: str = "json",
+    run_id: str = RUN_ID, scrape_fn: Callable[..., list[Any]] | None = None,
+    clock: Callable[[], float] | None = None, **overrides: Any,
+) -> KubernetesBackend:
+    """A KubernetesBackend in namespace NS writing to `store`, telemetry off unless asked;
+    overrides are ClusterSettings fields."""
+    options: dict[str, Any] = {"namespace": NS, "watch_timeout_s": 2, "telemetry": False,
+                               "image": IMAGE}
+    options.update(overrides)
+    settings = ClusterSettings(**options)
+    job_settings = settings.job_settings(
+        run_id=run_id, instance=sweep_instance(store.url), gpus_per_job=gpus_per_job,
+        worker_args=tuple(worker_args), log_format=log_format)
+    extra: dict[str, Any] = {}
+    if scrape_fn is not None:
+        extra["scrape_fn"] = scrape_fn
+    if clock is not None:
+        extra["clock"] = clock
+    return KubernetesBackend(
+        settings, kube, job_settings=job_settings, output_url=store.url,
+        gpus_per_job=gpus_per_job, max_retries=max_retries, max_checks=max_checks,
+        poll_interval_s=poll_interval_s, **extra)
+
+
+def tasks_for(rows: Sequence[ModelRow]) -> list[Task]:
+    return [Task.for_model(row) for row in rows]
+
+
+def run_models(backend: KubernetesBackend, rows: Sequence[ModelRow],
+               outcomes: list[Outcome] | None = None) -> list[Outcome]:
+    """backend.run over these models, each Outcome also appended to `outcomes`."""
+    sink = outcomes if outcomes is not None else []
+    return backend.run(tasks_for(rows), sink.append)
+
+
+def by_attempt(scripts: Mapping[int, Sequence[Any]]) -> Callable[[Mapping[str, Any]], list[Any]]:
+    """An autopilot script by the Job's attempt number (missing: succeed)."""
+    def script(job: Mapping[str, Any]) -> list[Any]:
+        attempt = int(job["metadata"]["labels"]["esd-sweep/attempt"])
+        return list(scripts.get(attempt, ["succeed"]))
+    return script
+
+
+def job_names(sim: KubeSim) -> list[str]:
+    return [j["metadata"]["name"] for j in sim.objects("jobs", NS)]
+
+
+def run_in_thread(backend: KubernetesBackend, rows: Sequence[ModelRow],
+                  outcomes: list[Outcome] | None = None) -> threading.Thread:
+    """run_models on a daemon thread; what it raised is in the thread's `errors`."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            run_models(backend, rows, outcomes)
+        except BaseException as e:  # surfaced by the test through .errors
+            errors.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread

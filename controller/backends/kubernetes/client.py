@@ -2,9 +2,11 @@
 
 Owns talking to the API server: retries (429, 5xx, connection errors: bounded exponential
 backoff with full jitter, in `_call` and nowhere else), the mapping of API errors to this
-module's exception family (401/403 name the missing RBAC verb), 409-on-create as "exists",
-410 Gone as ResourceVersionExpired. Does not build Jobs (controller.backends.kubernetes.jobs) or decide anything.
-Objects go in and come out as plain dicts (JSON as the API sends it), never client models.
+backend's exception family (401/403 name the missing RBAC verb), 409-on-create as "exists",
+410 Gone as ResourceVersionExpired (the family lives in controller.backends.kubernetes.errors,
+importable without `kubernetes`). The only module that imports `kubernetes`. Does not build
+Jobs (controller.backends.kubernetes.jobs) or decide anything. Objects go in and come out as
+plain dicts (JSON as the API sends it), never client models.
 """
 
 from __future__ import annotations
@@ -28,6 +30,18 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 from kubernetes.watch.watch import iter_resp_lines
 
+from controller.backends.kubernetes.errors import (
+    KubeConfigError,
+    KubeConflictError,
+    KubeError,
+    KubeInvalidError,
+    KubeNotFoundError,
+    KubePermissionError,
+    KubeQuotaError,
+    KubeUnavailableError,
+    ResourceVersionExpired,
+)
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -35,46 +49,6 @@ T = TypeVar("T")
 _RETRYABLE_STATUS = frozenset({429, 500, 502, 503, 504})
 _SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _USER = re.compile(r'User "([^"]+)"')
-
-
-class KubeError(Exception):
-    """Base of every error talking to the Kubernetes API; `status` is the HTTP status or None."""
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class KubePermissionError(KubeError):
-    """401/403: the credentials were rejected or RBAC lacks a verb (the message says which)."""
-
-
-class KubeNotFoundError(KubeError):
-    """404: the object or the namespace does not exist."""
-
-
-class KubeConflictError(KubeError):
-    """409 outside create (e.g. an update raced another writer)."""
-
-
-class KubeInvalidError(KubeError):
-    """400/422: the server rejected the object; the message carries its field errors."""
-
-
-class KubeQuotaError(KubeError):
-    """403 "exceeded quota": a ResourceQuota is full; try again once something finishes."""
-
-
-class KubeUnavailableError(KubeError):
-    """The API server kept failing (429, 5xx, connection errors) after every retry."""
-
-
-class ResourceVersionExpired(KubeError):
-    """410 Gone: the resourceVersion is too old to watch (or page) from; list again."""
-
-
-class KubeConfigError(KubeError):
-    """No usable kubeconfig context or in-cluster service account."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Kubernetes batch/v1 Job objects for one model each: names, labels, pod spec (pure: dicts out).
+"""Kubernetes batch/v1 Job objects for one model each: settings, labels, pod spec (dicts out).
 
 Owns what a worker Job looks like (security context, GPU requests, secrets by reference,
-podFailurePolicy, Kueue and Karpenter hints) and the names a restarted controller recomputes.
-Does not talk to a cluster (controller.backends.kubernetes.client does) and does not decide placement (the
-caller passes the node affinity in).
+podFailurePolicy, Kueue and Karpenter hints). Pure. Does not name Jobs or hold the label
+keys (controller.backends.kubernetes.names), talk to a cluster (.client) or decide placement
+(the caller passes the node affinity in). Worker exit codes are esd_worker.errors'.
 """
 
 from __future__ import annotations
@@ -13,39 +13,37 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
+from controller.backends.kubernetes.errors import JobSpecError
+from controller.backends.kubernetes.names import (
+    APP_NAME,
+    ATTEMPT_LABEL,
+    COMPONENT,
+    INSTANCE_LABEL,
+    KUEUE_QUEUE_LABEL,
+    MANAGED_BY_LABEL,
+    MODEL_KEY_LABEL,
+    OUTPUT_ANNOTATION,
+    RUN_LABEL,
+    is_dns_label,
+    is_dns_subdomain,
+    is_label_key,
+    is_label_value,
+    job_name,
+    model_key_label,
+    output_annotation,
+)
+from esd_worker.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.naming import split_model_ref
 
-APP_NAME = "esd-sweep"
-COMPONENT = "worker"
 CONTAINER_NAME = "worker"
-LABEL_PREFIX = "esd-sweep/"
-RUN_LABEL = "esd-sweep/run"
-MODEL_KEY_LABEL = "esd-sweep/model-key"
-ATTEMPT_LABEL = "esd-sweep/attempt"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GPU_RESOURCE = "nvidia.com/gpu"
-JOB_NAME_PREFIX = "esd-"
-MAX_ATTEMPT = 9999
-
-# Worker exit codes (DESIGN.md contract, esd_worker.errors).
-EXIT_USAGE = 2
-EXIT_PERMANENT = 3
-EXIT_TRANSIENT = 4
-EXIT_GPU_OOM = 5
 
 CACHE_DIR = "/cache"
 HF_HOME = "/cache/hf"
 TMP_DIR = "/tmp"
 RUN_AS_USER = 1000
 
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-_MODEL_KEY = re.compile(r"(?P<slug>[a-z0-9]([a-z0-9-]*[a-z0-9])?)-(?P<digest>[0-9a-f]{10})")
 _QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE]\d+)?")
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
@@ -59,10 +57,6 @@ _RESERVED_ENV = frozenset({
 # Names that say "this is a credential": those belong in a Secret, not in the Job object.
 _SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
 _MAX_REF = 1024
-
-
-class JobSpecError(ValueError):
-    """The Job cannot be built from these settings or this model; the message lists why."""
 
 
 @dataclass(frozen=True)
@@ -195,94 +189,6 @@ class JobSettings:
         return out
 
 
-def is_dns_label(value: str) -> bool:
-    """RFC 1123 label: ≤ 63 of a-z 0-9 -, alphanumeric at both ends (Job and namespace names)."""
-    return isinstance(value, str) and len(value) <= 63 and bool(_DNS_LABEL.fullmatch(value))
-
-
-def is_dns_subdomain(value: str) -> bool:
-    """RFC 1123 subdomain: ≤ 253 chars of dot-separated labels (Secret, PVC, SA names)."""
-    return isinstance(value, str) and len(value) <= 253 and bool(_DNS_SUBDOMAIN.fullmatch(value))
-
-
-def is_label_value(value: str) -> bool:
-    """Kubernetes label value: empty, or ≤ 63 of A-Z a-z 0-9 - _ . with alphanumeric ends."""
-    return isinstance(value, str) and len(value) <= 63 and bool(_LABEL_VALUE.fullmatch(value))
-
-
-def is_label_key(value: str) -> bool:
-    """Qualified name: optional DNS-subdomain prefix (≤ 253) and '/', then a ≤ 63-char name."""
-    if not isinstance(value, str):
-        return False
-    prefix, sep, name = value.rpartition("/")
-    if sep and not (prefix and is_dns_subdomain(prefix)):
-        return False
-    return len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
-
-
-def _split_key(model_key: str) -> tuple[str, str]:
-    match = _MODEL_KEY.fullmatch(model_key) if isinstance(model_key, str) else None
-    if match is None:
-        raise JobSpecError(f"model key {model_key!r} is not <slug>-<10 hex> "
-                           "(esd_worker.naming.model_key)")
-    return match["slug"], match["digest"]
-
-
-def _shorten(slug: str, digest: str, room: int) -> str:
-    """`slug-digest` in at most `room` chars: the slug is cut, the hash always kept."""
-    cut = slug[: max(room - len(digest) - 1, 0)].rstrip("-")
-    return f"{cut}-{digest}" if cut else digest
-
-
-# esd- + slug + -<10 hex> + room for -a9999: the prefix is the same for every attempt.
-_NAME_SLUG_ROOM = 63 - len(JOB_NAME_PREFIX) - len("-a9999")
-
-
-def job_name(model_key: str, attempt: int = 0) -> str:
-    """The Job name for one model and attempt: `esd-<slug>-<hash>[-a<N>]`, a DNS-1123 label.
-
-    A pure function of (model_key, attempt), so a restarted controller computes the same
-    names and a create that answers 409 means "already submitted". The 10-hex hash of the
-    model key is always kept (it is what tells models apart); the readable slug is cut to
-    fit 63 chars with room for the attempt suffix, so every attempt of a model shares the
-    prefix. Attempt 0 has no suffix.
-    """
-    slug, digest = _split_key(model_key)
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or not 0 <= attempt <= MAX_ATTEMPT:
-        raise JobSpecError(f"attempt {attempt!r} must be an integer in 0..{MAX_ATTEMPT}")
-    name = JOB_NAME_PREFIX + _shorten(slug, digest, _NAME_SLUG_ROOM)
-    return f"{name}-a{attempt}" if attempt else name
-
-
-def model_key_label(model_key: str) -> str:
-    """The model key as a label value: itself when ≤ 63 chars, else cut slug + full hash."""
-    slug, digest = _split_key(model_key)
-    return model_key if len(model_key) <= 63 else _shorten(slug, digest, 63)
-
-
-def run_selector(run_id: str) -> str:
-    """Label selector for every Job of one run (what a restarted run lists to adopt)."""
-    return f"{MANAGED_BY_LABEL}={APP_NAME},{RUN_LABEL}={run_id}"
-
-
-def managed_selector() -> str:
-    """Label selector for every Job esd-sweep created in a namespace, whatever the run."""
-    return f"{MANAGED_BY_LABEL}={APP_NAME}"
-
-
-def _redact_url(url: str) -> str:
-    """The output URL without user:password@ or a query string (annotations are readable)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.username is None and parts.password is None and not parts.query:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
 
 def _check_ref(what: str, value: str, problems: list[str]) -> None:
     # Model ids are untrusted: they only ever become one argv element and one annotation
@@ -302,7 +208,7 @@ def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[
     """The labels of a worker Job and its pods (selectable by run, model key, attempt)."""
     return {
         "app.kubernetes.io/name": APP_NAME,
-        "app.kubernetes.io/instance": settings.instance,
+        INSTANCE_LABEL: settings.instance,
         "app.kubernetes.io/component": COMPONENT,
         MANAGED_BY_LABEL: APP_NAME,
         RUN_LABEL: settings.run_id,
@@ -512,10 +418,10 @@ def build_job(
         "esd-sweep/model-id": model_id,
         "esd-sweep/model-ref": model_ref,
         "esd-sweep/revision": revision or "",
-        "esd-sweep/model-key": model_key,
-        "esd-sweep/attempt": str(attempt),
+        MODEL_KEY_LABEL: model_key,
+        ATTEMPT_LABEL: str(attempt),
         "esd-sweep/relation": relation,
-        "esd-sweep/output": _redact_url(output_url),
+        OUTPUT_ANNOTATION: output_annotation(output_url),
     }
     if source_model:
         annotations["esd-sweep/source-model"] = source_model

@@ -1,8 +1,9 @@
 """How `--backend kubernetes` runs a sweep: its settings, their checks, and what a Job inherits.
 
-Owns ClusterSettings (built in controller.cli from flags and env), the label that ties a
-sweep's Jobs to its output, the environment passed through to workers, and which worker
-flags do not change a result (for adoption). Pure: no Kubernetes client here.
+Owns ClusterSettings (built in controller.cli from flags and env), the instance label value
+that ties a sweep's Jobs to its output (the key is names.INSTANCE_LABEL), the environment
+passed through to workers, and which worker flags do not change a result (for adoption).
+Pure: no Kubernetes client here.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
 DEFAULT_TELEMETRY_SELECTOR = "app.kubernetes.io/name=esd-gpu-exporter"
 DEFAULT_TELEMETRY_PORT = 9400
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
-OUTPUT_ANNOTATION = "esd-sweep/output"
-MODEL_KEY_ANNOTATION = "esd-sweep/model-key"
 
 
 def default_image() -> str:

@@ -44,6 +44,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The metric names: dcgm-exporter's, and the one owner of them for our exporter too
+# (controller.exporter serves them under these names).
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
 FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"

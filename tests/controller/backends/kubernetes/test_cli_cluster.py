@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from controller.backends.kubernetes.jobs import job_name
+from controller.backends.kubernetes.names import job_name
 from controller.cli import main
 from controller.modellist import ModelRow
 from controller.settings import SweepSettings
@@ -302,10 +302,13 @@ def test_controller_killed_mid_run_and_restarted(
 
 
 def test_local_backend_does_not_import_kubernetes() -> None:
-    """The kubernetes client is an optional extra: the CLI, the sweep and the cluster
-    settings import without it (only ClusterBackend pulls controller.backends.kubernetes.client in)."""
+    """The kubernetes client is an optional extra: the CLI, the sweep, the backend module,
+    its settings and its errors import without it (only KubernetesBackend.from_settings
+    pulls controller.backends.kubernetes.client in)."""
     code = ("import sys; sys.modules['kubernetes'] = None\n"
             "import controller.cli, controller.sweep, controller.backends.kubernetes.backend\n"
+            "import controller.backends.kubernetes.settings\n"
+            "import controller.backends.kubernetes.errors\n"
             "assert 'controller.backends.kubernetes.client' not in sys.modules\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
@@ -344,8 +347,8 @@ def test_api_unreachable_after_retries_is_an_infrastructure_error(
 ) -> None:
     """The API server stays down longer than the client's retry deadline: the sweep stops
     with InfrastructureError (exit 3) saying the API is unreachable."""
-    from controller.backends.kubernetes.backend import ClusterSettings
     from controller.backends.kubernetes.client import KubeClient, RetryPolicy
+    from controller.backends.kubernetes.settings import ClusterSettings
     from controller.sweep import EXIT_INFRA, InfrastructureError, run_sweep
 
     settings = SweepSettings(

@@ -3,7 +3,8 @@
 The fake module has the pynvml functions the exporter calls (nvmlInit, nvmlShutdown,
 nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo with and without
 `version`, nvmlDeviceGetUUID, nvmlDeviceGetName), NVMLError and nvmlMemory_v2. The HTTP tests
-serve on 127.0.0.1 on a free port and read it back with controller.backends.kubernetes.telemetry.scrape.
+serve on 127.0.0.1 on a free port and read it back with
+controller.backends.kubernetes.telemetry.scrape.
 """
 
 from __future__ import annotations

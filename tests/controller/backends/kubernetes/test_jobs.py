@@ -1,4 +1,5 @@
-"""Worker Jobs (controller.backends.kubernetes.jobs): valid for Kubernetes 1.31 (strict schemas), safe, stable names.
+"""Worker Jobs (controller.backends.kubernetes.jobs and .names): valid for Kubernetes 1.31
+(strict schemas), safe, stable names.
 
 Kubernetes 1.31 is the oldest version supported: podFailurePolicy (which keeps preemptions
 and evictions from using up backoffLimit and stops permanent failures at once) is GA there,
@@ -20,16 +21,18 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
+from controller.backends.kubernetes.errors import JobSpecError
 from controller.backends.kubernetes.jobs import (
     JobSettings,
-    JobSpecError,
     build_job,
+    jobs_to_yaml,
+    pod_failure_policy,
+)
+from controller.backends.kubernetes.names import (
     is_dns_label,
     is_label_value,
     job_name,
-    jobs_to_yaml,
     model_key_label,
-    pod_failure_policy,
     run_selector,
 )
 from esd_worker.naming import model_key, split_model_ref

@@ -1,4 +1,5 @@
-"""Tests of controller.backends.kubernetes.telemetry: dcgm-exporter text to GPUs, scraping, and placement.
+"""Tests of controller.backends.kubernetes.telemetry: dcgm-exporter text to GPUs, scraping,
+and the per-node GPU rule (NodeGpuTracker).
 
 The fixtures in tests/fixtures/dcgm/ are dcgm-exporter /metrics bodies reconstructed from its
 documented format, one with the `Hostname` label (3.x/4.x) and one with `hostname` (after

@@ -1,4 +1,5 @@
-"""controller.backends.kubernetes.client through the real `kubernetes` client against kmock (tests/support/kubesim.py).
+"""controller.backends.kubernetes.client through the real `kubernetes` client against kmock
+(tests/support/kubesim.py).
 
 Everything goes over HTTP: KubeClient → kubernetes.client → kmock's KubernetesEmulator.
 Every object written (the controller's Jobs, the simulator's pods, status patches and
@@ -21,17 +22,20 @@ from kubernetes import client as k8s
 
 from controller.backends.kubernetes.client import (
     KubeClient,
+    RetryPolicy,
+    WatchEvent,
+    load_client,
+)
+from controller.backends.kubernetes.errors import (
     KubeConfigError,
     KubeInvalidError,
     KubePermissionError,
     KubeQuotaError,
     KubeUnavailableError,
     ResourceVersionExpired,
-    RetryPolicy,
-    WatchEvent,
-    load_client,
 )
-from controller.backends.kubernetes.jobs import JobSettings, build_job, job_name, run_selector
+from controller.backends.kubernetes.jobs import JobSettings, build_job
+from controller.backends.kubernetes.names import job_name, run_selector
 from esd_worker.naming import model_key
 from tests.support.kubesim import (
     K8S_VERSION,
