@@ -23,11 +23,16 @@ from esd_worker.store import Store
 class Tally(Protocol):
     """What a run did, task by task (controller.recorder.Recorder is one)."""
 
-    done: Sequence[str]
-    failed: Mapping[str, FailureRecord]
-    cancelled: Sequence[str]
-    durations: Mapping[str, float]
-    waits: Sequence[float]
+    @property
+    def done(self) -> Sequence[str]: ...
+    @property
+    def failed(self) -> Mapping[str, FailureRecord]: ...
+    @property
+    def cancelled(self) -> Sequence[str]: ...
+    @property
+    def durations(self) -> Mapping[str, float]: ...
+    @property
+    def waits(self) -> Sequence[float]: ...
 
 
 def new_run_id(now: datetime | None = None) -> str:

@@ -28,7 +28,8 @@ from controller.backends.kubernetes.settings import ClusterSettings, sweep_insta
 from controller.errors import InfrastructureError, SweepError
 from controller.modellist import ModelRow
 from controller.settings import SweepSettings
-from esd_worker.store import MARKER_NAME, Store
+from esd_worker.layout import MARKER_NAME
+from esd_worker.store import Store
 from tests.support.cluster import (
     IMAGE,
     NS,

@@ -23,14 +23,16 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from controller.backends.base import WorkerSpec
 from controller.backends.kubernetes.names import job_name
+from controller.backends.local import worker_argv
 from controller.cli import main
 from controller.modellist import ModelRow
 from controller.settings import SweepSettings
-from controller.sweep import worker_argv
+from esd_worker.layout import MARKER_NAME
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
-from esd_worker.store import MARKER_NAME, open_store
+from esd_worker.store import open_store
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, MarkerSimulator, wait_for
 from tests.support.kubesim import K8S_VERSION, KubeSim
@@ -217,10 +219,9 @@ def test_cluster_worker_flags_match_the_local_ones(tmp_path: Path,
     (doc,) = yaml.safe_load_all(capsys.readouterr().out)
     args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
     row = ModelRow("org/alpha", None, "", None)
-    settings = SweepSettings(output=str(tmp_path / "out"), worker_log_format="json",
-                             save_eigs=False, worker_cmd=("esd-worker",),
-                             analysis=AnalysisSettings(fix_fingers="DKS"))
-    local = worker_argv(row, settings, str(tmp_path / "out"), "cuda")
+    spec = WorkerSpec(run_id="r", store_url=str(tmp_path / "out"), log_format="json",
+                      save_eigs=False, analysis=AnalysisSettings(fix_fingers="DKS"))
+    local = worker_argv(("esd-worker",), row, spec, "cuda")
 
     def pairs(argv: Sequence[str]) -> set[tuple[str, str]]:
         out, i = set(), 1
@@ -347,9 +348,11 @@ def test_api_unreachable_after_retries_is_an_infrastructure_error(
 ) -> None:
     """The API server stays down longer than the client's retry deadline: the sweep stops
     with InfrastructureError (exit 3) saying the API is unreachable."""
+    from controller.backends.kubernetes.backend import KubernetesBackend
     from controller.backends.kubernetes.client import KubeClient, RetryPolicy
     from controller.backends.kubernetes.settings import ClusterSettings
-    from controller.sweep import EXIT_INFRA, InfrastructureError, run_sweep
+    from controller.errors import EXIT_INFRA, InfrastructureError
+    from controller.sweep import run_sweep
 
     settings = SweepSettings(
         output=str(tmp_path / "out"), single_model="org/alpha", backend="kubernetes",
@@ -358,5 +361,6 @@ def test_api_unreachable_after_retries_is_an_infrastructure_error(
     retry = RetryPolicy(attempts=3, base_s=0.01, max_s=0.02, deadline_s=0.5)
     with KubeClient(sim.configuration(), retry=retry) as kube, \
             pytest.raises(InfrastructureError, match="unreachable") as raised:
-        run_sweep(settings, kube=kube)
+        run_sweep(settings, opener=lambda s, spec: KubernetesBackend.from_settings(
+            s, spec, kube=kube))
     assert raised.value.exit_code == EXIT_INFRA
