@@ -114,7 +114,9 @@ class Placement:
                 return []
 
         samples = [s for batch in self._pool.map(one, targets) for s in batch]
-        if not samples and self._state != "on":
+        if not samples:
+            # Exporters that stop answering (fixed --telemetry-url ones too) turn placement
+            # off once every node is stale; before that, the fresh view is kept.
             self._off(f"{len(targets)} exporter(s) gave no GPU readings")
             return
         self.tracker.observe(samples)

@@ -199,3 +199,35 @@ def test_all_telemetry_stale_falls_back_to_plain_placement(
         spec = job["spec"]["template"]["spec"]
         assert "affinity" not in spec
         assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_silent_fixed_exporters_fall_back_to_plain_placement(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--telemetry-url exporters that stop answering: the last readings are used while fresh,
+    then placement turns plain instead of pinning Jobs to nothing (a sweep stalled for good)."""
+    now = [0.0]
+    idle, url = _exporter("node-b", [0.0])
+    backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
+                           clock=lambda: now[0])
+    try:
+        backend.placer.poll(now[0])
+        assert backend.placement == "telemetry"
+    finally:
+        idle.shutdown()
+        idle.server_close()
+    now[0] = 30.0
+    backend.placer.poll(now[0])  # no answer, but node-b's readings are still fresh
+    assert backend.placement == "telemetry"
+    now[0] = 100.0
+    with caplog.at_level(logging.WARNING):
+        backend.placer.poll(now[0])
+    assert backend.placement == "plain"
+    assert any("GPU telemetry lost" in r.getMessage() for r in caplog.records)
+    outcomes: list[Outcome] = []
+    with cluster.autopilot():
+        run_models(backend, make_rows(2), outcomes)
+    assert {o.status for o in outcomes} == {"done"}
+    for job in sim.objects("jobs", NS):
+        assert "affinity" not in job["spec"]["template"]["spec"]
