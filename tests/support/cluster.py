@@ -8,15 +8,28 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import kubernetes_validate
+
 from controller.backends.base import Outcome, Task
 from controller.backends.kubernetes.backend import KubernetesBackend
-from controller.backends.kubernetes.client import KubeClient, RetryPolicy
+from controller.backends.kubernetes.client import (
+    KubeClient,
+    RetryPolicy,
+    WatchEvent,
+)
+from controller.backends.kubernetes.jobs import JobSettings, build_job
+from controller.backends.kubernetes.names import run_selector
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
 from controller.modellist import ModelRow
 from esd_worker.layout import Marker, canonical_parameters, marker_key
+from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import Store
-from tests.support.kubesim import JobSimulator, KubeSim
+from tests.support.kubesim import (
+    K8S_VERSION,
+    JobSimulator,
+    KubeSim,
+)
 
 NS = "esd"
 PARAMS = canonical_parameters(AnalysisSettings().as_dict())  # what `run` asks for by default
@@ -122,3 +135,36 @@ def run_in_thread(backend: KubernetesBackend, rows: Sequence[ModelRow],
     thread.errors = errors  # type: ignore[attr-defined]
     thread.start()
     return thread
+
+
+RUN = "20261123T070501Z-3fa9c2"
+
+
+FAST = RetryPolicy(attempts=5, base_s=0.001, max_s=0.01, deadline_s=5.0)
+
+
+def make_job(ref: str = "openai-community/gpt2", *, run_id: str = RUN, attempt: int = 0,
+             **settings: Any) -> dict[str, Any]:
+    return build_job(
+        model_ref=ref, model_key=model_key(ref), relation="", source_model=None,
+        output_url="s3://esd-results/atlas", attempt=attempt,
+        settings=JobSettings(image="ghcr.io/example/esd-sweep:0.1.0", namespace=NS,
+                             run_id=run_id, hf_token_secret="hf-token:token", **settings),
+    )
+
+
+def assert_stored_objects_valid(sim: KubeSim) -> None:
+    """What the cluster holds (with server-set metadata and status) passes strict 1.31."""
+    for resource in ("jobs", "pods", "events"):
+        for obj in sim.objects(resource):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def watch_until(kube: KubeClient, rv: str, done: Any, timeout_s: int = 5) -> list[WatchEvent]:
+    """Watch Jobs of the run from rv until done(events) is true (or the watch times out)."""
+    events: list[WatchEvent] = []
+    for event in kube.watch_jobs(NS, run_selector(RUN), rv, timeout_s=timeout_s):
+        events.append(event)
+        if done(events):
+            break
+    return events
