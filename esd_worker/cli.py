@@ -12,7 +12,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from esd_worker import __version__
-from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, WorkerError
+from esd_worker.errors import EXIT_USAGE, Terminated, WorkerError, exit_code_for
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.settings import DEVICES, WorkerSettings
@@ -74,15 +74,6 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     )
 
 
-class Terminated(BaseException):
-    """SIGTERM (eviction, preemption, the controller stopping or dying): exit 4, no result.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (a
-    fallback in layer discovery, say) can swallow it and let a stopped worker carry on
-    and write a degraded result.
-    """
-
-
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(f"terminated by signal {signum} before the result was written")
 
@@ -110,19 +101,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.log_format == "json":
             log.error("%s", e, extra={"exit_code": e.exit_code})
         _fail(str(e))
-        return e.exit_code
+        return exit_code_for(e)
     except (KeyboardInterrupt, Terminated) as e:
         _fail(str(e) if isinstance(e, Terminated) else "interrupted; no result written")
-        return EXIT_TRANSIENT
-    except MemoryError:
+        return exit_code_for(e)
+    except MemoryError as e:
         _fail("out of host memory; retry on a larger machine")
-        return EXIT_TRANSIENT
+        return exit_code_for(e)
     except Exception as e:
         # A bug, not a model problem: keep the traceback for the failure record.
         log.exception("unexpected error analysing %s", args.model)
         _fail(f"internal error analysing {args.model}: {type(e).__name__}: {e} "
               "(a bug: see the traceback above)")
-        return WorkerError.exit_code
+        return exit_code_for(e)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -62,6 +62,29 @@ class GpuOutOfMemoryError(WorkerError):
     exit_code = EXIT_GPU_OOM
 
 
+class Terminated(BaseException):
+    """SIGTERM (eviction, preemption, the controller stopping or dying): exit 4, no result.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way (a
+    fallback in layer discovery, say) can swallow it and let a stopped worker carry on
+    and write a degraded result.
+    """
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The worker's exit code for the error that ended it: the one table on this side.
+
+    Its own errors carry theirs. An interrupt (Ctrl+C; SIGTERM as Terminated) or host
+    memory running out is transient (4): another attempt, maybe elsewhere, may succeed.
+    Anything else is a bug in the worker: 3, not retried (it would fail the same way).
+    """
+    if isinstance(error, WorkerError):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt | Terminated | MemoryError):
+        return EXIT_TRANSIENT
+    return WorkerError.exit_code
+
+
 # What each exit status means to whoever ran the worker: (error class, retryable).
 EXIT_CLASSES: dict[int, tuple[str, bool]] = {
     EXIT_OK: ("", False),

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from esd_worker.errors import classify_exit, signal_name
+from esd_worker.errors import (
+    GpuOutOfMemoryError,
+    PermanentModelError,
+    StoreError,
+    StorePermanentError,
+    Terminated,
+    UsageError,
+    classify_exit,
+    exit_code_for,
+    signal_name,
+)
 
 
 @pytest.mark.parametrize(
@@ -37,3 +47,24 @@ def test_classify_exit(
 def test_signal_name() -> None:
     assert signal_name(9) == "SIGKILL"
     assert signal_name(999) == "signal 999"
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        pytest.param(UsageError("bad flag"), 2, id="usage"),
+        pytest.param(PermanentModelError("gated"), 3, id="permanent"),
+        pytest.param(StoreError("throttled"), 4, id="store-transient"),
+        pytest.param(StorePermanentError("no bucket"), 3, id="store-permanent"),
+        pytest.param(GpuOutOfMemoryError("oom"), 5, id="gpu-oom"),
+        pytest.param(KeyboardInterrupt(), 4, id="ctrl-c"),
+        pytest.param(Terminated("SIGTERM"), 4, id="sigterm"),
+        pytest.param(MemoryError(), 4, id="host-memory"),
+        pytest.param(RuntimeError("bug"), 3, id="bug"),
+    ],
+)
+def test_exit_code_for(error: BaseException, code: int) -> None:
+    """The worker's one table from the error that ended it to its exit code, and back:
+    each code classifies as retryable exactly when the error was transient."""
+    assert exit_code_for(error) == code
+    assert classify_exit(code, None)[1] is (code in (4, 5))
