@@ -1,4 +1,7 @@
-"""The Job simulator's outcomes as the real client sees them: status, logs, events, deletion."""
+"""The Job simulator's outcomes as the real client sees them: status, logs, events, deletion.
+
+The fixtures are the package conftest's: KubeSim, a client on it, and the simulator.
+"""
 
 from __future__ import annotations
 
@@ -11,30 +14,12 @@ from controller.backends.kubernetes.client import (
     KubeClient,
 )
 from controller.backends.kubernetes.names import run_selector
-from tests.support.cluster import FAST, NS, RUN, assert_stored_objects_valid, make_job
+from tests.support.cluster import NS, RUN, assert_stored_objects_valid, make_job
 from tests.support.kubesim import (
     JobSimulator,
     KubeSim,
     job_finished,
 )
-
-
-@pytest.fixture
-def sim() -> Any:
-    with KubeSim() as server:
-        yield server
-
-
-@pytest.fixture
-def kube(sim: KubeSim) -> Any:
-    with KubeClient(sim.configuration(), retry=FAST) as client:
-        yield client
-
-
-@pytest.fixture
-def cluster(sim: KubeSim) -> JobSimulator:
-    return JobSimulator(sim, namespace=NS)
-
 
 # -- the simulator through the client --------------------------------------------------------
 
