@@ -40,7 +40,8 @@ from controller.modellist import ModelList, ModelRow, make_single, read_model_li
 from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.records import FailureRecord, clear_failure, redact, write_failure
-from controller.results.summary import new_run_id, write_run_report, write_summary
+from controller.results.summary import write_summary
+from controller.runs import new_run_id, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.flags import analysis_argv
 from esd_worker.store import MARKER_NAME, Store, open_store
