@@ -3,14 +3,14 @@ does, and polling."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from controller.plan import canonical_parameters
+from esd_worker.layout import Marker, marker_key
 from esd_worker.settings import AnalysisSettings
-from esd_worker.store import MARKER_NAME, Store
+from esd_worker.store import Store
 from tests.support.kubesim import JobSimulator
 
 NS = "esd"
@@ -27,9 +27,9 @@ class MarkerSimulator(JobSimulator):
         job = self.job(name)
         annotations = job["metadata"]["annotations"]
         key = annotations["esd-sweep/model-key"]
-        marker = {"model": annotations["esd-sweep/model-ref"], "model_key": key,
-                  "parameters": PARAMS, "summary": {"layers": 1}}
-        self.store.put_bytes(f"{key}/{MARKER_NAME}", json.dumps(marker).encode())
+        marker = Marker(model=annotations["esd-sweep/model-ref"], model_key=key,
+                        parameters=PARAMS, summary={"layers": 1})
+        self.store.put_bytes(marker_key(key), marker.to_json())
         return super().succeed(name, log=log)
 
 
