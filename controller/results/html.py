@@ -29,6 +29,7 @@ INDEX_TABLE_MAX = 2000  # rows of the index's model table; summary.csv has every
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
+    """A table cell: `digits` decimals (counts, digits=0, as integers); missing or NaN a dash."""
     f = number(value)
     if value is None or value == "" or not math.isfinite(f):
         return "–"
