@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.results.refit import RefitSettings, refit_store  # noqa: E402
+from esd_worker.layout import EIGS_NAME, LAYERS_NAME, Marker, write_model_result  # noqa: E402
 from esd_worker.naming import model_key  # noqa: E402
 from esd_worker.powerlaw import layer_metrics  # noqa: E402
 from esd_worker.results import (  # noqa: E402
     eigs_to_npz,
     layers_to_csv,
-    marker_to_json,
     summarize_layers,
 )
 from esd_worker.settings import AnalysisSettings  # noqa: E402
@@ -92,14 +92,12 @@ def write_result(store_dir: Path, seed: int = 0) -> tuple[str, int]:
             "M": M, "N": N, "num_params": M * N, "fix_fingers": settings.fix_fingers,
         } | layer_metrics(lam, max_dim=max(M, N), fix_fingers=settings.fix_fingers,
                           evals_thresh=settings.evals_thresh, bins=settings.bins))
-    store.put_bytes(f"{key}/layers.csv", layers_to_csv(rows))
-    store.put_bytes(f"{key}/eigs.npz", eigs_to_npz(eigs))
-    store.put_bytes(f"{key}/result.json", marker_to_json({
-        "schema": 1, "model": MODEL, "model_id": MODEL, "revision": None, "model_key": key,
-        "relation": "base", "base_model": None, "parameters": settings.as_dict(),
-        "summary": summarize_layers(rows), "outputs": {"layers": "layers.csv",
-                                                       "eigs": "eigs.npz"},
-    }))
+    marker = Marker(
+        model=MODEL, model_id=MODEL, revision=None, model_key=key, relation="base",
+        parameters=settings.as_dict(), summary=summarize_layers(rows),
+        layers_name=LAYERS_NAME, eigs_name=EIGS_NAME,
+    )
+    write_model_result(store, marker, layers=layers_to_csv(rows), eigs=eigs_to_npz(eigs))
     return key, len(rows)
 
 

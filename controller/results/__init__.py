@@ -1,0 +1,11 @@
+"""The results side of esd-sweep: reading a results store and what is made from it.
+
+reader: open a store, its markers and layer tables as ModelResults, adapters' bases.
+summary: summary.csv (rows, encoding, writing) and its first rows as text.
+report: `esd-sweep report`, which puts together parquet (layers.parquet), plots (PNGs) and
+    html (index.html and the report folder's names); extras imports their matplotlib/pyarrow.
+refit: `esd-sweep refit`, fits recomputed from stored eigenvalues.
+compare: `esd-sweep compare`, per-layer differences between two sets of results.
+
+Key names are esd_worker.layout's. Nothing here runs a sweep or talks to a cluster.
+"""

@@ -2,7 +2,7 @@
 
 Owns how models are paired (same model_key, explicit A_KEY:B_KEY pairs, or each adapter with
 its base), how layers are matched (by name) and the differences CSV. Reads stores through
-controller.results.report; computes no metric of its own, only b − a.
+controller.results.reader; computes no metric of its own, only b − a.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.results.report import (
+from controller.errors import ResultsError
+from controller.results.reader import (
     ModelResult,
-    ResultsError,
     base_keys,
     find_base_key,
     load_results,
+    models_by_ref,
     number,
     open_results,
 )
@@ -113,7 +114,7 @@ def pair_models(
         if settings.same_table:
             found = base_keys(b)
         else:
-            by_model = {str(r.marker.get("model")): r.key for r in a if r.marker.get("model")}
+            by_model = models_by_ref(a)
             found = {}
             for r in b:
                 key = find_base_key(r, by_model, by_a)

@@ -34,23 +34,22 @@ from typing import Any
 
 import numpy as np
 
-from controller.results.report import (
+from controller.errors import ResultsError
+from controller.results.reader import (
     ModelResult,
-    ResultsError,
     check_tag,
     iter_results,
-    layers_name,
     no_table_error,
     number,
     open_results,
     read_eigs,
     read_model_markers,
-    refit_record_key,
-    summary_rows,
+    table_name,
 )
-from controller.results.summary import summary_to_csv
+from controller.results.summary import summary_rows, summary_to_csv
 from esd_worker.errors import UsageError
 from esd_worker.flags import add_fit_flags, add_flag
+from esd_worker.layout import model_file_key, refit_record_key, summary_key
 from esd_worker.powerlaw import (
     METRIC_COLUMNS,
     STATUS_FIT_FAILED,
@@ -76,7 +75,8 @@ def refit_tag(
 
 
 def summary_name(tag: str) -> str:
-    return f"summary.{check_tag(tag)}.csv"
+    """summary.<tag>.csv; a bad tag is a ResultsError (tags come from flags)."""
+    return summary_key(check_tag(tag))
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class RefitSettings:
     """One refit of a results location.
 
     results: the results location (directory, file:// or s3://), written in place.
-    fix_fingers, evals_thresh, bins: the fit (ESD_SPEC.md); defaults are the worker's.
+    fix_fingers, evals_thresh, bins: the fit (docs/metrics.md); defaults are the worker's.
     min_evals: None keeps each model's too_small layers as they are; a larger value than
         the original marks more layers too_small (see the module docstring).
     tag: name of the new tables; None = refit_tag(fix_fingers, evals_thresh, bins, min_evals).
@@ -241,7 +241,7 @@ def refit_store(settings: RefitSettings) -> RefitResult:
                 evals_thresh=settings.evals_thresh, bins=settings.bins,
                 min_evals=settings.min_evals, pool=pool if threads > 1 else None,
             )
-            store.put_bytes(f"{result.key}/{layers_name(tag)}", layers_to_csv(rows))
+            store.put_bytes(model_file_key(result.key, table_name(tag)), layers_to_csv(rows))
             counts += n
             new = ModelResult(result.key, result.marker, layers_from_rows(rows))
             summaries.extend(summary_rows([new], store, recompute=True))
@@ -263,7 +263,7 @@ def refit_store(settings: RefitSettings) -> RefitResult:
     record = {
         "tag": tag,
         "parameters": settings.parameters(),
-        "table": layers_name(tag),
+        "table": table_name(tag),
         "models": refit_keys,
         "skipped_no_eigs": skipped,
         "rows": counts.__dict__,
@@ -316,7 +316,7 @@ def format_refit(result: RefitResult, limit: int = 20) -> str:
         f"refit {result.tag}: {len(result.models)} model(s), {c.refit} layers refit, "
         f"{c.no_eigs} without stored eigenvalues (kept, status {STATUS_NO_EIGS}), "
         f"{c.too_small + c.kept} not analysed, in {result.seconds:.2f}s",
-        f"tables: <model_key>/{layers_name(result.tag)}; summary: {summary_name(result.tag)}",
+        f"tables: <model_key>/{table_name(result.tag)}; summary: {summary_name(result.tag)}",
     ]
     if result.skipped:
         lines.append(f"{len(result.skipped)} model(s) without eigs.npz not refit")

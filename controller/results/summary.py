@@ -1,32 +1,35 @@
-"""Across-model outputs of a sweep: `summary.csv` (one row per done model) and `runs/<run_id>.json`.
+"""summary.csv: one row per done model, its columns and encoding, and its first rows as text.
 
-Owns their columns and encoding. Per-model statistics come from the marker's "summary"
-(written by the worker) or, for markers without one, from esd_worker.results.summarize_layers
-over layers.csv; this module computes no statistics of its own.
+Per-model statistics come from the marker's summary (written by the worker) or, for markers
+without one, from esd_worker.results.summarize_layers over the model's layer table; this
+module computes no statistics of its own. Does not own the run report
+(runs/<run_id>.json: controller.runs) nor where summary.csv lies (esd_worker.layout).
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
-import json
 import math
-import re
-import secrets
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
 from controller.modellist import ModelRow
-from controller.plan import canonical_parameters, list_markers, read_markers
+from controller.results.reader import ModelResult
+from esd_worker.layout import (
+    SUMMARY_KEY,
+    Marker,
+    list_markers,
+    model_file_key,
+    read_markers,
+    summary_key,
+)
 from esd_worker.results import SUMMARY_FIELDS, layers_from_csv, summarize_layers
-from esd_worker.store import LAYERS_NAME, Store
+from esd_worker.store import Store
 
-SUMMARY_KEY = "summary.csv"
-RUNS_PREFIX = "runs/"
-
-# The statistics a marker's "summary" holds (and summarize_layers returns), defined by the worker.
+# The statistics a marker's summary holds (and summarize_layers returns), defined by the worker.
 STAT_COLUMNS: tuple[str, ...] = SUMMARY_FIELDS
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "model_id",
@@ -39,56 +42,77 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "total_s",
     "finished_at",
 )
+# The columns format_summary_table shows: who, then the headline statistics.
+TABLE_COLUMNS: tuple[str, ...] = (
+    "model_id", "relation", "layers", "alpha_mean", "alpha_median", "alpha_in_2_6_share",
+    "stable_rank_mean", "log_spectral_norm_mean",
+)
 
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
 
-
-def _device_text(device: Any) -> str | None:
+def _device_text(device: Mapping[str, Any] | None) -> str | None:
     """The marker's device object as text, e.g. `cuda (NVIDIA H100 80GB HBM3)`, `cpu (x86_64)`."""
-    if isinstance(device, Mapping):
-        kind, name = device.get("type"), device.get("name")
-        if kind and name:
-            return f"{kind} ({name})"
-        return str(kind or name) if (kind or name) else None
-    return None if device is None else str(device)
+    if device is None:
+        return None
+    kind, name = device.get("type"), device.get("name")
+    if kind and name:
+        return f"{kind} ({name})"
+    return str(kind or name) if (kind or name) else None
 
 
-def _stats(row: ModelRow, marker: Mapping[str, Any], store: Store) -> Mapping[str, Any]:
-    summary = marker.get("summary")
-    if isinstance(summary, Mapping):
-        return summary
-    key = marker.get("model_key") or row.key
-    outputs = marker.get("outputs")
-    name = outputs.get("layers") if isinstance(outputs, Mapping) else None
-    data = store.get_bytes(f"{key}/{name or LAYERS_NAME}")
+def _stats(row: ModelRow, marker: Marker, store: Store) -> Mapping[str, Any]:
+    if marker.summary is not None:
+        return marker.summary
+    data = store.get_bytes(model_file_key(marker.model_key or row.key, marker.layers_name))
     if data is None:
         return {}
     return summarize_layers(layers_from_csv(data))
 
 
-def summary_row(row: ModelRow, marker: Mapping[str, Any], store: Store) -> dict[str, Any]:
+def summary_row(row: ModelRow, marker: Marker, store: Store) -> dict[str, Any]:
     """One summary.csv row (SUMMARY_COLUMNS) for a done model.
 
-    Statistics from marker["summary"] when present, else computed from its layers.csv
+    Statistics from the marker's summary when present, else computed from its layer table
     (empty when neither is there). Identity columns come from the model list, falling back
     to the marker.
     """
     stats = _stats(row, marker, store)
-    timings = marker.get("timings")
-    base = marker.get("base_model")
-    source = row.source_model or (base.get("model") if isinstance(base, Mapping) else None)
-    out: dict[str, Any] = {
+    base = marker.base_model
+    source = row.source_model or (base.model if base is not None else None)
+    return {
         "model_id": row.model_id,
         "revision": row.revision,
-        "model_key": marker.get("model_key") or row.key,
-        "relation": row.relation or marker.get("relation") or "",
+        "model_key": marker.model_key or row.key,
+        "relation": row.relation or marker.relation or "",
         "source_model": source,
         **{col: stats.get(col) for col in STAT_COLUMNS},
-        "device": _device_text(marker.get("device")),
-        "total_s": timings.get("total_s") if isinstance(timings, Mapping) else None,
-        "finished_at": marker.get("finished_at"),
+        "device": _device_text(marker.device),
+        # As stored, not Marker.total_s: an int stays an int in the CSV.
+        "total_s": marker.timings.get("total_s"),
+        "finished_at": marker.finished_at,
     }
-    return out
+
+
+def summary_rows(
+    results: Sequence[ModelResult], store: Store, *, recompute: bool = False
+) -> list[dict[str, Any]]:
+    """summary.csv rows (SUMMARY_COLUMNS), one per result.
+
+    recompute: statistics from the rows held (a refit table) instead of the marker's summary.
+    """
+    rows = []
+    for r in results:
+        marker = r.marker
+        if recompute or marker.summary is None:
+            marker = dataclasses.replace(marker, summary=summarize_layers(r.rows))
+        rev = marker.revision
+        model = ModelRow(
+            model_id=r.model_id,
+            revision=str(rev) if rev else None,
+            relation=marker.relation,
+            source_model=None,
+        )
+        rows.append(summary_row(model, marker, store))
+    return rows
 
 
 def _cell(value: Any) -> str:
@@ -103,6 +127,7 @@ def _cell(value: Any) -> str:
 
 
 def summary_to_csv(rows: Sequence[Mapping[str, Any]]) -> bytes:
+    """The CSV of `rows`: SUMMARY_COLUMNS, one line per row, cells as _cell encodes them."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(SUMMARY_COLUMNS)
@@ -131,14 +156,13 @@ def write_summary(
             seen.add(model.key)
             wanted.append(model)
     markers = read_markers(store, [m.key for m in wanted], threads=threads)
-    expected = None if parameters is None else canonical_parameters(parameters)
-    done: list[tuple[ModelRow, dict[str, Any]]] = []
+    done: list[tuple[ModelRow, Marker]] = []
     for model in wanted:
         marker = markers.get(model.key)
-        if marker is not None and (expected is None or marker.get("parameters") == expected):
+        if marker is not None and (parameters is None or marker.matches(parameters)):
             done.append((model, marker))
 
-    def one(item: tuple[ModelRow, dict[str, Any]]) -> dict[str, Any]:
+    def one(item: tuple[ModelRow, Marker]) -> dict[str, Any]:
         return summary_row(item[0], item[1], store)
 
     if done:
@@ -146,43 +170,30 @@ def write_summary(
             rows = list(pool.map(one, done))
     else:
         rows = []
-    store.put_bytes(SUMMARY_KEY, summary_to_csv(rows))
+    store.put_bytes(summary_key(), summary_to_csv(rows))
     return len(rows)
 
 
-def _json_safe(value: Any) -> Any:
-    """NaN/inf → None (JSON has neither); tuples and sets → lists; mappings → dicts."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [_json_safe(v) for v in value]
-    return value
+def format_summary_table(store: Store, limit: int = 20) -> str:
+    """The first rows of summary.csv as an aligned text table, for people at a terminal."""
+    data = store.get_bytes(SUMMARY_KEY)
+    if not data:
+        return f"(no {SUMMARY_KEY} yet)"
+    rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
+    cols = list(TABLE_COLUMNS)
+    table = [cols] + [[_short(r.get(c, "")) for c in cols] for r in rows[:limit]]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
+             for line in table]
+    if len(rows) > limit:
+        lines.append(f"... {len(rows) - limit} more in {SUMMARY_KEY}")
+    return "\n".join(lines)
 
 
-def run_report_key(run_id: str) -> str:
-    if not _RUN_ID.fullmatch(run_id):
-        raise ValueError(f"invalid run id {run_id!r}")
-    return f"{RUNS_PREFIX}{run_id}.json"
-
-
-def write_run_report(store: Store, run_id: str, report: Mapping[str, Any]) -> str:
-    """Write the run report to `runs/<run_id>.json`; returns that key.
-
-    NaN and inf become null; values JSON cannot hold (datetimes, paths) become strings.
-    """
-    key = run_report_key(run_id)
-    text = json.dumps(_json_safe(report), indent=2, allow_nan=False, default=str)
-    store.put_bytes(key, (text + "\n").encode("utf-8"))
-    return key
-
-
-def new_run_id(now: datetime | None = None) -> str:
-    """A sortable, unique run id: UTC time to the second, then 6 random hex digits.
-
-    E.g. 20261123T070501Z-3fa9c2. Ids of runs started in different seconds sort by start
-    time; the random part keeps two controllers started in the same second apart.
-    """
-    now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
-    return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+def _short(value: str) -> str:
+    """A number to 3 decimals (integers as such); text cut to its last 48 characters."""
+    try:
+        f = float(value)
+    except ValueError:
+        return value if len(value) <= 48 else "…" + value[-47:]
+    return f"{f:.3f}" if not f.is_integer() else str(int(f))

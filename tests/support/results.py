@@ -1,14 +1,21 @@
 """The example results store (the real worker on a tiny GPT-2, a LoRA adapter on it and the real
-all-MiniLM-L6-v2), built once per session and shared by the report, refit and compare tests."""
+all-MiniLM-L6-v2), built once per session and shared by the results tests; builders of
+hand-made results (make_result) and readers of what a report wrote (png_size, Links)."""
 
 from __future__ import annotations
 
 import argparse
+import html.parser
 import json
 import shutil
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from controller.results.reader import ModelResult
+from esd_worker.layout import Marker
 
 EXAMPLE_DONE = ".example-complete"
 
@@ -62,3 +69,40 @@ def wired_subparser(command: str, flag: str) -> argparse.ArgumentParser | None:
             if sub is not None and any(flag in a.option_strings for a in sub._actions):
                 return sub
     return None
+
+
+def make_result(
+    alphas: list[float], statuses: list[str] | None = None, **marker: Any
+) -> ModelResult:
+    """A model `org/m` whose layers l0, l1, … have these α and statuses (default ok);
+    `marker`: Marker fields to set (relation, base_model, revision, …)."""
+    statuses = statuses or ["ok"] * len(alphas)
+    rows = [{"layer": f"l{i}", "alpha": repr(a), "status": s}
+            for i, (a, s) in enumerate(zip(alphas, statuses, strict=True))]
+    fields: dict[str, Any] = {"model": "org/m", "model_key": "m-0123456789",
+                              "model_id": "org/m"} | marker
+    return ModelResult(fields["model_key"], Marker(**fields), rows)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk (after the 8-byte signature)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return int(width), int(height)
+
+
+class Links(html.parser.HTMLParser):
+    """The href/src references and the element ids of an HTML page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[str] = []
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if name in ("href", "src") and value:
+                self.refs.append(value)
+            if name == "id" and value:
+                self.ids.add(value)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from controller.errors import ResultsError
 from controller.results import compare
 from controller.results.compare import CompareSettings, compare_results, diff_columns, parse_pair
 from controller.results.refit import RefitSettings, refit_store
-from controller.results.report import ResultsError
 from esd_worker.powerlaw import layer_metrics
 from esd_worker.results import eigs_from_npz, layers_from_csv
 from tests.support.results import copy_example, example_results, keys_by_relation

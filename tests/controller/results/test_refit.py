@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from controller.errors import ResultsError
 from controller.results import refit
 from controller.results.refit import (
     STATUS_NO_EIGS,
@@ -27,7 +28,7 @@ from controller.results.refit import (
     refit_store,
     refit_tag,
 )
-from controller.results.report import ResultsError
+from esd_worker.layout import Marker
 from esd_worker.naming import model_key
 from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.results import (
@@ -35,7 +36,6 @@ from esd_worker.results import (
     eigs_to_npz,
     layers_from_csv,
     layers_to_csv,
-    marker_to_json,
     summarize_layers,
 )
 from esd_worker.settings import AnalysisSettings
@@ -219,12 +219,12 @@ def make_store(
     if eigs_npz:
         kept = {k: v for k, v in eigs.items() if k not in drop_eigs}
         (folder / "eigs.npz").write_bytes(eigs_to_npz(kept))
-    (folder / "result.json").write_bytes(marker_to_json({
-        "model": model, "model_id": model, "revision": None, "model_key": key,
-        "relation": "base", "base_model": None, "parameters": settings.as_dict(),
-        "summary": summarize_layers(rows),
-        "outputs": {"layers": "layers.csv", "eigs": "eigs.npz" if eigs_npz else None},
-    }))
+    (folder / "result.json").write_bytes(Marker(
+        model=model, model_id=model, revision=None, model_key=key,
+        relation="base", base_model=None, parameters=settings.as_dict(),
+        summary=summarize_layers(rows),
+        layers_name="layers.csv", eigs_name="eigs.npz" if eigs_npz else None,
+    ).to_json())
     return key
 
 

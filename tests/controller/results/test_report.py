@@ -3,24 +3,23 @@
 The example store is made by the real worker (in this process, CPU) on three models: a tiny
 GPT-2 (relation base), a LoRA adapter on it (adapter; adapter_config.json names the GPT-2
 directory as its base) and the real all-MiniLM-L6-v2 (finetune: it is a fine-tune of
-MiniLM-L6-H384). `example_results` builds it once per session; test_refit and test_compare
-use it too, each on a copy of its own.
+MiniLM-L6-H384). tests.support.results.example_results builds it once per session; the other
+results tests use it too, each on a copy of its own. The parts have tests of their own:
+test_reader, test_summary, test_parquet, test_plots, test_html.
 """
 
 from __future__ import annotations
 
 import argparse
-import html.parser
 import json
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from controller.errors import ResultsError
 from controller.results import report
-from controller.results.report import (
+from controller.results.html import (
     ALPHA_PLOT,
     ESD_PLOT,
     INDEX_NAME,
@@ -28,26 +27,17 @@ from controller.results.report import (
     RELATION_PLOT,
     SUMMARY_NAME,
     VS_BASE_PLOT,
-    ModelResult,
-    ReportSettings,
-    ResultsError,
-    write_report,
 )
+from controller.results.report import ReportSettings, write_report
 from esd_worker.results import LAYER_COLUMNS, layers_from_csv
 from tests.support.results import (
+    Links,
     copy_example,
     example_results,
     keys_by_relation,
+    png_size,
     wired_subparser,
 )
-
-
-def png_size(data: bytes) -> tuple[int, int]:
-    """Width and height from a PNG's IHDR chunk (after the 8-byte signature)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    assert data[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", data[16:24])
-    return int(width), int(height)
 
 
 @pytest.fixture(scope="module")
@@ -103,25 +93,11 @@ def test_esd_plot_is_a_grid_of_the_chosen_layers(written: Path, example: Path) -
     assert 1200 <= width <= 1400 and 650 <= height <= 800, (width, height)
 
 
-class _Links(html.parser.HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[str] = []
-        self.ids: set[str] = set()
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        for name, value in attrs:
-            if name in ("href", "src") and value:
-                self.refs.append(value)
-            if name == "id" and value:
-                self.ids.add(value)
-
-
 def test_index_references_existing_files(written: Path, example: Path) -> None:
     """Every link and image of index.html is relative and exists in the report folder; every
     in-page anchor has its target; every model is in the table; every plot is shown."""
     page = (written / INDEX_NAME).read_text()
-    links = _Links()
+    links = Links()
     links.feed(page)
     files = [r for r in links.refs if not r.startswith("#")]
     anchors = [r[1:] for r in links.refs if r.startswith("#")]
@@ -194,69 +170,10 @@ def test_max_model_plots_caps_per_model_plots_and_says_so(example: Path, tmp_pat
     assert "Per-model plots for the first 1 of 3 models" in page
     assert "--max-model-plots 1" in page
     assert len((out / SUMMARY_NAME).read_text().splitlines()) == 1 + 3
-    links = _Links()
+    links = Links()
     links.feed(page)
     assert {r[1:] for r in links.refs if r.startswith("#")} <= links.ids
     assert all((out / r).is_file() for r in links.refs if not r.startswith("#"))
-
-
-def test_tables_stream_in_chunks(example: Path) -> None:
-    """iter_results reads a few tables at a time and yields every model in the given order,
-    so a report or refit of a large store holds one chunk of tables in memory."""
-    from esd_worker.store import open_store
-
-    store = open_store(str(example))
-    markers = report.read_model_markers(store)
-    order = sorted(markers, reverse=True)
-    got = list(report.iter_results(store, markers, order, chunk=2))
-    assert [r.key for r in got] == order
-    assert all(r.rows for r in got)
-
-
-def _result(alphas: list[float], statuses: list[str] | None = None) -> ModelResult:
-    statuses = statuses or ["ok"] * len(alphas)
-    rows = [{"layer": f"l{i}", "alpha": repr(a), "status": s}
-            for i, (a, s) in enumerate(zip(alphas, statuses, strict=True))]
-    return ModelResult("m-0123456789", {"model_id": "org/m"}, rows)
-
-
-@pytest.mark.parametrize(
-    ("count", "expected"),
-    [
-        pytest.param(0, [0, 1, 2, 3, 4, 5], id="0-means-all"),
-        pytest.param(10, [0, 1, 2, 3, 4, 5], id="more-than-there-are"),
-        pytest.param(2, [1, 3], id="lowest-and-highest-alpha"),
-        pytest.param(3, [1, 3, 5], id="lowest-median-highest"),
-    ],
-)
-def test_esd_layers_are_picked_at_alpha_quantiles(count: int, expected: list[int]) -> None:
-    """α by row: 3.0, 1.5 (lowest), 2.0, 9.0 (highest), NaN (failed), 2.5. Sorted fitted
-    layers: rows 1, 2, 5, 0, 3; two picks are the ends (rows 1, 3), three add the median
-    (row 5). Picks come back in model order."""
-    result = _result([3.0, 1.5, 2.0, 9.0, float("nan"), 2.5],
-                     ["ok", "ok", "ok", "ok", "fit_failed", "ok"])
-    eigs = {f"l{i}": np.ones(3) for i in range(6)}
-    assert report.pick_esd_layers(result, eigs, count) == expected
-
-
-def test_plot_alpha_marks_failed_and_clipped_layers() -> None:
-    """A table with a failed fit, a too_small layer and an α far above the clip still plots."""
-    result = _result([2.5, 40.0, float("nan"), float("nan")],
-                     ["ok", "ok", "fit_failed", "too_small"])
-    width, height = png_size(report.plot_alpha(result))
-    assert width >= 600 and height >= 400
-
-
-@pytest.mark.parametrize(
-    ("name", "short"),
-    [
-        pytest.param("meta-llama/Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf", id="hub-id"),
-        pytest.param("/data/models/org/name", "org/name", id="local-path"),
-        pytest.param("org/" + "x" * 60, "…" + "x" * 47, id="long"),
-    ],
-)
-def test_short_names(name: str, short: str) -> None:
-    assert report.short_name(name) == short
 
 
 def test_missing_location_is_one_line_usage_error(tmp_path: Path) -> None:
@@ -337,8 +254,6 @@ def test_unreachable_s3_store_is_a_store_error(s3_server: object) -> None:
     with pytest.raises(StorePermanentError) as err:
         write_report(ReportSettings(results=s3_server.url("no-such-bucket-here", "results")))
     assert err.value.exit_code == 3
-
-
 
 
 def test_cli_report(

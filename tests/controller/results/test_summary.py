@@ -1,31 +1,30 @@
-"""Tests of controller.results.summary: summary.csv rows and encoding, the run report, run ids."""
+"""Tests of controller.results.summary: summary.csv rows and encoding, its text table."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
-import json
 import math
-import re
-from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.modellist import ModelRow
+from controller.results.reader import ModelResult
 from controller.results.summary import (
     STAT_COLUMNS,
     SUMMARY_COLUMNS,
-    new_run_id,
-    run_report_key,
+    _short,
+    format_summary_table,
     summary_row,
+    summary_rows,
     summary_to_csv,
-    write_run_report,
     write_summary,
 )
-from esd_worker.results import layers_to_csv, marker_to_json
+from esd_worker.layout import BaseModelRef, Marker
+from esd_worker.results import layers_from_csv, layers_to_csv
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore, Store
 
@@ -71,22 +70,30 @@ def make_model_row(ref: str, relation: str = "", source: str | None = None) -> M
     return ModelRow(model_id, revision or None, relation, source, line=0)
 
 
-def make_marker(row: ModelRow, **kw: Any) -> dict[str, Any]:
-    marker: dict[str, Any] = {
-        "schema": 1, "model": row.ref, "model_id": row.model_id, "revision": row.revision,
+def make_marker(row: ModelRow, **kw: Any) -> Marker:
+    """The marker the worker writes for `row`, with SUMMARY; `kw`: Marker fields to change."""
+    fields: dict[str, Any] = {
+        "model": row.ref, "model_id": row.model_id, "revision": row.revision,
         "model_key": row.key, "relation": row.relation, "base_model": None,
-        "parameters": PARAMS, "outputs": {"layers": "layers.csv", "eigs": None},
+        "parameters": PARAMS, "layers_name": "layers.csv", "eigs_name": None,
         "timings": {"total_s": 12.5}, "device": {"type": "cuda", "name": "NVIDIA H100"},
         "finished_at": "2026-11-23T07:05:01+00:00", "summary": dict(SUMMARY),
     }
-    marker.update(kw)
-    return marker
+    return Marker(**(fields | kw))
 
 
-def put_model(store: Store, row: ModelRow, marker: Mapping[str, Any] | None = None) -> None:
-    rows = [{"model_id": row.model_id, "revision": row.revision, **layer} for layer in LAYERS]
-    store.put_bytes(f"{row.key}/layers.csv", layers_to_csv(rows))
-    store.put_bytes(f"{row.key}/result.json", marker_to_json(marker or make_marker(row)))
+def without_summary(marker: Marker) -> Marker:
+    """A marker as written before "summary" existed."""
+    return dataclasses.replace(marker, summary=None)
+
+
+def layer_rows(row: ModelRow) -> list[dict[str, Any]]:
+    return [{"model_id": row.model_id, "revision": row.revision, **layer} for layer in LAYERS]
+
+
+def put_model(store: Store, row: ModelRow, marker: Marker | None = None) -> None:
+    store.put_bytes(f"{row.key}/layers.csv", layers_to_csv(layer_rows(row)))
+    store.put_bytes(f"{row.key}/result.json", (marker or make_marker(row)).to_json())
 
 
 def read_summary(store: Store) -> list[dict[str, str]]:
@@ -130,8 +137,8 @@ def test_summary_row_from_marker_summary(store: LocalStore) -> None:
 def test_summary_row_falls_back_to_marker_identity(store: LocalStore) -> None:
     """A list row without relation or source: the marker's relation and base model fill in."""
     row = make_model_row("org/adapter")
-    marker = make_marker(row, relation="lora", base_model={"model": "org/base@v1"},
-                         device={"type": "cpu"}, timings=None)
+    marker = make_marker(row, relation="lora", base_model=BaseModelRef("org/base@v1"),
+                         device={"type": "cpu"}, timings={})
     out = summary_row(row, marker, store)
     assert (out["relation"], out["source_model"], out["device"], out["total_s"]) == (
         "lora", "org/base@v1", "cpu", None
@@ -140,8 +147,7 @@ def test_summary_row_falls_back_to_marker_identity(store: LocalStore) -> None:
 
 def test_summary_row_without_summary_or_layers_has_empty_stats(store: LocalStore) -> None:
     row = make_model_row("org/a")
-    marker = make_marker(row)
-    del marker["summary"]
+    marker = without_summary(make_marker(row))
     out = summary_row(row, marker, store)
     assert all(out[col] is None for col in STAT_COLUMNS)
 
@@ -150,8 +156,7 @@ def test_summary_row_computes_from_layers_csv_for_old_markers(store: LocalStore)
     """A marker without "summary" (written before it existed): the hand-computed numbers at
     the top of this file, from layers.csv (a NaN alpha and a fit_failed layer included)."""
     row = make_model_row("org/a")
-    marker = make_marker(row)
-    del marker["summary"]
+    marker = without_summary(make_marker(row))
     put_model(store, row, marker)
     out = summary_row(row, marker, store)
     for col, expected in SUMMARY.items():
@@ -162,9 +167,7 @@ def test_write_summary_mixes_new_and_old_markers(store: LocalStore) -> None:
     """Both sources give the same cells for the same layers."""
     new, old = make_model_row("org/new"), make_model_row("org/old")
     put_model(store, new)
-    marker = make_marker(old)
-    del marker["summary"]
-    put_model(store, old, marker)
+    put_model(store, old, without_summary(make_marker(old)))
     assert write_summary(store, [new, old]) == 2
     a, b = read_summary(store)
     for col in STAT_COLUMNS:
@@ -243,58 +246,65 @@ def test_write_summary_many_models_threads(store: LocalStore) -> None:
     assert [r["model_id"] for r in read_summary(store)] == [r.model_id for r in rows[1::2]]
 
 
-# --- run report -----------------------------------------------------------------------------
+# --- summary rows of results (report, refit) -------------------------------------------------
 
 
-def test_write_run_report(store: LocalStore) -> None:
-    report = {
-        "run_id": "20261123T070501Z-abcdef", "counts": {"done": 3, "failed": 1},
-        "success_rate": 0.75, "avg_gpu_wait_s": math.nan, "durations": (1.5, 2.0),
-        "log_dir": Path("/tmp/logs"), "started": datetime(2026, 11, 23, tzinfo=timezone.utc),
-    }
-    key = write_run_report(store, "20261123T070501Z-abcdef", report)
-    assert key == "runs/20261123T070501Z-abcdef.json"
-    data = store.get_bytes(key)
-    assert data is not None
-    doc = json.loads(data)
-    assert doc["counts"] == {"done": 3, "failed": 1}
-    assert doc["avg_gpu_wait_s"] is None  # JSON has no NaN
-    assert doc["durations"] == [1.5, 2.0]
-    assert doc["log_dir"] == "/tmp/logs"
-    assert doc["started"].startswith("2026-11-23")
+@pytest.mark.parametrize(
+    ("recompute", "alpha_mean"),
+    [
+        pytest.param(False, 99.0, id="marker-summary"),
+        pytest.param(True, 4.0, id="recomputed-from-the-rows"),
+    ],
+)
+def test_summary_rows_of_results(store: LocalStore, recompute: bool, alpha_mean: float) -> None:
+    """Without recompute the marker's summary is the source (here a made-up 99); with it,
+    the rows held (a refit table): the hand-computed 4.0 of LAYERS. Identity columns come from
+    the marker."""
+    row = make_model_row("org/a@v1", relation="finetune")
+    marker = make_marker(row, summary={**SUMMARY, "alpha_mean": 99.0})
+    rows = layers_from_csv(layers_to_csv(layer_rows(row)))
+    (out,) = summary_rows([ModelResult(row.key, marker, rows)], store, recompute=recompute)
+    assert out["alpha_mean"] == pytest.approx(alpha_mean)
+    assert (out["model_id"], out["revision"], out["relation"]) == ("org/a", "v1", "finetune")
 
 
-@pytest.mark.parametrize("bad", ["", "../x", "a/b", ".hidden", "x y"])
-def test_run_report_key_rejects_unsafe_ids(bad: str) -> None:
-    with pytest.raises(ValueError, match="invalid run id"):
-        run_report_key(bad)
+def test_summary_rows_without_a_marker_summary_use_the_rows(store: LocalStore) -> None:
+    row = make_model_row("org/a")
+    marker = without_summary(make_marker(row))
+    rows = layers_from_csv(layers_to_csv(layer_rows(row)))
+    (out,) = summary_rows([ModelResult(row.key, marker, rows)], store)
+    assert out["alpha_mean"] == pytest.approx(SUMMARY["alpha_mean"])
 
 
-# --- run ids --------------------------------------------------------------------------------
+# --- the text table -----------------------------------------------------------------------------
 
 
-def test_run_id_format() -> None:
-    run_id = new_run_id(datetime(2026, 11, 23, 7, 5, 1, tzinfo=timezone.utc))
-    assert re.fullmatch(r"20261123T070501Z-[0-9a-f]{6}", run_id)
-    assert run_report_key(run_id) == f"runs/{run_id}.json"
+def test_format_summary_table_without_summary(store: LocalStore) -> None:
+    assert format_summary_table(store) == "(no summary.csv yet)"
 
 
-def test_run_ids_sort_by_start_time() -> None:
-    """Lexical order is time order, across time zones and day/year boundaries."""
-    start = datetime(2026, 12, 31, 23, 59, 58, tzinfo=timezone.utc)
-    times = [start + timedelta(seconds=s) for s in (0, 1, 2, 3, 86400, 86400 * 40)]
-    ids = [new_run_id(t.astimezone(timezone(timedelta(hours=-7)))) for t in times]
-    assert sorted(ids) == ids
-    assert ids[2].startswith("20270101T000000Z-")
+def test_format_summary_table(store: LocalStore) -> None:
+    """Aligned columns; numbers to 3 decimals, integers without; past `limit` rows a line
+    says how many more there are. alpha_mean 4.0 prints as 4, α share 2/3 as 0.667."""
+    rows = [make_model_row(f"org/m{i}", relation="base") for i in range(3)]
+    for row in rows:
+        put_model(store, row)
+    write_summary(store, rows)
+    lines = format_summary_table(store, limit=2).splitlines()
+    assert lines[0].split() == [
+        "model_id", "relation", "layers", "alpha_mean", "alpha_median", "alpha_in_2_6_share",
+        "stable_rank_mean", "log_spectral_norm_mean",
+    ]
+    assert lines[1].split() == ["org/m0", "base", "4", "4", "3", "0.667", "25", "1.625"]
+    assert lines[1].index("base") == lines[0].index("relation")
+    assert lines[3] == "... 1 more in summary.csv"
+    assert len(lines) == 4
 
 
-def test_run_ids_unique_within_a_second() -> None:
-    now = datetime(2026, 11, 23, tzinfo=timezone.utc)
-    assert len({new_run_id(now) for _ in range(200)}) == 200
-
-
-def test_run_id_defaults_to_now() -> None:
-    before = datetime.now(timezone.utc).replace(microsecond=0)
-    run_id = new_run_id()
-    stamp = datetime.strptime(run_id.split("-")[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
-    assert before <= stamp <= datetime.now(timezone.utc)
+@pytest.mark.parametrize(
+    ("cell", "text"),
+    [("4.0", "4"), ("0.123456", "0.123"), ("org/m", "org/m"), ("x" * 60, "…" + "x" * 47),
+     ("", "")],
+)
+def test_format_summary_table_cells(cell: str, text: str) -> None:
+    assert _short(cell) == text
