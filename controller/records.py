@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from esd_worker.errors import classify_exit, signal_name  # noqa: F401  (until the k8s split lands)
 from esd_worker.layout import failure_key, fetch_all, list_failure_keys
 from esd_worker.store import Store
 

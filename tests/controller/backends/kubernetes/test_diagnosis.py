@@ -53,7 +53,7 @@ def _failed_job(reason: str, message: str = "m") -> dict[str, Any]:
 )
 def test_diagnose_failure(job_reason: str, pod: dict[str, Any] | None, error: str,
                           retryable: bool) -> None:
-    """records.classify_exit decides for exit codes; the pod's own state adds what only
+    """esd_worker.errors.classify_exit decides for exit codes; the pod's own state adds what only
     Kubernetes knows (OOMKilled, disruption, eviction, deadline)."""
     found = diagnose_failure(_failed_job(job_reason), [pod] if pod else [], "")
     assert found.error.startswith(error)
