@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from controller.modellist import ModelRow
+from esd_worker.layout import Marker, marker_key
 from esd_worker.naming import model_key
+from esd_worker.settings import AnalysisSettings
+from esd_worker.store import LocalStore
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -295,3 +300,25 @@ def test_a_token_in_worker_stderr_is_not_repeated_in_the_controller_log(tmp_path
     assert "401 Authorization" in done.stderr  # the line is logged...
     assert token not in done.stderr  # ...without the token
     assert token not in (out / "logs" / "esd-sweep.log").read_text()
+
+
+def test_local_dry_run_prints_the_worker_commands_and_runs_nothing(tmp_path: Path) -> None:
+    """--dry-run on this machine: one shell-quoted worker command per model still to do
+    (the done one is left out), nothing analysed, no record, no run report."""
+    out = tmp_path / "out"
+    done = ModelRow("org/done", None, "", None)
+    store = LocalStore(out)
+    store.put_bytes(marker_key(done.key), Marker(
+        model=done.ref, model_key=done.key, parameters=AnalysisSettings().as_dict()).to_json())
+    odd = tmp_path / "it's a model; $(touch pwned)"
+    odd.mkdir()
+    models = write_model_list(tmp_path / "m.csv", [("org/done", "", ""), (str(odd), "", ""),
+                                                   ("org/lora", "lora", "org/base@v1")])
+    result = run_sweep(models, out, "--dry-run", "--fix-fingers", "xmin_mid")
+    assert result.returncode == 0, result.stderr
+    lines = [shlex.split(line) for line in result.stdout.splitlines()]
+    assert [argv[argv.index("--model") + 1] for argv in lines] == [str(odd), "org/lora"]
+    assert lines[1][lines[1].index("--base-model") + 1] == "org/base@v1"
+    assert all(argv[argv.index("--device") + 1] == "cpu" for argv in lines)
+    written = {k for k in store.list_keys() if not k.startswith("logs/")}
+    assert written == {marker_key(done.key)}
