@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,14 +40,24 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def layers_to_csv(rows: Iterable[Mapping[str, Any]]) -> bytes:
-    """CSV with LAYER_COLUMNS; floats in full precision (repr) so refits reproduce exactly."""
+def table_to_csv(
+    columns: Sequence[str],
+    rows: Iterable[Mapping[str, Any]],
+    cell: Callable[[Any, str], str],
+) -> bytes:
+    """UTF-8 CSV: a header of `columns`, then one line per row; cell(value, column) writes
+    each value (None for a missing one). The one writer of the project's CSV tables."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(LAYER_COLUMNS)
+    writer.writerow(columns)
     for row in rows:
-        writer.writerow([_cell(row.get(col)) for col in LAYER_COLUMNS])
+        writer.writerow([cell(row.get(col), col) for col in columns])
     return buf.getvalue().encode("utf-8")
+
+
+def layers_to_csv(rows: Iterable[Mapping[str, Any]]) -> bytes:
+    """CSV with LAYER_COLUMNS; floats in full precision (repr) so refits reproduce exactly."""
+    return table_to_csv(LAYER_COLUMNS, rows, lambda value, _column: _cell(value))
 
 
 def layers_from_csv(data: bytes) -> list[dict[str, str]]:

@@ -8,8 +8,6 @@ controller.results.reader; computes no metric of its own, only b − a.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from controller.results.reader import (
 )
 from esd_worker.flags import add_flag
 from esd_worker.powerlaw import METRIC_COLUMNS
+from esd_worker.results import table_to_csv
 
 DEFAULT_METRICS: tuple[str, ...] = (
     "alpha",
@@ -179,13 +178,7 @@ def _cell(value: Any, column: str) -> str:
 
 def diff_to_csv(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str]) -> bytes:
     """The differences as CSV: floats in full precision, NaN and missing as empty cells."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    cols = diff_columns(metrics)
-    writer.writerow(cols)
-    for row in rows:
-        writer.writerow([_cell(row.get(c), c) for c in cols])
-    return buf.getvalue().encode("utf-8")
+    return table_to_csv(diff_columns(metrics), rows, _cell)
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,13 @@ from controller.results.reader import ModelResult
 from esd_worker.layout import (
     SUMMARY_KEY,
     Marker,
+    canonical_parameters,
     list_markers,
     model_file_key,
     read_markers,
     summary_key,
 )
-from esd_worker.results import SUMMARY_FIELDS, layers_from_csv, summarize_layers
+from esd_worker.results import SUMMARY_FIELDS, layers_from_csv, summarize_layers, table_to_csv
 from esd_worker.store import Store
 
 # The statistics a marker's summary holds (and summarize_layers returns), defined by the worker.
@@ -128,12 +129,7 @@ def _cell(value: Any) -> str:
 
 def summary_to_csv(rows: Sequence[Mapping[str, Any]]) -> bytes:
     """The CSV of `rows`: SUMMARY_COLUMNS, one line per row, cells as _cell encodes them."""
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(SUMMARY_COLUMNS)
-    for row in rows:
-        writer.writerow([_cell(row.get(col)) for col in SUMMARY_COLUMNS])
-    return buf.getvalue().encode("utf-8")
+    return table_to_csv(SUMMARY_COLUMNS, rows, lambda value, _column: _cell(value))
 
 
 def write_summary(
@@ -156,10 +152,12 @@ def write_summary(
             seen.add(model.key)
             wanted.append(model)
     markers = read_markers(store, [m.key for m in wanted], threads=threads)
+    # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
+    expected = None if parameters is None else canonical_parameters(parameters)
     done: list[tuple[ModelRow, Marker]] = []
     for model in wanted:
         marker = markers.get(model.key)
-        if marker is not None and (parameters is None or marker.matches(parameters)):
+        if marker is not None and (expected is None or marker.parameters == expected):
             done.append((model, marker))
 
     def one(item: tuple[ModelRow, Marker]) -> dict[str, Any]:
