@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from controller.backends.base import Outcome
 from controller.records import FailureRecord, clear_failure, redact, write_failure
+from controller.runs import utc_now
 from esd_worker.layout import marker_key
 from esd_worker.store import Store
 
@@ -75,7 +75,3 @@ class Recorder:
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s%s", task.label, key,
                   outcome.attempts, outcome.where, error, f" | {last}" if last else "")
 
-
-def utc_now() -> str:
-    """Now in UTC, ISO-8601 to the second (the records' `time`)."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from types import FrameType
 from typing import Any, TextIO
 
@@ -35,7 +34,7 @@ from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.recorder import Recorder
 from controller.results.summary import write_summary
-from controller.runs import new_run_id, run_report, write_run_report
+from controller.runs import new_run_id, run_report, utc_now, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.store import Store, open_store
@@ -180,12 +179,8 @@ class _Started:
 
     def __init__(self) -> None:
         self.clock = time.perf_counter()
-        self.at = _now()
+        self.at = utc_now()
         self.run_id = new_run_id()
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _open_store(url: str) -> Store:
@@ -202,7 +197,7 @@ def _finish(
 ) -> SweepResult:
     """Write the run report and decide the exit status."""
     report = run_report(
-        run_id=started.run_id, started_at=started.at, finished_at=_now(), output=store.url,
+        run_id=started.run_id, started_at=started.at, finished_at=utc_now(), output=store.url,
         mode=mode, backend=backend.name, backend_report=backend.report(),
         parameters=settings.analysis.as_dict(), counts=counts, tally=recorder,
         summary_rows=summary_rows, runtime_s=time.perf_counter() - started.clock,
