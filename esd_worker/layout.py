@@ -71,22 +71,20 @@ def is_tag(tag: str) -> bool:
     return bool(_TAG.fullmatch(tag))
 
 
-def layers_name(tag: str | None = None) -> str:
-    """File name of a model's layer table: layers.csv, or layers.<tag>.csv for a refit."""
-    if not tag:
-        return LAYERS_NAME
+def _check_tag(tag: str) -> str:
     if not is_tag(tag):
         raise LayoutError(f"invalid tag {tag!r}")
-    return f"layers.{tag}.csv"
+    return tag
+
+
+def layers_name(tag: str | None = None) -> str:
+    """File name of a model's layer table: layers.csv, or layers.<tag>.csv for a refit."""
+    return f"layers.{_check_tag(tag)}.csv" if tag else LAYERS_NAME
 
 
 def summary_key(tag: str | None = None) -> str:
     """summary.csv, or summary.<tag>.csv for a refit."""
-    if not tag:
-        return SUMMARY_KEY
-    if not is_tag(tag):
-        raise LayoutError(f"invalid tag {tag!r}")
-    return f"summary.{tag}.csv"
+    return f"summary.{_check_tag(tag)}.csv" if tag else SUMMARY_KEY
 
 
 def model_file_key(model_key: str, name: str) -> str:
@@ -111,9 +109,7 @@ def run_report_key(run_id: str) -> str:
 
 def refit_record_key(tag: str) -> str:
     """Where a refit records its settings and counts: refits/<tag>.json."""
-    if not is_tag(tag):
-        raise LayoutError(f"invalid tag {tag!r}")
-    return f"{REFITS_PREFIX}{tag}.json"
+    return f"{REFITS_PREFIX}{_check_tag(tag)}.json"
 
 
 def list_markers(store: Store) -> set[str]:
@@ -190,10 +186,6 @@ class Marker:
     versions: Mapping[str, Any] = field(default_factory=dict)
     started_at: str | None = None
     finished_at: str | None = None
-
-    def matches(self, parameters: Mapping[str, Any]) -> bool:
-        """Whether this result was computed with `parameters` (compared as stored)."""
-        return dict(self.parameters) == canonical_parameters(parameters)
 
     @property
     def total_s(self) -> float | None:

@@ -121,12 +121,12 @@ def test_marker_json_is_the_documented_document() -> None:
                                  "source": "hub"}
 
 
-def test_marker_matches_parameters_as_stored() -> None:
+def test_marker_parameters_compare_as_stored() -> None:
     """Tuples in the settings become lists in JSON: a round trip still matches."""
     params = AnalysisSettings().as_dict()
     marker = Marker.from_json(make_marker(parameters=canonical_parameters(params)).to_json())
-    assert marker.matches(params)
-    assert not marker.matches({**params, "fix_fingers": "DKS"})
+    assert marker.parameters == canonical_parameters(params)
+    assert marker.parameters != canonical_parameters({**params, "fix_fingers": "DKS"})
 
 
 @pytest.mark.parametrize(
