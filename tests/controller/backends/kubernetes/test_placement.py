@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome
+from controller.backends.kubernetes.backend import KubernetesBackend
 from controller.backends.kubernetes.client import KubeClient
 from controller.exporter import GpuReading, make_server
 from esd_worker.store import Store
@@ -184,8 +185,38 @@ def test_all_telemetry_stale_falls_back_to_plain_placement(
         idle.shutdown()
         idle.server_close()
     core.delete_namespaced_pod("exporter-0", "gpu")
+    assert_stale_telemetry_turns_plain(backend, now, sim, cluster, caplog)
+
+
+def test_silent_fixed_exporters_fall_back_to_plain_placement(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """--telemetry-url exporters that stop answering: the last readings are used while fresh,
+    then placement turns plain instead of pinning Jobs to nothing (a sweep stalled for good)."""
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    now = [0.0]
+    idle, url = _exporter("node-b", [0.0])
+    backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
+                           clock=lambda: now[0])
+    try:
+        backend.placer.poll(now[0])
+        assert backend.placement == "telemetry"
+    finally:
+        idle.shutdown()
+        idle.server_close()
+    assert_stale_telemetry_turns_plain(backend, now, sim, cluster, caplog)
+
+
+def assert_stale_telemetry_turns_plain(
+    backend: KubernetesBackend, now: list[float], sim: KubeSim, cluster: MarkerSimulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After the last readings (at 0 s) nothing more comes: at 30 s node-b is still fresh
+    and placement stays on telemetry; at 100 s every node is stale (the limit is 60 s), so
+    Jobs only request nvidia.com/gpu, and a warning says so."""
     now[0] = 30.0
-    backend.placer.poll(now[0])  # no exporter, but node-b's readings are still fresh
+    backend.placer.poll(now[0])
     assert backend.placement == "telemetry"
     now[0] = 100.0
     backend.placer.poll(now[0])
@@ -199,35 +230,3 @@ def test_all_telemetry_stale_falls_back_to_plain_placement(
         spec = job["spec"]["template"]["spec"]
         assert "affinity" not in spec
         assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-
-
-def test_silent_fixed_exporters_fall_back_to_plain_placement(
-    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """--telemetry-url exporters that stop answering: the last readings are used while fresh,
-    then placement turns plain instead of pinning Jobs to nothing (a sweep stalled for good)."""
-    now = [0.0]
-    idle, url = _exporter("node-b", [0.0])
-    backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
-                           clock=lambda: now[0])
-    try:
-        backend.placer.poll(now[0])
-        assert backend.placement == "telemetry"
-    finally:
-        idle.shutdown()
-        idle.server_close()
-    now[0] = 30.0
-    backend.placer.poll(now[0])  # no answer, but node-b's readings are still fresh
-    assert backend.placement == "telemetry"
-    now[0] = 100.0
-    with caplog.at_level(logging.WARNING):
-        backend.placer.poll(now[0])
-    assert backend.placement == "plain"
-    assert any("GPU telemetry lost" in r.getMessage() for r in caplog.records)
-    outcomes: list[Outcome] = []
-    with cluster.autopilot():
-        run_models(backend, make_rows(2), outcomes)
-    assert {o.status for o in outcomes} == {"done"}
-    for job in sim.objects("jobs", NS):
-        assert "affinity" not in job["spec"]["template"]["spec"]
