@@ -157,8 +157,8 @@ def main() -> int:
     from controller.backends.kubernetes.backend import KubernetesBackend
     from controller.backends.kubernetes.client import KubeClient
     from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-    from controller.modellist import ModelRow
     from controller.sweep import _Recorder
+    from esd_worker.modellist import ModelRow
     from esd_worker.store import open_store
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.modellist import read_model_list
 from controller.plan import plan_run
 from esd_worker.layout import Marker
+from esd_worker.modellist import read_model_list
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore
 

@@ -25,7 +25,6 @@ from controller.backends.local import LocalSettings
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
-from controller.modellist import RELATIONS
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
@@ -36,6 +35,7 @@ from esd_worker.errors import WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
+from esd_worker.modellist import RELATIONS
 from esd_worker.settings import DEVICES
 from esd_worker.store import open_store
 

@@ -36,12 +36,6 @@ class ResultsError(SweepError):
     exit_code = EXIT_USAGE
 
 
-class ModelListError(SweepError):
-    """The list as a whole is unusable: missing, unreadable, no header or id column, empty."""
-
-    exit_code = EXIT_USAGE
-
-
 def describe_error(e: BaseException) -> tuple[int, str] | None:
     """(exit status, one-line message) for an error a command expects; None for a bug.
 

@@ -1,7 +1,7 @@
 """The resume plan: which listed models are done (marker with the same parameters) and which to run.
 
 Owns the split of a model list against the store. Pure but for the store reads it asks
-esd_worker.layout for (the markers of listed models, one listing) and controller.records
+esd_worker.layout for (the markers of listed models, one listing) and esd_worker.records
 (failure records). Does not look at what is running: the backend knows that.
 """
 
@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from controller.modellist import ModelRow
-from controller.records import read_failures
 from esd_worker.layout import Marker, canonical_parameters, list_markers, read_markers
+from esd_worker.modellist import ModelRow
+from esd_worker.records import read_failures
 from esd_worker.store import Store
 
 

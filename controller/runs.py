@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-from controller.records import FailureRecord
 from esd_worker.layout import SUMMARY_KEY, run_report_key
+from esd_worker.records import FailureRecord
 from esd_worker.store import Store
 
 

@@ -29,7 +29,6 @@ from controller.errors import (
     InfrastructureError,
     SweepError,
 )
-from controller.modellist import ModelList, make_single, read_model_list
 from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.recorder import Recorder
@@ -37,6 +36,7 @@ from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, utc_now, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.layout import SUMMARY_KEY, run_report_key
+from esd_worker.modellist import ModelList, make_single, read_model_list
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)

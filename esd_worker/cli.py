@@ -1,4 +1,8 @@
-"""The `esd-worker` command: flags to settings, one analysis, each failure one line + exit code."""
+"""The `esd-worker` command: flags to settings; one model (`--model`) or many in one process
+(`--models FILE`, or `--serve` for a controller); each failure one line + exit code.
+
+A batch's per-model loop is esd_worker.batch's, its read-ahead esd_worker.prefetch's.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,15 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
 from esd_worker import __version__
 from esd_worker.errors import EXIT_USAGE, Terminated, WorkerError, exit_code_for
-from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
+from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
 from esd_worker.logs import LOG_FORMATS, setup_logging
+from esd_worker.runner import run_batch
 from esd_worker.settings import DEVICES, WorkerSettings
 from esd_worker.store import open_store
 
@@ -33,11 +39,19 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
-        description="Analyse the weight spectra (ESD, power-law fits) of one model and write "
-        "<model_key>/layers.csv, eigs.npz and result.json (last) to the output store.",
+        description="Analyse the weight spectra (ESD, power-law fits) of one model, or of many "
+        "in one process, and write <model_key>/layers.csv, eigs.npz and result.json (last) "
+        "to the output store.",
     )
-    add_flag(p, "--model", "--model-id", required=True, metavar="ID[@REV]|DIR",
+    what = p.add_mutually_exclusive_group(required=True)
+    add_flag(what, "--model", "--model-id", metavar="ID[@REV]|DIR",
              help="HF model id, optionally with @revision, or a local directory in HF layout")
+    add_flag(what, "--models", metavar="CSV|URL",
+             help="analyse every model of a model-list CSV (a path or s3:// URL) in this "
+             "process; models already done are skipped, each outcome is recorded in the store")
+    what.add_argument("--serve", action="store_true",
+                      help="take models as JSON lines on stdin (the controller's protocol: "
+                      "esd_worker/protocol.py) and answer one JSON line each on stdout")
     add_flag(p, "--base-model", "--source-model", metavar="ID[@REV]|DIR",
              help="base model of an adapter (default: base_model_name_or_path of "
              "adapter_config.json)")
@@ -53,6 +67,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
     add_flag(p, "--trust-remote-code", action="store_true",
              help="allow model code from the hub to build the layer map (off by default)")
+    batch = p.add_argument_group("many models (--models, --serve)")
+    add_flag(batch, "--run-id", default="", help="stamped on the failure records written")
+    add_flag(batch, "--max-retries", type=int, default=2,
+             help="a model that killed more than this many workers is recorded as a "
+             "permanent failure (poison model) and not started again (default 2)")
+    add_flag(batch, "--overwrite", action="store_true", help="analyse models that are done")
+    add_flag(batch, "--skip-failed", action="store_true",
+             help="skip models with a permanent failure record")
+    add_flag(batch, "--prefetch", type=int, default=1, metavar="N",
+             help="models downloaded ahead while one is analysed (default 1; 0: none)")
+    add_flag(batch, "--cache-budget", type=parse_size, default=None, metavar="BYTES",
+             help="disk for the model in progress and those ahead, e.g. 50G (default: half "
+             "the free space where downloads go)")
+    add_flag(batch, "--cache-dir", type=Path, default=None, metavar="DIR",
+             help="download into this directory, owned by the worker: a model's files are "
+             "deleted once no later model needs them (default: the HF cache, never evicted)")
     add_flag(p, "--log-format", choices=LOG_FORMATS,
              default=os.environ.get("ESD_LOG_FORMAT", "text"),
              help="log lines for people (text) or clusters (json); env ESD_LOG_FORMAT")
@@ -63,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     return WorkerSettings(
-        model=args.model,
+        model=args.model or "(batch)",
         output=args.output,
         analysis=analysis_from_args(args),
         base_model=args.base_model or None,
@@ -94,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # credentials fail in a second, not after seconds of imports.
         store = open_store(settings.output)
         store.check()
+        if not args.model:
+            return run_batch(args, settings, store)
         from esd_worker.analyze import analyse_model
 
         analyse_model(settings, store=store, model_key=args.model_key)

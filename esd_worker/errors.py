@@ -29,6 +29,10 @@ class UsageError(WorkerError):
     exit_code = EXIT_USAGE
 
 
+class ModelListError(UsageError):
+    """A model list as a whole is unusable: missing, unreadable, no header or id column, empty."""
+
+
 class PermanentModelError(WorkerError):
     """Retrying cannot help: not found, gated without a token, corrupt or unsupported weights."""
 

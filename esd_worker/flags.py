@@ -75,3 +75,23 @@ def analysis_argv(analysis: AnalysisSettings) -> list[str]:
     if analysis.include_embeddings:
         argv.append("--include-embeddings")
     return argv
+
+
+_SIZE_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+               "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `123`, `500M`, `50G`, `1.5Ti`, `20GiB` (argparse type; decimal and binary
+    units)."""
+    value = text.strip().upper().removesuffix("B")
+    number = value.rstrip("KMGTI")
+    unit = value[len(number):]
+    try:
+        size = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (bytes, or with a unit: 500M, 50G, 20GiB)") from None
+    if size < 0:
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {text!r}")
+    return int(size)

@@ -7,7 +7,9 @@ Owns the contract users script against (docs/design.md, "Store layout"):
       <model_key>/eigs.npz            eigenvalues by layer name (optional)
       <model_key>/layers.<tag>.csv    a refit's layer table
       <model_key>/result.json         the marker: written last
-      _failures/<model_key>.json      why a model failed (controller.records)
+      _failures/<model_key>.json      why a model failed (esd_worker.records)
+      _attempts/<model_key>.json      a model a worker started and has not finished
+                                      (esd_worker.batch: finds models that crash workers)
       summary.csv, summary.<tag>.csv  one row per done model
       runs/<run_id>.json              what one `esd-sweep run` did
       refits/<tag>.json               what one refit did
@@ -37,6 +39,7 @@ LAYERS_NAME = "layers.csv"
 EIGS_NAME = "eigs.npz"
 MARKER_NAME = "result.json"
 FAILURES_PREFIX = "_failures/"
+ATTEMPTS_PREFIX = "_attempts/"
 SUMMARY_KEY = "summary.csv"
 RUNS_PREFIX = "runs/"
 REFITS_PREFIX = "refits/"
@@ -99,6 +102,11 @@ def marker_key(model_key: str) -> str:
 def failure_key(model_key: str) -> str:
     """Store key of a model's failure record."""
     return f"{FAILURES_PREFIX}{check_model_key(model_key)}.json"
+
+
+def attempt_key(model_key: str) -> str:
+    """Store key of a model's attempt note (written before a worker starts it)."""
+    return f"{ATTEMPTS_PREFIX}{check_model_key(model_key)}.json"
 
 
 def run_report_key(run_id: str) -> str:

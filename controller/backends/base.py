@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
-from controller.modellist import ModelRow
 from controller.progress import Progress
 from esd_worker.flags import analysis_argv
+from esd_worker.modellist import ModelRow
 from esd_worker.settings import AnalysisSettings
 
 

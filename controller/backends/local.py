@@ -27,9 +27,9 @@ from controller.backends.base import Outcome, OutcomeCallback, Task, WorkerSpec
 from controller.backends.process import Attempt, Ended, LogDirError
 from controller.errors import SweepError
 from controller.gpus import GpuTracker, open_tracker
-from controller.modellist import ModelRow
 from controller.progress import Progress
 from esd_worker.errors import EXIT_OK
+from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
     from controller.settings import SweepSettings

@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from controller.modellist import ModelRow
 from controller.results.reader import ModelResult
 from esd_worker.layout import (
     SUMMARY_KEY,
@@ -27,6 +26,7 @@ from esd_worker.layout import (
     read_markers,
     summary_key,
 )
+from esd_worker.modellist import ModelRow
 from esd_worker.results import SUMMARY_FIELDS, layers_from_csv, summarize_layers, table_to_csv
 from esd_worker.store import Store
 

@@ -8,12 +8,12 @@ from controller.errors import (
     EXIT_INFRA,
     EXIT_USAGE,
     InfrastructureError,
-    ModelListError,
     ResultsError,
     SweepError,
     describe_error,
 )
 from esd_worker.errors import (
+    ModelListError,
     PermanentModelError,
     StoreError,
     StorePermanentError,

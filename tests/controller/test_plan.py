@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from controller.modellist import ModelRow
 from controller.plan import Plan, plan_run
-from controller.records import FailureRecord, write_failure
 from esd_worker.layout import Marker, marker_key
+from esd_worker.modellist import ModelRow
+from esd_worker.records import FailureRecord, write_failure
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore, Store
 

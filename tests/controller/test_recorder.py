@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome, Task
-from controller.modellist import ModelRow
 from controller.recorder import Recorder
-from controller.records import FailureRecord, read_failures, write_failure
 from esd_worker.layout import Marker, marker_key
+from esd_worker.modellist import ModelRow
+from esd_worker.records import FailureRecord, read_failures, write_failure
 from esd_worker.store import LocalStore
 
 ROW = ModelRow("org/m", None, "", None)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.modellist import ModelRow
 from esd_worker.layout import Marker, marker_key
+from esd_worker.modellist import ModelRow
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore

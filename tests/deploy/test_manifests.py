@@ -245,7 +245,7 @@ def test_controller_job_shape(rendered: dict[str, list[Obj]]) -> None:
 
 def test_model_list_example_loads() -> None:
     """The example models.csv is a valid model list for the controller's own loader."""
-    from controller.modellist import read_model_list
+    from esd_worker.modellist import read_model_list
 
     models = read_model_list(MANIFESTS / "base" / "models.csv")
     assert [r.relation for r in models.rows] == ["base", "base", "finetune"]

@@ -20,8 +20,8 @@ from controller.backends.kubernetes.client import (
 from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import run_selector
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from controller.modellist import ModelRow
 from esd_worker.layout import Marker, canonical_parameters, marker_key
+from esd_worker.modellist import ModelRow
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import Store

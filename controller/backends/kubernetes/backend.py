@@ -32,9 +32,9 @@ from controller.backends.kubernetes.submit import Submitter
 from controller.backends.kubernetes.telemetry import scrape
 from controller.backends.kubernetes.watch import JobWatcher, WatchQueue
 from controller.errors import SweepError
-from controller.modellist import ModelRow
 from controller.progress import Progress
 from controller.settings import SweepSettings
+from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.client import KubeClient

@@ -16,8 +16,8 @@ from typing import Any
 
 from controller.backends.base import Outcome, OutcomeCallback, Task
 from controller.backends.kubernetes.diagnosis import Diagnosis
-from controller.modellist import ModelRow
 from controller.progress import Progress
+from esd_worker.modellist import ModelRow
 
 
 @dataclass

@@ -23,8 +23,8 @@ from controller.backends.process import describe_exit
 from controller.commands import read_commands
 from controller.errors import SweepError
 from controller.gpus import GpuTracker
-from controller.modellist import ModelRow
 from controller.progress import Progress
+from esd_worker.modellist import ModelRow
 from esd_worker.settings import AnalysisSettings
 from tests.support.local import FAST, Concurrency, by_key, exit_task, make_task, make_tracker
 

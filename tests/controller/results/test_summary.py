@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from controller.modellist import ModelRow
 from controller.results.reader import ModelResult
 from controller.results.summary import (
     STAT_COLUMNS,
@@ -24,6 +23,7 @@ from controller.results.summary import (
     write_summary,
 )
 from esd_worker.layout import BaseModelRef, Marker
+from esd_worker.modellist import ModelRow
 from esd_worker.results import layers_from_csv, layers_to_csv
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import LocalStore, Store

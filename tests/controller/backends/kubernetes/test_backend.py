@@ -26,9 +26,9 @@ from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import job_name
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
 from controller.errors import InfrastructureError, SweepError
-from controller.modellist import ModelRow
 from controller.settings import SweepSettings
 from esd_worker.layout import MARKER_NAME
+from esd_worker.modellist import ModelRow
 from esd_worker.store import Store
 from tests.support.cluster import (
     IMAGE,

@@ -27,9 +27,9 @@ from controller.backends.base import WorkerSpec
 from controller.backends.kubernetes.names import job_name
 from controller.backends.local import worker_argv
 from controller.cli import main
-from controller.modellist import ModelRow
 from controller.settings import SweepSettings
 from esd_worker.layout import MARKER_NAME
+from esd_worker.modellist import ModelRow
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import open_store

@@ -1,4 +1,4 @@
-"""Tests of controller.records: failure records in a real LocalStore, exit classes, redaction."""
+"""Tests of esd_worker.records: failure records in a real LocalStore, exit classes, redaction."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.records import (
+from esd_worker.layout import FAILURES_PREFIX, failure_key
+from esd_worker.naming import model_key
+from esd_worker.records import (
     FailureRecord,
     clear_failure,
     read_failures,
@@ -16,8 +18,6 @@ from controller.records import (
     utc_timestamp,
     write_failure,
 )
-from esd_worker.layout import FAILURES_PREFIX, failure_key
-from esd_worker.naming import model_key
 from esd_worker.store import LocalStore
 
 # --- builders -------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_read_failures_skips_corrupt_and_foreign_files(
     store.put_bytes("_failures/notes.txt", b"hello")
     store.put_bytes("_failures/nested/deeper.json", make_record("org/n").to_json())
     store.put_bytes("org--x-1234/result.json", b"{}")
-    with caplog.at_level(logging.WARNING, logger="controller.records"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.records"):
         assert read_failures(store) == {good.model_key: good}
     assert "_failures/broken.json" in caplog.text
     assert "_failures/partial.json" in caplog.text

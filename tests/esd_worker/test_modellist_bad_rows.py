@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.modellist import (
+from esd_worker.modellist import (
     ADAPTER_RELATIONS,
     read_model_list,
 )

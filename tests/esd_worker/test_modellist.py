@@ -1,4 +1,4 @@
-"""Tests of controller.modellist: both CSV layouts, ids and revisions, one problem per bad row."""
+"""Tests of esd_worker.modellist: both CSV layouts, ids and revisions, one problem per bad row."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.modellist import (
+from esd_worker.modellist import (
     ADAPTER_RELATIONS,
     RELATIONS,
     ModelList,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from controller.errors import ModelListError
+from esd_worker.errors import ModelListError
 from esd_worker.naming import model_key
 
 RELATIONS: tuple[str, ...] = (
@@ -252,19 +252,41 @@ def _is_skipped(cells: list[str]) -> bool:
     return cells[0].lstrip().startswith("#")
 
 
-def _read_text(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:
-        raise ModelListError(f"model list not found: {path}") from e
-    except IsADirectoryError as e:
-        raise ModelListError(f"model list is a directory, not a CSV file: {path}") from e
-    except OSError as e:
-        raise ModelListError(f"cannot read model list {path}: {e.strerror or e}") from e
+def _read_text(path: str | Path) -> str:
+    """The list's text: a local path, or a store URL (s3://bucket/key.csv, file:///…)."""
+    source = str(path)
+    if "://" in source:
+        data = _read_url(source)
+    else:
+        try:
+            data = Path(path).read_bytes()
+        except FileNotFoundError as e:
+            raise ModelListError(f"model list not found: {path}") from e
+        except IsADirectoryError as e:
+            raise ModelListError(f"model list is a directory, not a CSV file: {path}") from e
+        except OSError as e:
+            raise ModelListError(f"cannot read model list {path}: {e.strerror or e}") from e
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ModelListError(f"model list {path} is not UTF-8 text: {e}") from e
+
+
+def _read_url(url: str) -> bytes:
+    """The bytes of a list kept in a store: the store is the URL's folder, the key its name.
+
+    The store's own errors (no credentials, no bucket) pass through: they are not the
+    list's fault, and say what to fix.
+    """
+    from esd_worker.store import open_store
+
+    folder, _, name = url.rstrip("/").rpartition("/")
+    if not name or folder.endswith(":/"):
+        raise ModelListError(f"model list URL {url} names no file")
+    data = open_store(folder).get_bytes(name)
+    if data is None:
+        raise ModelListError(f"model list not found: {url}")
+    return data
 
 
 def _finish(
@@ -341,10 +363,11 @@ def read_model_list(path: str | Path, *, limit: int | None = None) -> ModelList:
     `source_model` are optional; other columns are kept as metadata. Blank lines, rows of
     empty cells and lines starting with '#' are skipped. Duplicates (same id and revision)
     are dropped and counted, the first kept; `limit` applies to valid rows after that.
+    `path` is a local file or a store URL (s3://…, file://…).
     Raises ModelListError when the file as a whole cannot be used.
     """
     source = str(path)
-    reader = csv.reader(io.StringIO(_read_text(Path(path)), newline=""))
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
     header: _Header | None = None
     rows: list[ModelRow] = []
     problems: list[RowProblem] = []

@@ -163,6 +163,18 @@ def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord
     return records
 
 
+def read_failure(store: Store, model_key: str) -> FailureRecord | None:
+    """A model's failure record; None when it has none or it cannot be read (logged)."""
+    data = store.get_bytes(failure_key(model_key))
+    if data is None:
+        return None
+    try:
+        return FailureRecord.from_json(data)
+    except ValueError as e:
+        log.warning("failure record %s ignored: %s", failure_key(model_key), e)
+        return None
+
+
 def clear_failure(store: Store, model_key: str) -> None:
     """Remove a model's failure record (after it succeeded); a missing record is fine."""
     store.delete(failure_key(model_key))

@@ -1,0 +1,131 @@
+"""Where a long-lived worker's models come from: a model list (`--models`), or requests on stdin
+(`--serve`), queued so that the prefetcher can see what comes next.
+
+Owns the order of a batch (an adapter right after its base, so the base is downloaded once)
+and the thread that reads protocol requests. Does not analyse or download.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TextIO
+
+from esd_worker.modellist import ModelRow, read_model_list
+from esd_worker.protocol import DRAIN, Request, parse_op
+
+log = logging.getLogger(__name__)
+
+_WAIT_S = 0.5  # a waiting worker wakes this often, so SIGTERM is handled promptly
+
+
+def base_first(rows: Sequence[ModelRow]) -> list[ModelRow]:
+    """Rows in list order, except that each adapter follows right after its base when the
+    base is listed (named by source_model); other adapters keep their place."""
+    by_ref: dict[str, ModelRow] = {}
+    for row in rows:
+        by_ref.setdefault(row.ref, row)
+        by_ref.setdefault(row.model_id, row)
+    followers: dict[str, list[ModelRow]] = {}
+    for row in rows:
+        base = by_ref.get(row.source_model or "") if row.is_adapter else None
+        if base is not None and base is not row:
+            followers.setdefault(base.key, []).append(row)
+    moved = {row.key for group in followers.values() for row in group}
+    ordered: list[ModelRow] = []
+    for row in rows:
+        if row.key in moved:
+            continue
+        ordered.append(row)
+        ordered.extend(followers.get(row.key, ()))
+    return ordered
+
+
+def request_for(row: ModelRow, attempt: int = 1) -> Request:
+    return Request(key=row.key, model=row.ref, relation=row.relation,
+                   base_model=row.source_model, attempt=attempt)
+
+
+def requests_from_list(url: str) -> list[Request]:
+    """The requests of a model-list CSV (local path or store URL), bases before adapters.
+
+    Bad rows are logged and left out (the controller's `status` lists them too).
+    """
+    models = read_model_list(url)
+    for problem in models.problems:
+        log.error("%s", problem)
+    return [request_for(row) for row in base_first(models.rows)]
+
+
+class Inbox:
+    """Requests not started yet, in order; thread-safe.
+
+    `take` blocks until a request comes or the inbox is closed (end of input) or drained
+    (stop after the model in progress: what is queued is dropped).
+    """
+
+    def __init__(self, requests: Sequence[Request] = (), *, closed: bool = False) -> None:
+        self._queue: deque[Request] = deque(requests)
+        self._closed = closed
+        self._cond = threading.Condition()
+
+    def put(self, request: Request) -> None:
+        with self._cond:
+            self._queue.append(request)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._closed = True
+            self._cond.notify_all()
+        log.info("drain: the model in progress finishes, %d queued dropped", dropped)
+
+    def upcoming(self) -> list[Request]:
+        """What will be taken next, in order (a snapshot)."""
+        with self._cond:
+            return list(self._queue)
+
+    def take(self) -> Request | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait(_WAIT_S)
+            return self._queue.popleft() if self._queue else None
+
+    def __iter__(self) -> Iterator[Request]:
+        while (request := self.take()) is not None:
+            yield request
+
+    def read_from(self, stream: TextIO) -> threading.Thread:
+        """Feed the inbox from protocol lines on `stream` in a daemon thread; end of input
+        closes it."""
+        thread = threading.Thread(target=self._read, args=(stream,), name="esd-inbox",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _read(self, stream: TextIO) -> None:
+        try:
+            for line in stream:
+                if not line.strip():
+                    continue
+                try:
+                    op = parse_op(line)
+                except ValueError as e:
+                    log.error("ignored a bad request line (%s): %.200s", e, line.strip())
+                    continue
+                if op == DRAIN:
+                    self.drain()
+                    return
+                assert isinstance(op, Request)
+                self.put(op)
+        finally:
+            self.close()

@@ -1,0 +1,187 @@
+"""Download the next models while the current one is analysed, within a disk budget, and evict
+what the worker downloaded into its own cache once no later model needs it.
+
+Owns the read-ahead of a long-lived worker: which upcoming models to fetch (`depth` of them,
+each sized from the hub's file metadata before a byte is downloaded), the bytes held on disk
+against `budget`, and eviction (only with `own_cache`: a user's HF cache is never touched).
+Does not talk HTTP itself (esd_worker.resolve) nor decide what comes next (esd_worker.inbox).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from esd_worker.errors import TransientError
+from esd_worker.inbox import Inbox
+from esd_worker.protocol import Request
+from esd_worker.resolve import (
+    ModelFiles,
+    ResolvedModel,
+    model_files,
+    parse_model_ref,
+    repo_cache_dir,
+    resolve_model,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_S = 0.2
+
+
+@dataclass
+class _Entry:
+    """One model reference fetched (or being fetched) ahead."""
+
+    ref: str
+    model_id: str
+    size: int
+    result: Future[ResolvedModel] = field(default_factory=Future)
+
+
+class Prefetcher:
+    """`resolve` is analyse_model's resolver: a model fetched ahead is handed over at once, one
+    being fetched is waited for, any other is fetched now.
+
+    depth: models fetched ahead of the current one (0: none). budget: bytes on disk for the
+    current model and those ahead; a model that does not fit waits (one that alone exceeds it
+    is fetched when its turn comes). cache_dir: where downloads go (None: the user's HF
+    cache). own_cache: evict a model's repo from cache_dir once no queued model needs it.
+    """
+
+    def __init__(self, inbox: Inbox, *, depth: int = 1, budget: int | None = None,
+                 cache_dir: Path | None = None, own_cache: bool = False) -> None:
+        self.inbox = inbox
+        self.depth = depth
+        self.budget = budget
+        self.cache_dir = cache_dir
+        self.own_cache = own_cache and cache_dir is not None
+        self._entries: dict[str, _Entry] = {}
+        self._current: set[str] = set()  # refs the model in progress uses
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._loop, name="esd-prefetch", daemon=True)
+            self._thread.start()
+
+    # -- the main thread's side ---------------------------------------------------------------
+
+    def resolve(self, ref: str) -> ResolvedModel:
+        with self._lock:
+            self._current.add(ref)
+            entry = self._entries.get(ref)
+        if entry is not None:
+            try:
+                return entry.result.result()
+            except TransientError as e:  # it may have been the network then: try again now
+                log.info("prefetch of %s failed (%s); fetching again", ref, e)
+        model = resolve_model(ref, cache_dir=self.cache_dir)
+        with self._lock:
+            done = _Entry(ref, model.model_id, _dir_bytes(model.directory))
+            done.result.set_result(model)
+            self._entries[ref] = done
+        return model
+
+    def finished(self, request: Request) -> None:
+        """The model is analysed: its downloads go unless a queued model needs them too."""
+        with self._lock:
+            used, self._current = self._current | {request.model}, set()
+            wanted = {ref for r in self.inbox.upcoming() for ref in _refs(r)}
+            wanted_ids = {parse_model_ref(ref)[0] for ref in wanted}
+            gone = [self._entries.pop(ref) for ref in used
+                    if ref in self._entries and ref not in wanted]
+        if not self.own_cache:
+            return
+        for entry in gone:
+            if entry.model_id in wanted_ids or not entry.result.done():
+                continue
+            folder = repo_cache_dir(entry.model_id, self.cache_dir)
+            if folder.is_dir():
+                log.info("evicting %s from the worker's cache (%s)", entry.model_id,
+                         _gib(entry.size))
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    # -- the prefetch thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_IDLE_S):
+            for request in self.inbox.upcoming()[: self.depth]:
+                # all() stops at the first ref that must wait for room in the budget.
+                if self._stop.is_set() or not all(self._fetch(r) for r in _refs(request)):
+                    break
+                self._fetch_adapter_base(request)
+
+    def _fetch(self, ref: str) -> bool:
+        """Fetch ref ahead; False when it must wait for room in the budget."""
+        with self._lock:
+            if ref in self._entries:
+                return True
+        if Path(ref).expanduser().is_dir():
+            return True  # a local directory: nothing to download
+        try:
+            files = model_files(ref, cache_dir=self.cache_dir)
+        except Exception as e:  # its turn will resolve it again and report the error
+            log.info("prefetch: cannot size %s yet (%s)", ref, e)
+            entry = _Entry(ref, parse_model_ref(ref)[0], 0)
+            entry.result.set_exception(e)
+            with self._lock:
+                self._entries[ref] = entry
+            return True
+        with self._lock:
+            held = sum(e.size for e in self._entries.values())
+            if self.budget is not None and held and held + files.total_bytes > self.budget:
+                return False
+            entry = _Entry(ref, files.model_id, files.total_bytes)
+            self._entries[ref] = entry
+        log.info("prefetch: %s (%s)", ref, _gib(files.total_bytes))
+        self._download(entry, files)
+        return True
+
+    def _download(self, entry: _Entry, files: ModelFiles) -> None:
+        try:
+            entry.result.set_result(resolve_model(entry.ref, cache_dir=self.cache_dir,
+                                                  files=files))
+        except Exception as e:
+            entry.result.set_exception(e)
+
+    def _fetch_adapter_base(self, request: Request) -> None:
+        """An adapter whose base is not given: its adapter_config.json names it."""
+        if request.base_model:
+            return
+        with self._lock:
+            entry = self._entries.get(request.model)
+        if entry is None or not entry.result.done() or entry.result.exception() is not None:
+            return
+        config = entry.result.result().directory / "adapter_config.json"
+        try:
+            base = json.loads(config.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(base, str) and base:
+            self._fetch(base)
+
+
+def _refs(request: Request) -> list[str]:
+    return [request.model] + ([request.base_model] if request.base_model else [])
+
+
+def _dir_bytes(directory: Path) -> int:
+    try:
+        return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    except OSError:
+        return 0
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"
