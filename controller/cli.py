@@ -32,7 +32,7 @@ from controller.results.summary import format_summary_table
 from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
-from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args
+from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.modellist import RELATIONS
@@ -46,7 +46,7 @@ def _add_source_flags(
     p: argparse.ArgumentParser, *, analysis: Any = None, output: Any = None
 ) -> None:
     """Model list, output and analysis flags (groups of `run --help` when given)."""
-    add_flag(p, "--model-list", type=Path, metavar="CSV",
+    add_flag(p, "--model-list", metavar="CSV|URL",
              help="CSV of models: model_id or full_name (org/name[@rev] or a local dir), "
              "optional base_model_relation and source_model")
     add_flag(p, "--single-model", metavar="ID[@REV]|DIR",
@@ -192,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
              help="GPUs per model (default 1)")
     add_flag(local, "--cpu-workers", type=int, default=1, metavar="N",
              help="models analysed at once on the CPU when no GPU is used (default 1)")
+    add_flag(local, "--worker-reuse", type=int, default=None, metavar="N",
+             help="replace a long-lived worker after N models (default: never)")
+    add_flag(running, "--prefetch", type=int, default=1, metavar="N",
+             help="models each worker downloads ahead while it analyses one (default 1; 0: "
+             "none)")
+    add_flag(running, "--cache-budget", type=parse_size, default=None, metavar="BYTES",
+             help="disk per worker for the model in progress and those ahead, e.g. 50G "
+             "(default: half the free space where downloads go)")
+    add_flag(running, "--cache-dir", default=None, metavar="DIR",
+             help="workers download here and delete a model's files once no later model "
+             "needs them (default: the HF cache, never evicted)")
     _add_kube_flags(kube)
     add_flag(output, "--report", type=Path, metavar="FILE.json",
              help="also write the run's outcome (counts, failures with reasons, summary "
@@ -265,6 +276,10 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
             problems.append(f"--cpu-workers: must be >= 1, got {args.cpu_workers}")
         if args.max_retries < 0:
             problems.append(f"--max-retries: must be >= 0, got {args.max_retries}")
+        if args.worker_reuse is not None and args.worker_reuse < 1:
+            problems.append(f"--worker-reuse: must be >= 1, got {args.worker_reuse}")
+        if args.prefetch < 0:
+            problems.append(f"--prefetch: must be >= 0, got {args.prefetch}")
         if args.retry_backoff < 0:
             problems.append(f"--retry-backoff: must be >= 0, got {args.retry_backoff}")
         log_dir = args.log_dir or _default_log_dir(args.output_dir)
@@ -273,6 +288,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
             backoff_s=max(args.retry_backoff, 0.0),
             cpu_workers=max(args.cpu_workers, 1),
             log_dir=log_dir,
+            worker_reuse=args.worker_reuse,
         )
         cluster = _cluster_from_args(args, problems)
     analysis = analysis_from_args(args)
@@ -304,6 +320,9 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         backend=getattr(args, "backend", "local"),
         cluster=cluster,
         dry_run=getattr(args, "dry_run", False),
+        prefetch=getattr(args, "prefetch", 1),
+        cache_budget=getattr(args, "cache_budget", None),
+        cache_dir=getattr(args, "cache_dir", None),
     )
 
 

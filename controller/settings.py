@@ -28,10 +28,12 @@ class SweepSettings:
     worker_cmd: how to start one worker; argv list, the model flags are appended.
     backend: "local" (workers on this machine; `local`, `gpu`) or "kubernetes" (Jobs;
     `cluster`). dry_run: print what would be started (commands or Jobs), start nothing.
+    prefetch / cache_budget / cache_dir: the long-lived workers' read-ahead (models, bytes)
+    and their own download directory (esd-worker --prefetch, --cache-budget, --cache-dir).
     """
 
     output: str
-    model_list: Path | None = None
+    model_list: str | Path | None = None
     single_model: str | None = None
     single_relation: str = ""
     single_source: str | None = None
@@ -54,3 +56,6 @@ class SweepSettings:
     backend: str = "local"
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     dry_run: bool = False
+    prefetch: int = 1
+    cache_budget: int | None = None
+    cache_dir: str | None = None

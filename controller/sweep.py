@@ -36,7 +36,7 @@ from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, utc_now, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.layout import SUMMARY_KEY, run_report_key
-from esd_worker.modellist import ModelList, make_single, read_model_list
+from esd_worker.modellist import ModelList, base_first, make_single, read_model_list
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ def run_sweep(
     if on_plan is not None:
         on_plan(plan)
     backend = opener(settings, worker_spec(settings, started.run_id, store.url))
-    tasks = [Task.for_model(row) for row in plan.todo]
+    # An adapter right after its base: a worker downloads the base once for both.
+    tasks = [Task.for_model(row) for row in base_first(plan.todo)]
     if settings.dry_run:
         return _dry_run(backend, tasks, plan, started.run_id, store.url, out or sys.stdout)
     recorder = Recorder(store, started.run_id)
@@ -122,7 +123,8 @@ def worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerS
         save_eigs=settings.save_eigs, trust_remote_code=settings.trust_remote_code,
         log_format=settings.worker_log_format, device=settings.device,
         gpus_per_job=settings.gpu.gpus_per_job, max_retries=settings.local.max_retries,
-        overwrite=settings.overwrite,
+        overwrite=settings.overwrite, prefetch=settings.prefetch,
+        cache_budget=settings.cache_budget, cache_dir=settings.cache_dir,
     )
 
 

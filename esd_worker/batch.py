@@ -29,7 +29,7 @@ from esd_worker.errors import (
     classify_exit,
     exit_code_for,
 )
-from esd_worker.layout import attempt_key, canonical_parameters, marker_key, read_marker
+from esd_worker.layout import attempt_key, canonical_parameters, read_marker
 from esd_worker.protocol import (
     DONE,
     FAILED,

@@ -1,8 +1,8 @@
 """Where a long-lived worker's models come from: a model list (`--models`), or requests on stdin
 (`--serve`), queued so that the prefetcher can see what comes next.
 
-Owns the order of a batch (an adapter right after its base, so the base is downloaded once)
-and the thread that reads protocol requests. Does not analyse or download.
+Owns the batch's queue and the thread that reads protocol requests. Does not analyse or
+download; the order of a list (bases before their adapters) is esd_worker.modellist's.
 """
 
 from __future__ import annotations
@@ -13,34 +13,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from esd_worker.modellist import ModelRow, read_model_list
+from esd_worker.modellist import ModelRow, base_first, read_model_list
 from esd_worker.protocol import DRAIN, Request, parse_op
 
 log = logging.getLogger(__name__)
 
 _WAIT_S = 0.5  # a waiting worker wakes this often, so SIGTERM is handled promptly
-
-
-def base_first(rows: Sequence[ModelRow]) -> list[ModelRow]:
-    """Rows in list order, except that each adapter follows right after its base when the
-    base is listed (named by source_model); other adapters keep their place."""
-    by_ref: dict[str, ModelRow] = {}
-    for row in rows:
-        by_ref.setdefault(row.ref, row)
-        by_ref.setdefault(row.model_id, row)
-    followers: dict[str, list[ModelRow]] = {}
-    for row in rows:
-        base = by_ref.get(row.source_model or "") if row.is_adapter else None
-        if base is not None and base is not row:
-            followers.setdefault(base.key, []).append(row)
-    moved = {row.key for group in followers.values() for row in group}
-    ordered: list[ModelRow] = []
-    for row in rows:
-        if row.key in moved:
-            continue
-        ordered.append(row)
-        ordered.extend(followers.get(row.key, ()))
-    return ordered
 
 
 def request_for(row: ModelRow, attempt: int = 1) -> Request:

@@ -10,7 +10,7 @@ import csv
 import io
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -405,3 +405,25 @@ def make_single(ref: str, *, relation: str = "", source_model: str | None = None
         problem = RowProblem(SINGLE_SOURCE, 0, why or "invalid model")
         return ModelList(rows=(), problems=(problem,), duplicates=0)
     return ModelList(rows=(row,), problems=(), duplicates=0)
+
+
+def base_first(rows: Sequence[ModelRow]) -> list[ModelRow]:
+    """Rows in list order, except that each adapter follows right after its base when the
+    base is listed (named by source_model); other adapters keep their place."""
+    by_ref: dict[str, ModelRow] = {}
+    for row in rows:
+        by_ref.setdefault(row.ref, row)
+        by_ref.setdefault(row.model_id, row)
+    followers: dict[str, list[ModelRow]] = {}
+    for row in rows:
+        base = by_ref.get(row.source_model or "") if row.is_adapter else None
+        if base is not None and base is not row:
+            followers.setdefault(base.key, []).append(row)
+    moved = {row.key for group in followers.values() for row in group}
+    ordered: list[ModelRow] = []
+    for row in rows:
+        if row.key in moved:
+            continue
+        ordered.append(row)
+        ordered.extend(followers.get(row.key, ()))
+    return ordered

@@ -1,4 +1,5 @@
-"""The long-lived worker's machine protocol: JSON lines between a controller and `esd-worker --serve`.
+"""The long-lived worker's machine protocol: JSON lines between a controller and
+`esd-worker --serve`.
 
 Owns the message format, both directions, and the stderr lines that tell which model a log
 line belongs to. Pure (no torch, no store): the controller imports it.

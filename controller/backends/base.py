@@ -90,7 +90,10 @@ class WorkerSpec:
     analysis, save_eigs, trust_remote_code: the worker's analysis flags. log_format: the
     worker's log lines (text or json). device: auto, cpu or cuda, as asked.
     gpus_per_job: GPUs per model (0: CPU only). max_retries: extra attempts for
-    retryable failures. overwrite: recompute models that are done.
+    retryable failures. overwrite: recompute models that are done. prefetch: models a
+    long-lived worker downloads ahead; cache_budget: its bytes on disk for them (None:
+    the worker's default); cache_dir: a download directory the worker owns and evicts
+    (None: the HF cache, never evicted).
     """
 
     run_id: str
@@ -103,6 +106,9 @@ class WorkerSpec:
     gpus_per_job: int = 1
     max_retries: int = 2
     overwrite: bool = False
+    prefetch: int = 1
+    cache_budget: int | None = None
+    cache_dir: str | None = None
 
     def flags(self) -> list[str]:
         """The worker flags that do not depend on the model (analysis, eigenvalues, code)."""
@@ -111,6 +117,18 @@ class WorkerSpec:
             argv.append("--no-eigs")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
+        return argv
+
+    def batch_flags(self) -> list[str]:
+        """The flags of a worker that analyses many models (`--serve`, `--models`)."""
+        argv = ["--run-id", self.run_id, "--max-retries", str(self.max_retries),
+                "--prefetch", str(self.prefetch)]
+        if self.cache_budget is not None:
+            argv += ["--cache-budget", str(self.cache_budget)]
+        if self.cache_dir:
+            argv += ["--cache-dir", self.cache_dir]
+        if self.overwrite:
+            argv.append("--overwrite")
         return argv
 
     def model_args(self, row: ModelRow) -> list[str]:

@@ -9,26 +9,22 @@ those) and does not touch processes itself (controller.backends.process).
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import random
 import shlex
-import signal
 import sys
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, WorkerSpec
-from controller.backends.process import Attempt, Ended, LogDirError
+from controller.backends.loop import Loop
+from controller.backends.tasks import Job, Outcomes
 from controller.errors import SweepError
 from controller.gpus import GpuTracker, open_tracker
 from controller.progress import Progress
-from esd_worker.errors import EXIT_OK
 from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -53,6 +49,8 @@ class LocalSettings:
     log_dir: each attempt's stdout+stderr is appended to <log_dir>/workers/<key>.log under
         an attempt header (default None: output kept only for the stderr tail).
     terminate_grace_s: after SIGTERM, seconds before SIGKILL (default 10).
+    worker_reuse: models one long-lived worker analyses before a fresh one replaces it
+        (default None: no limit).
     """
 
     max_retries: int = 2
@@ -61,6 +59,7 @@ class LocalSettings:
     cpu_workers: int = 1
     log_dir: Path | None = None
     terminate_grace_s: float = 10.0
+    worker_reuse: int | None = None
 
     def validate(self) -> None:
         """Raise one ValueError that names every bad field."""
@@ -73,6 +72,8 @@ class LocalSettings:
             problems.append(f"backoff_max_s: must be >= 0 s, got {self.backoff_max_s}")
         if self.cpu_workers < 1:
             problems.append(f"cpu_workers: must be >= 1, got {self.cpu_workers}")
+        if self.worker_reuse is not None and self.worker_reuse < 1:
+            problems.append(f"worker_reuse: must be >= 1, got {self.worker_reuse}")
         if not self.terminate_grace_s >= 0:
             problems.append(f"terminate_grace_s: must be >= 0 s, got {self.terminate_grace_s}")
         if problems:
@@ -82,162 +83,27 @@ class LocalSettings:
 def worker_argv(
     command: Sequence[str], row: ModelRow, spec: WorkerSpec, device: str
 ) -> tuple[str, ...]:
-    """A model's worker command: a list, never a shell string (ids are not trusted)."""
+    """A model's one-model worker command: a list, never a shell string (ids are not
+    trusted). What --dry-run prints: run() feeds the same models to long-lived workers."""
     return (*command, *spec.model_args(row), "--device", device,
             "--log-format", spec.log_format, *spec.flags())
 
 
-@dataclass(eq=False)
-class _Job:
-    """A task across its attempts."""
-
-    task: Task
-    ready_since: float
-    attempts: int = 0
-    total_s: float = 0.0
-    wait_s: float = 0.0
-    duration_s: float = 0.0
-    gpus: tuple[int, ...] = ()
-    last: Ended | None = None
-    log_path: str | None = None
-    running: Attempt | None = None
-    started: float = 0.0
-    terminate_at: float | None = None  # when SIGTERM was sent (second stop request)
-    killed: bool = False
-
-    def should_retry(self, max_retries: int, stopping: bool) -> bool:
-        """A retryable failure, not terminated by us, with attempts left, while running on."""
-        assert self.last is not None
-        return (self.last.retryable and self.terminate_at is None
-                and self.attempts <= max_retries and not stopping)
-
-    def status(self) -> str:
-        assert self.last is not None
-        if self.last.exit_code == EXIT_OK:
-            return "done"  # finished before the termination took effect: the result is there
-        return "cancelled" if self.terminate_at is not None else "failed"
-
-    def outcome(self, status: str) -> Outcome:
-        last = self.last
-        assert last is not None
-        return Outcome(
-            task=self.task, status=status, exit_code=last.exit_code, signal=last.signal,
-            attempts=self.attempts, duration_s=self.duration_s, total_s=self.total_s,
-            wait_s=self.wait_s, where=f"gpus={','.join(map(str, self.gpus))}" if self.gpus
-            else "cpu", stderr_tail=last.stderr_tail,
-            error="" if status == "done" else last.error,
-            retryable=status != "done" and last.retryable, gpus=self.gpus,
-            log_path=self.log_path,
-        )
-
-
-class _Waiting:
-    """Jobs waiting to start: fresh work in list order, and retries due after a backoff
-    (a due retry goes before fresh work)."""
-
-    def __init__(self, jobs: Sequence[_Job]) -> None:
-        self.ready: deque[_Job] = deque(jobs)
-        self._delayed: list[tuple[float, int, _Job]] = []  # (due, tie-breaker, job) heap
-        self._seq = 0
-
-    def __len__(self) -> int:
-        return len(self.ready) + len(self._delayed)
-
-    def retry_at(self, due: float, job: _Job) -> None:
-        self._seq += 1
-        heapq.heappush(self._delayed, (due, self._seq, job))
-
-    def move_due(self, now: float) -> bool:
-        """Retries whose time has come go to the front; True when there were any."""
-        moved = False
-        while self._delayed and self._delayed[0][0] <= now:
-            job = heapq.heappop(self._delayed)[2]
-            job.ready_since = now
-            self.ready.appendleft(job)
-            moved = True
-        return moved
-
-    def next_due(self) -> float | None:
-        return self._delayed[0][0] if self._delayed else None
-
-    def take_all(self) -> list[_Job]:
-        jobs = list(self.ready) + [job for _, _, job in sorted(self._delayed)]
-        self.ready.clear()
-        self._delayed.clear()
-        return jobs
-
-
-class _Running(list[_Job]):
-    """The jobs whose attempt is running, and stopping them: SIGTERM, then SIGKILL after the
-    grace period."""
-
-    def ended(self) -> list[_Job]:
-        """The jobs whose process has exited (taken out of the set)."""
-        done = [job for job in self if job.running is not None and not job.running.running()]
-        for job in done:
-            self.remove(job)
-        return done
-
-    def terminate(self, now: float) -> None:
-        for job in self:
-            if job.running is not None and job.terminate_at is None and job.running.running():
-                log.warning("model=%s key=%s terminating pid=%d", job.task.label,
-                            job.task.key, job.running.pid)
-                job.running.signal(signal.SIGTERM)
-                job.terminate_at = now
-
-    def kill_overdue(self, now: float, grace: float) -> None:
-        for job in self:
-            if (job.running is not None and job.terminate_at is not None and not job.killed
-                    and now - job.terminate_at >= grace and job.running.running()):
-                log.warning("model=%s key=%s did not exit %.0fs after SIGTERM: SIGKILL",
-                            job.task.label, job.task.key, grace)
-                job.running.signal(signal.SIGKILL)
-                job.killed = True
-
-    def reap_all(self, grace: float, release: Callable[[tuple[int, ...]], bool]) -> None:
-        """Wait for terminated workers (SIGKILL after the grace period) and free their GPUs."""
-        deadline = time.monotonic() + grace
-        for job in self:
-            if job.running is not None:
-                job.running.wait(deadline - time.monotonic())
-            release(job.gpus)
-        self.clear()
-
-
-class _Ended(list[Outcome]):
-    """The outcomes so far, each also handed to the callback and counted for progress."""
-
-    def __init__(self, on_outcome: OutcomeCallback | None, progress: Progress | None) -> None:
-        super().__init__()
-        self.on_outcome = on_outcome
-        self.progress = progress
-        self.counts = {"done": 0, "failed": 0}
-
-    def add(self, job: _Job, status: str) -> None:
-        outcome = job.outcome(status)
-        self.append(outcome)
-        if status in self.counts:
-            self.counts[status] += 1
-            if self.progress is not None:
-                self.progress.record_duration(job.total_s)
-        if self.on_outcome is not None:
-            self.on_outcome(outcome)
-
-    def show(self, running: int, waiting: int) -> None:
-        if self.progress is not None:
-            self.progress.update(done=self.counts["done"], failed=self.counts["failed"],
-                                 running=running, waiting=waiting)
+def serve_argv(command: Sequence[str], spec: WorkerSpec, device: str) -> tuple[str, ...]:
+    """A long-lived worker's command: models come on its stdin (esd_worker.protocol)."""
+    return (*command, "--serve", "--output", spec.store_url, "--device", device,
+            "--log-format", spec.log_format, *spec.batch_flags(), *spec.flags())
 
 
 class LocalBackend:
-    """Runs tasks as subprocesses, each on its own GPUs (tracker) or a CPU slot (no tracker).
+    """Runs tasks on this machine, each on its own GPUs (tracker) or a CPU slot (no tracker).
 
-    With a tracker each task takes `gpus_per_job` GPUs (its CUDA_VISIBLE_DEVICES) until it
-    exits; without one, up to `settings.cpu_workers` run at once, no GPU visible. Workers get
-    their own session: Ctrl+C reaches the controller only (request_stop). A model task runs
-    `worker_cmd` with `spec`'s flags. open_tracker: called when the first tasks arrive
-    (nothing to do opens no NVML). on_start: called as each attempt starts.
+    Models go to long-lived workers (controller.backends.slots), one per slot: with a
+    tracker a slot holds `gpus_per_job` GPUs (its CUDA_VISIBLE_DEVICES) while its worker
+    lives; without one, up to `settings.cpu_workers` slots, no GPU visible. A custom command
+    is one process per attempt on a slot of its own. Workers get their own session: Ctrl+C
+    reaches the controller only (request_stop). open_tracker: called when the first tasks
+    arrive (nothing to do opens no NVML). on_start: called as each attempt starts.
     """
 
     name = "local"
@@ -301,8 +167,8 @@ class LocalBackend:
 
     def stop_notice(self, count: int) -> str:
         if count == 1:
-            return ("stopping: no new models start; running workers finish "
-                    "(press Ctrl+C again to terminate them)")
+            return ("stopping: no new models start; running workers finish the model in "
+                    "progress (press Ctrl+C again to terminate them)")
         return "terminating running workers"
 
     def report(self) -> dict[str, Any]:
@@ -317,8 +183,13 @@ class LocalBackend:
         return task.argv if task.argv or row is None or spec is None else worker_argv(
             self.worker_cmd, row, spec, device)
 
+    def serve_command(self) -> tuple[str, ...]:
+        """The command of a long-lived worker of this run."""
+        assert self.spec is not None
+        return serve_argv(self.worker_cmd, self.spec, self.device)
+
     def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int:
-        """The command lines run() would start (device as asked), one per line."""
+        """The one-model command lines equivalent to what run() does (device as asked)."""
         device = self.spec.device if self.spec is not None else "auto"
         for task in tasks:
             out.write(shlex.join(self.argv(task, device)) + "\n")
@@ -340,142 +211,34 @@ class LocalBackend:
         if tasks and self._open_tracker is not None:
             self.tracker, self._open_tracker = self._open_tracker(), None
             self._check_capacity()
-        now = time.monotonic()
-        waiting = _Waiting([_Job(task, ready_since=now) for task in tasks])
-        running = _Running()
-        outcomes = _Ended(on_outcome, progress)
-        next_poll = next_progress = now
-        stop_seen = 0
+        loop = Loop(self, tasks, Outcomes(on_outcome, progress))
         try:
-            while True:
-                now = time.monotonic()
-                changed = False
-                for job in running.ended():
-                    changed = True
-                    if self._finish(job, now) and waiting.ready:
-                        next_poll = now  # a released GPU needs one fresh poll: take it now
-                    if job.should_retry(self.settings.max_retries, self._stop_requests > 0):
-                        delay = self._backoff(job)
-                        log.warning("model=%s key=%s attempt %d failed (%s); retry in %.3gs",
-                                    job.task.label, job.task.key, job.attempts,
-                                    job.last.error if job.last else "", delay)
-                        waiting.retry_at(now + delay, job)
-                    else:
-                        outcomes.add(job, job.status())
-                stop = self._stop_requests
-                if stop > stop_seen:
-                    changed = True
-                    if stop_seen == 0:
-                        self._stop_dispatching(waiting, len(running), outcomes)
-                    if stop >= 2:
-                        running.terminate(now)
-                    stop_seen = stop
-                running.kill_overdue(now, self.settings.terminate_grace_s)
-                changed |= waiting.move_due(now)
-                if waiting:
-                    if self.tracker is not None and now >= next_poll:
-                        self.tracker.poll()
-                        next_poll = now + self.tracker.settings.poll_interval_s
-                    changed |= self._dispatch(waiting.ready, running, outcomes, now)
-                if changed or now >= next_progress:
-                    outcomes.show(len(running), len(waiting))
-                    next_progress = now + _PROGRESS_EVERY_S
-                if not (waiting or running):
-                    return list(outcomes)
-                # Nothing to reap: sleep until the next poll or retry, staying responsive to
-                # request_stop.
-                due = min(next_poll, waiting.next_due() or next_poll)
-                time.sleep(_REAP_WAIT_S if running else min(max(due - now, 0.001), 0.1))
+            return loop.run()
         finally:
-            if running:
-                # An exception (a callback's, or KeyboardInterrupt without a handler) ends
-                # run(): never leave workers behind holding GPUs.
-                log.warning("stopping %d running worker(s) after an error", len(running))
-                running.terminate(time.monotonic())
-                running.reap_all(self.settings.terminate_grace_s, self._release)
+            loop.cleanup()
 
-    # Steps of the loop ----------------------------------------------------------------------
+    # What the loop asks of the backend ---------------------------------------------------------
 
-    def _dispatch(
-        self, queue: deque[_Job], running: list[_Job], outcomes: _Ended, now: float
-    ) -> bool:
-        started = False
-        while queue:
-            if self.tracker is None:
-                if len(running) >= self.settings.cpu_workers:
-                    break
-                gpus: tuple[int, ...] = ()
-            else:
-                got = self.tracker.acquire(self.gpus_per_job)
-                if got is None:
-                    break
-                gpus = got
-            job = queue.popleft()
-            started = True
-            if self._start(job, gpus, outcomes, now):
-                running.append(job)
-        return started
+    def acquire(self, in_use: int) -> tuple[int, ...] | None:
+        """GPUs for one more worker ((): a CPU slot), or None when none may start now."""
+        if self.tracker is None:
+            return () if in_use < self.settings.cpu_workers else None
+        return self.tracker.acquire(self.gpus_per_job)
 
-    def _start(self, job: _Job, gpus: tuple[int, ...], outcomes: _Ended,
-               now: float) -> bool:
-        task = job.task
-        job.attempts += 1
-        job.wait_s += max(now - job.ready_since, 0.0)
-        job.gpus, job.started, job.terminate_at, job.killed = gpus, now, None, False
-        argv = self.argv(task, self.device)
-        # CPU workers share the cores: N workers each using every core run several times
-        # slower than N workers with cores/N threads (measured on 2 cores).
-        threads = None if self.tracker is not None else max(
-            1, (os.cpu_count() or 1) // self.settings.cpu_workers)
-        try:
-            job.running = Attempt(task.key, argv, number=job.attempts, gpus=gpus, env=task.env,
-                                  log_dir=self.settings.log_dir, threads=threads)
-        except LogDirError as e:
-            self._release(gpus)
-            raise SweepError(f"{e} (--log-dir)") from e  # a setup problem, not this task's
-        except (OSError, ValueError) as e:
-            self._release(gpus)
-            job.last = Ended(None, None, (f"could not start: {e}",),
-                             f"StartFailed: cannot run {argv[0] if argv else '(empty)'}: {e}",
-                             False)
-            log.error("model=%s key=%s could not start: %s", task.label, task.key, e)
-            outcomes.add(job, "failed")
-            return False
-        job.log_path = str(job.running.log_path) if job.running.log_path else None
-        log.info("model=%s key=%s started attempt %d on %s pid=%d", task.label, task.key,
-                 job.attempts, f"gpus={','.join(map(str, gpus))}" if gpus else "cpu",
-                 job.running.pid)
-        if self.on_start is not None:
-            self.on_start(task, gpus)
-        return True
-
-    def _finish(self, job: _Job, now: float) -> bool:
-        """Record a reaped attempt on its job; True when GPUs went back to the tracker."""
-        assert job.running is not None
-        job.duration_s = max(now - job.started, 0.0)
-        job.total_s += job.duration_s
-        job.last = job.running.ended()
-        return self._release(job.gpus)
-
-    def _release(self, gpus: tuple[int, ...]) -> bool:
+    def release(self, gpus: tuple[int, ...]) -> bool:
         if gpus and self.tracker is not None:
             self.tracker.release(gpus)
             return True
         return False
 
-    def _stop_dispatching(self, waiting: _Waiting, running: int,
-                          outcomes: _Ended) -> None:
-        jobs = waiting.take_all()
-        retried = [job for job in jobs if job.last is not None]
-        log.warning("stop requested: %d running worker(s) finish, %d task(s) not started%s",
-                    running, len(jobs) - len(retried),
-                    f", {len(retried)} retry(ies) dropped" if retried else "")
-        for job in retried:
-            # Its last attempt failed transiently and the retry will not happen now:
-            # report that failure (retryable, so the next run tries again).
-            outcomes.add(job, "failed")
+    def threads(self) -> int | None:
+        """CPU threads per worker: N CPU workers each using every core run several times
+        slower than N workers with cores/N threads (measured on 2 cores)."""
+        if self.tracker is not None:
+            return None
+        return max(1, (os.cpu_count() or 1) // self.settings.cpu_workers)
 
-    def _backoff(self, job: _Job) -> float:
+    def backoff(self, job: Job) -> float:
         """Seconds before the next attempt: doubling from backoff_s, capped, with jitter."""
         base = min(self.settings.backoff_max_s,
                    self.settings.backoff_s * 2 ** (job.attempts - 1))

@@ -83,18 +83,11 @@ class Attempt:
         self.output.write(header.encode("utf-8", "replace"))
         self.output.flush()
         self._offset = self.output.tell()
-        full_env = dict(os.environ)
-        full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep the tail complete if it is killed
-        full_env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, which the tracker uses
-        if threads is not None:
-            full_env.setdefault("OMP_NUM_THREADS", str(threads))
-        full_env.update(env)
-        full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         try:
             self.proc = subprocess.Popen(
                 list(argv), stdin=subprocess.DEVNULL, stdout=self.output,
-                stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                stderr=subprocess.STDOUT, env=worker_env(gpus, threads, env),
+                start_new_session=True, preexec_fn=die_with_parent(),
             )
         except (OSError, ValueError) as e:
             self.output.write(f"could not start: {e}\n".encode("utf-8", "replace"))
@@ -135,6 +128,20 @@ class Attempt:
             self.signal(signal.SIGKILL)
             self.proc.wait()
         self.output.close()
+
+
+def worker_env(gpus: tuple[int, ...], threads: int | None,
+               env: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment: the controller's (secrets reach workers this way, never in
+    argv), its GPUs, its CPU threads and the task's extra variables."""
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")  # keep the tail complete if it is killed
+    full_env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, which the tracker uses
+    if threads is not None:
+        full_env.setdefault("OMP_NUM_THREADS", str(threads))
+    full_env.update(env)
+    full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+    return full_env
 
 
 def open_log(key: str, log_dir: Path | None) -> tuple[IO[bytes], Path | None]:
@@ -190,7 +197,7 @@ def _prctl() -> Any | None:
     return prctl
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """A preexec hook that SIGTERMs the worker if the controller dies (Linux), else None.
 
     Workers run in their own session, so nothing else would stop them when the controller

@@ -1,0 +1,73 @@
+"""A stand-in for `esd-worker --serve` that speaks the real protocol (esd_worker.protocol) and
+behaves by model name, so the local backend's handling of long-lived workers is tested
+without torch: run as `python -m tests.support.served_worker [worker flags, ignored]`.
+
+Model names (the request's "model"):
+    ok-*          analysed in 50 ms: done
+    slow-*        analysed in 30 s (stop tests)
+    fail-*        a permanent failure (exit 3)
+    transient-*   a transient failure (exit 4): a retry may help
+    poison-*      kills its worker (SIGKILL) every time
+    crash-once-*  kills its worker the first time, is done the next
+Every start is appended to $FAKE_WORKER_STATE/starts as "<pid> <key> <attempt>" (the tests count
+workers and attempts from it); $FAKE_WORKER_STATE also holds crash-once flags.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from esd_worker.inbox import Inbox
+from esd_worker.protocol import DONE, FAILED, Request, Result, begin_line, end_line, event_line
+
+
+def analyse(request: Request, state: Path) -> Result:
+    name = request.model
+    with open(state / "starts", "a") as f:
+        f.write(f"{os.getpid()} {request.key} {request.attempt}\n")
+    print(f"analysing {name} attempt {request.attempt}", file=sys.stderr, flush=True)
+    if name.startswith("poison-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name.startswith("crash-once-"):
+        flag = state / f"crashed-{request.key}"
+        if not flag.exists():
+            flag.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+    if name.startswith("slow-"):
+        time.sleep(30)
+    if name.startswith("fail-"):
+        print("esd-worker: error: model not found: " + name, file=sys.stderr, flush=True)
+        return Result(request.key, FAILED, 3, f"PermanentError: model not found: {name}")
+    if name.startswith("transient-"):
+        return Result(request.key, FAILED, 4, "TransientError: hub unreachable", True)
+    time.sleep(0.05)
+    return Result(request.key, DONE, 0)
+
+
+def main() -> int:
+    state = Path(os.environ["FAKE_WORKER_STATE"])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))
+    out = sys.stdout
+    out.write(event_line("ready", pid=os.getpid()))
+    out.flush()
+    inbox = Inbox()  # the real worker's request reader: drain drops what is queued
+    inbox.read_from(sys.stdin)
+    for op in inbox:
+        out.write(event_line("start", key=op.key))
+        out.flush()
+        sys.stderr.write(begin_line(op.key, op.attempt))
+        sys.stderr.flush()
+        result = analyse(op, state)
+        sys.stderr.write(end_line(op.key))
+        sys.stderr.flush()
+        out.write(result.to_line())
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
