@@ -38,6 +38,7 @@ class Slot:
     current: Job | None = None
     served: int = 0
     closing: bool = False  # its input is closed: it takes nothing more
+    drained: bool = False  # a stop: what it was sent and did not start is not its fault
     terminate_at: float | None = None
     killed: bool = False
 
@@ -190,9 +191,10 @@ class Slots:
         rc = slot.worker.returncode
         assert rc is not None
         job = slot.current
-        if job is None and slot.sent and rc != 0:
-            # It died before starting anything (start-up failed): that is the next job's
-            # attempt, as it would have been with one process per model.
+        if job is None and slot.sent and not slot.drained:
+            # It exited without starting what it was sent (start-up failed, or it is not a
+            # serving worker): that is the next job's attempt, as it would have been with
+            # one process per model; retries stay bounded.
             job = slot.sent.popleft()
             job.started = now
             tail = slot.worker.tail(None)
@@ -220,7 +222,7 @@ class Slots:
         """First stop: each worker finishes its model in progress, starts no other."""
         for slot in self.live:
             slot.worker.drain()
-            slot.closing = True
+            slot.closing = slot.drained = True
 
     def terminate(self, now: float) -> None:
         """Second stop: SIGTERM every worker; the models in progress end cancelled."""
@@ -262,6 +264,8 @@ def _crash(rc: int, tail: tuple[str, ...], *, started: bool) -> Ended:
     """How a job ended when its worker died: killed under it (a crash, retryable), or the
     worker's own exit status when it never got going."""
     exit_code, sig = (None, -rc) if rc < 0 else (rc, None)
+    if exit_code == 0:
+        exit_code = None  # exit 0 means "done" for a job, and this one is not
     if started:
         how = f"killed by {signal_name(sig)}" if sig is not None else f"exited {rc}"
         return Ended(exit_code, sig, tail,

@@ -4,17 +4,20 @@ without torch: run as `python -m tests.support.served_worker [worker flags, igno
 
 Model names (the request's "model"):
     ok-*          analysed in 50 ms: done
+    wait-*        analysed in 1 s
     slow-*        analysed in 30 s (stop tests)
     fail-*        a permanent failure (exit 3)
     transient-*   a transient failure (exit 4): a retry may help
     poison-*      kills its worker (SIGKILL) every time
     crash-once-*  kills its worker the first time, is done the next
 Every start is appended to $FAKE_WORKER_STATE/starts as "<pid> <key> <attempt>" (the tests count
-workers and attempts from it); $FAKE_WORKER_STATE also holds crash-once flags.
+workers and attempts from it), every worker's argv and CUDA_VISIBLE_DEVICES to
+$FAKE_WORKER_STATE/workers as a JSON line; the directory also holds crash-once flags.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -37,6 +40,8 @@ def analyse(request: Request, state: Path) -> Result:
         if not flag.exists():
             flag.touch()
             os.kill(os.getpid(), signal.SIGKILL)
+    if name.startswith("wait-"):
+        time.sleep(1)
     if name.startswith("slow-"):
         time.sleep(30)
     if name.startswith("fail-"):
@@ -50,6 +55,9 @@ def analyse(request: Request, state: Path) -> Result:
 
 def main() -> int:
     state = Path(os.environ["FAKE_WORKER_STATE"])
+    with open(state / "workers", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:],
+                            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))
     out = sys.stdout
     out.write(event_line("ready", pid=os.getpid()))

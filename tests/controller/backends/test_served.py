@@ -1,0 +1,200 @@
+"""The local backend's long-lived workers: one process many models, a crash charged to the model in
+progress, poison models, --worker-reuse, stops, logs and GPUs; through a stand-in worker that
+speaks the real protocol (tests/support/served_worker.py), so no torch is needed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.backends.base import Outcome, Task, WorkerSpec
+from controller.backends.local import LocalBackend, LocalSettings, serve_argv
+from esd_worker.modellist import make_single
+from esd_worker.settings import AnalysisSettings
+from tests.support.local import FAST, by_key, make_tracker
+
+FAKE_WORKER = (sys.executable, "-m", "tests.support.served_worker")
+
+
+def tasks(*names: str) -> list[Task]:
+    return [Task.for_model(make_single(name).rows[0]) for name in names]
+
+
+def backend(state: Path, monkeypatch: pytest.MonkeyPatch, *,
+            worker: tuple[str, ...] = FAKE_WORKER, **settings: Any) -> LocalBackend:
+    monkeypatch.setenv("FAKE_WORKER_STATE", str(state))
+    spec = WorkerSpec(run_id="run-1", store_url=str(state / "out"),
+                      prefetch=settings.pop("prefetch", 1))
+    tracker = settings.pop("tracker", None)
+    fields = {"max_retries": FAST.max_retries, "backoff_s": FAST.backoff_s,
+              "backoff_max_s": FAST.backoff_max_s, "terminate_grace_s": 2.0} | settings
+    return LocalBackend(LocalSettings(**fields), tracker, spec=spec, worker_cmd=worker)
+
+
+def starts(state: Path) -> list[tuple[int, str, int]]:
+    path = state / "starts"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(int(pid), key, int(attempt)) for pid, key, attempt in map(str.split, lines)]
+
+
+def workers(state: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (state / "workers").read_text().splitlines()]
+
+
+def test_one_worker_analyses_every_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = [f"ok-{i}" for i in range(6)]
+    outcomes = backend(tmp_path, monkeypatch).run(tasks(*names))
+    assert [(o.status, o.attempts, o.where) for o in outcomes] == [("done", 1, "cpu")] * 6
+    assert len({pid for pid, _, _ in starts(tmp_path)}) == 1
+    assert [key for _, key, _ in starts(tmp_path)] == [t.key for t in tasks(*names)]
+
+
+def test_a_crash_is_an_attempt_of_the_model_in_progress_and_the_rest_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker dies under crash-once-b: b is retried on a fresh worker, the models it had
+    been sent but not started are not charged, every model ends done."""
+    outcomes = by_key(backend(tmp_path, monkeypatch).run(
+        tasks("ok-a", "crash-once-b", "ok-c", "ok-d")))
+    assert {o.task.label: (o.status, o.attempts) for o in outcomes.values()} == {
+        "ok-a": ("done", 1), "crash-once-b": ("done", 2), "ok-c": ("done", 1),
+        "ok-d": ("done", 1)}
+    assert len({pid for pid, _, _ in starts(tmp_path)}) == 2
+    assert Counter(key for _, key, _ in starts(tmp_path))[tasks("ok-c")[0].key] == 1
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 2])
+def test_a_poison_model_is_a_permanent_failure_after_crashing_every_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_retries: int
+) -> None:
+    outcomes = by_key(backend(tmp_path, monkeypatch, max_retries=max_retries).run(
+        tasks("ok-a", "poison-b", "ok-c")))
+    poison = outcomes[tasks("poison-b")[0].key]
+    assert (poison.status, poison.attempts, poison.retryable) == ("failed", max_retries + 1,
+                                                                  False)
+    assert (poison.exit_code, poison.signal) == (None, 9)
+    assert poison.error.startswith("WorkerCrashed: the worker was killed by SIGKILL")
+    assert "poison model" in poison.error
+    assert poison.stderr_tail[-1] == f"analysing poison-b attempt {max_retries + 1}"
+    assert [o.status for o in outcomes.values()].count("done") == 2
+
+
+def test_failures_reported_by_the_worker_keep_their_class_and_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes = by_key(backend(tmp_path, monkeypatch).run(tasks("fail-a", "transient-b")))
+    fail, transient = outcomes[tasks("fail-a")[0].key], outcomes[tasks("transient-b")[0].key]
+    assert (fail.status, fail.attempts, fail.exit_code, fail.retryable) == ("failed", 1, 3,
+                                                                            False)
+    assert fail.error == "PermanentError: model not found: fail-a"
+    assert fail.stderr_tail[-1] == "esd-worker: error: model not found: fail-a"
+    assert (transient.attempts, transient.exit_code, transient.retryable) == (3, 4, True)
+    assert len({pid for pid, _, _ in starts(tmp_path)}) == 1  # a failure is not a crash
+
+
+@pytest.mark.parametrize(("reuse", "expected_workers"), [(None, 1), (1, 5), (2, 3)])
+def test_worker_reuse_replaces_a_worker_after_n_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reuse: int | None, expected_workers: int
+) -> None:
+    outcomes = backend(tmp_path, monkeypatch, worker_reuse=reuse).run(
+        tasks(*(f"ok-{i}" for i in range(5))))
+    assert [o.status for o in outcomes] == ["done"] * 5
+    per_worker = Counter(pid for pid, _, _ in starts(tmp_path))
+    assert len(per_worker) == expected_workers
+    assert max(per_worker.values()) <= (reuse or 5)
+
+
+def test_cpu_workers_run_one_long_lived_worker_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    outcomes = backend(tmp_path, monkeypatch, cpu_workers=2).run(
+        tasks(*(f"wait-{i}" for i in range(4))))
+    assert [o.status for o in outcomes] == ["done"] * 4
+    assert len({pid for pid, _, _ in starts(tmp_path)}) == 2
+    assert {w["gpus"] for w in workers(tmp_path)} == {""}  # no GPU visible on CPU slots
+
+
+def test_gpu_slots_hold_their_gpus_while_the_worker_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tracker = make_tracker([10.0, 10.0])
+    b = backend(tmp_path, monkeypatch, tracker=tracker)
+    outcomes = b.run(tasks(*(f"wait-{i}" for i in range(4))))
+    assert sorted(o.where for o in outcomes) == ["gpus=0", "gpus=0", "gpus=1", "gpus=1"]
+    assert sorted(w["gpus"] for w in workers(tmp_path)) == ["0", "1"]
+    assert not any(g.taken for g in tracker.snapshot())  # given back once the workers left
+
+
+def test_the_worker_gets_the_runs_flags_as_an_argument_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend(tmp_path, monkeypatch).run(tasks("ok-a"))
+    [worker] = workers(tmp_path)
+    spec = WorkerSpec(run_id="run-1", store_url=str(tmp_path / "out"))
+    assert worker["argv"] == list(serve_argv((), spec, "cpu"))
+    argv = serve_argv(("esd-worker",), WorkerSpec(
+        run_id="r", store_url="s3://b/p", analysis=AnalysisSettings(fix_fingers="DKS"),
+        prefetch=3, cache_budget=10**9, cache_dir="/scratch", overwrite=True), "cuda")
+    assert argv[:8] == ("esd-worker", "--serve", "--output", "s3://b/p", "--device", "cuda",
+                        "--log-format", "text")
+    for flag, value in [("--run-id", "r"), ("--prefetch", "3"), ("--cache-budget", "1000000000"),
+                        ("--cache-dir", "/scratch"), ("--fix-fingers", "DKS")]:
+        assert argv[argv.index(flag) + 1] == value
+    assert "--overwrite" in argv
+
+
+def test_each_model_has_its_own_log_and_the_worker_one_for_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logs = tmp_path / "logs"
+    outcomes = backend(tmp_path, monkeypatch, log_dir=logs).run(tasks("ok-a", "crash-once-b"))
+    crashed = by_key(outcomes)[tasks("crash-once-b")[0].key]
+    text = Path(str(crashed.log_path)).read_text()
+    assert text.count("=== ") == 2 and "attempt 1 key=" in text and "attempt 2 key=" in text
+    assert "analysing crash-once-b attempt 1" in text and "analysing ok-a" not in text
+    assert sorted(p.name for p in (logs / "workers").glob("_worker-*.log")) == [
+        "_worker-1.log", "_worker-2.log"]
+
+
+def test_a_worker_that_never_serves_fails_its_model_after_bounded_attempts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker command that exits at once (not a serving worker) is charged to the model it
+    was sent, with retries bounded: no endless restarts."""
+    outcomes = backend(tmp_path, monkeypatch, max_retries=1,
+                       worker=(sys.executable, "-c", "print('no protocol here')")).run(
+        tasks("ok-a", "ok-b"))
+    assert [(o.status, o.attempts) for o in outcomes] == [("failed", 2)] * 2
+    assert outcomes[0].error.startswith("WorkerExited")
+
+
+def test_first_stop_finishes_the_model_in_progress_and_drops_what_was_queued(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend(tmp_path, monkeypatch, prefetch=2)
+    b.on_start = lambda task, gpus: b.request_stop()
+    outcomes = b.run(tasks("wait-a", "ok-b", "ok-c", "ok-d"))
+    assert [(o.task.label, o.status) for o in outcomes] == [("wait-a", "done")]
+    assert [key for _, key, _ in starts(tmp_path)] == [tasks("wait-a")[0].key]
+
+
+def test_second_stop_terminates_the_worker_and_cancels_its_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend(tmp_path, monkeypatch)
+
+    def stop_twice(task: Task, gpus: tuple[int, ...]) -> None:
+        b.request_stop()
+        threading.Timer(0.3, b.request_stop).start()
+
+    b.on_start = stop_twice
+    got: list[Outcome] = []
+    outcomes = b.run(tasks("slow-a", "ok-b"), got.append)
+    assert [(o.task.label, o.status) for o in outcomes] == [("slow-a", "cancelled")]
+    assert got == outcomes
