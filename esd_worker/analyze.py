@@ -1,4 +1,5 @@
-"""Analyse one model end to end: resolve, discover layers, stream + merge, spectra, results."""
+"""Analyse one model end to end: resolve, discover layers (with speculative spectra alongside,
+esd_worker.speculate), stream + merge, spectra, results."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import platform
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
@@ -35,6 +37,7 @@ from esd_worker.resolve import ResolvedModel, parse_model_ref, resolve_model
 from esd_worker.results import eigs_to_npz, layers_to_csv, summarize_layers
 from esd_worker.settings import AnalysisSettings, WorkerSettings
 from esd_worker.spectra import compute_spectrum
+from esd_worker.speculate import Speculated, Speculation, candidate_keys, speculation_mode
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -113,6 +116,7 @@ class _Analysis:
         device: torch.device,
         adapter: AdapterMatch | None,
         fan_in_fan_out: bool,
+        speculation: Speculation | None = None,
     ) -> None:
         self.model = model
         self.layer_map = layer_map
@@ -125,6 +129,23 @@ class _Analysis:
         self.rows: list[dict[str, Any]] = []
         self.eigs: dict[str, np.ndarray] = {}
         self.wait_s = 0.0
+        self.speculation = speculation
+        self.speculated_layers = 0  # layers whose spectrum came from the speculation
+
+    def _speculated(self, spec: LayerSpec) -> Speculated | None:
+        if self.speculation is None:
+            return None
+        return self.speculation.usable(spec, self.adapter, self.analysis)
+
+    def _fetch(self, pool: ThreadPoolExecutor, spec: LayerSpec) -> Future[torch.Tensor]:
+        """The layer's tensor, read ahead by `pool`; for a layer with a usable speculative
+        spectrum a meta tensor of its shape and dtype (all the row needs): no read."""
+        found = self._speculated(spec)
+        if found is None:
+            return pool.submit(self.read, spec.key)
+        future: Future[torch.Tensor] = Future()
+        future.set_result(torch.empty(spec.shape, dtype=found.dtype, device="meta"))
+        return future
 
     def _weight(self, spec: LayerSpec, tensor: torch.Tensor, *, merge: bool) -> torch.Tensor:
         """The layer's weight on the device in the work dtype, with its LoRA updates added.
@@ -176,14 +197,19 @@ class _Analysis:
         if status is not None:
             self.rows.append(row | _nan_metrics() | {"status": status})
             return
-        weight = self._weight(spec, tensor, merge=replaced is None)
-        if not bool(torch.isfinite(weight).all()):
-            self.rows.append(row | _nan_metrics() | {"status": "nonfinite_weights"})
-            return
-        spectrum = compute_spectrum(
-            weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm
-        )
-        del weight
+        found = self._speculated(spec)
+        if found is not None:  # finite: the speculation skips non-finite tensors
+            spectrum = found.spectrum
+            self.speculated_layers += 1
+        else:
+            weight = self._weight(spec, tensor, merge=replaced is None)
+            if not bool(torch.isfinite(weight).all()):
+                self.rows.append(row | _nan_metrics() | {"status": "nonfinite_weights"})
+                return
+            spectrum = compute_spectrum(
+                weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm
+            )
+            del weight
         metrics = layer_metrics(
             spectrum.evals,
             max_dim=spectrum.max_dim,
@@ -202,7 +228,7 @@ class _Analysis:
             ahead: deque[tuple[LayerSpec, Future[torch.Tensor]]] = deque()
             it = iter(layers)
             for spec in it:
-                ahead.append((spec, pool.submit(self.read, spec.key)))
+                ahead.append((spec, self._fetch(pool, spec)))
                 if len(ahead) >= PREFETCH:
                     break
             done = 0
@@ -210,7 +236,7 @@ class _Analysis:
                 spec, future = ahead.popleft()
                 nxt = next(it, None)
                 if nxt is not None:
-                    ahead.append((nxt, pool.submit(self.read, nxt.key)))
+                    ahead.append((nxt, self._fetch(pool, nxt)))
                 t = time.perf_counter()
                 tensor = future.result()
                 self.wait_s += time.perf_counter() - t
@@ -221,12 +247,33 @@ class _Analysis:
                     log.info("layers %d/%d analysed (%s)", done, total, spec.name)
 
 
-def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
-                  model_key: str | None = None) -> Marker:
+def analyse_model(
+    settings: WorkerSettings,
+    *,
+    store: Store | None = None,
+    model_key: str | None = None,
+    resolve: Callable[[str], ResolvedModel] = resolve_model,
+) -> Marker:
     """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
 
-    Returns the marker written (result.json).
+    resolve: how model references (the model, an adapter's base) become local files; a
+    caller that has downloaded them already hands in its own. Returns the marker written
+    (result.json).
     """
+    return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve)
+
+
+def analyse_model_with(
+    settings: WorkerSettings,
+    *,
+    store: Store | None = None,
+    model_key: str | None = None,
+    resolve: Callable[[str], ResolvedModel] = resolve_model,
+    speculate: str = "auto",
+) -> Marker:
+    """analyse_model, with the speculation switch (esd_worker.speculate): auto decides by the
+    device, off/on force it, complete speculates every candidate tensor before the analysis.
+    The results are the same byte for byte in every mode (tests compare them)."""
     settings.validate()
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
@@ -235,8 +282,9 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         store = open_store(settings.output)
         store.check()  # before any download or analysis: an unwritable output fails in a second
     device = select_device(settings.device)
+    mode = speculation_mode(speculate, device)
 
-    model = resolve_model(settings.model)
+    model = resolve(settings.model)
     adapter: LoraAdapter | None = None
     base: ResolvedModel | None = None
     if settings.relation.lower() in ADAPTER_RELATIONS or model.is_adapter:
@@ -245,19 +293,24 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
                 f"{settings.model} is listed as an adapter but has no adapter_config.json"
             )
         adapter = LoraAdapter(model.directory)
-        base = _resolve_base(settings, adapter)
+        base = _resolve_base(settings, adapter, resolve)
     weights_model = base or model
     t_resolve = time.perf_counter()
 
     from esd_worker.weights import Checkpoint
 
     with Checkpoint(weights_model.directory) as ckpt:
-        layer_map = discover_layers(
-            weights_model.directory,
-            ckpt,
-            include_embeddings=settings.analysis.include_embeddings,
-            trust_remote_code=settings.trust_remote_code,
+        speculation = None if mode == "off" else Speculation(
+            ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, device,
+            complete=mode == "complete",
         )
+        with speculation or contextlib.nullcontext():
+            layer_map = discover_layers(
+                weights_model.directory,
+                ckpt,
+                include_embeddings=settings.analysis.include_embeddings,
+                trust_remote_code=settings.trust_remote_code,
+            )
         matched: AdapterMatch | None = None
         if adapter is not None:
             matched = adapter.match(layer_map.layers, ckpt.keys())
@@ -273,7 +326,7 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         )
         job = _Analysis(
             model, layer_map, ckpt.read, settings.analysis, device, matched,
-            adapter.fan_in_fan_out if adapter else False,
+            adapter.fan_in_fan_out if adapter else False, speculation,
         )
         try:
             job.run()
@@ -321,6 +374,7 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
         "discover_s": round(t_discover - t_resolve, 4),
         "analyse_s": round(t_analyse - t_discover, 4),
         "read_wait_s": round(job.wait_s, 4),
+        "speculated_layers": job.speculated_layers,
     }
 
     def finish(written: Marker) -> Marker:
@@ -342,10 +396,12 @@ def analyse_model(settings: WorkerSettings, *, store: Store | None = None,
     return marker
 
 
-def _resolve_base(settings: WorkerSettings, adapter: LoraAdapter) -> ResolvedModel:
+def _resolve_base(
+    settings: WorkerSettings, adapter: LoraAdapter, resolve: Callable[[str], ResolvedModel]
+) -> ResolvedModel:
     """The adapter's base: --base-model, else adapter_config.json's base_model_name_or_path."""
     if settings.base_model:
-        return resolve_model(settings.base_model)
+        return resolve(settings.base_model)
     ref = adapter.info.base_model
     if not ref:
         raise PermanentModelError(
@@ -353,7 +409,7 @@ def _resolve_base(settings: WorkerSettings, adapter: LoraAdapter) -> ResolvedMod
             "base_model_name_or_path; pass --base-model"
         )
     try:
-        return resolve_model(ref)
+        return resolve(ref)
     except WorkerError as e:
         raise type(e)(
             f"adapter base {ref} (from adapter_config.json) could not be resolved: {e}; "

@@ -1,13 +1,19 @@
-"""Tests of esd_worker.spectra: the float32 Gram fast path, the float64 SVD path, layouts."""
+"""Tests of esd_worker.spectra: the float32 and float64 Gram paths against SVD, the SVD fallback,
+layouts."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
 
 from esd_worker.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
-from esd_worker.spectra import as_matrices, compute_spectrum
+from esd_worker.powerlaw import layer_metrics
+from esd_worker.spectra import as_matrices, compute_spectrum, gram_eigenvalues
+from esd_worker.weights import Checkpoint
+from tests.support.builders import MINILM_LINEAR_LAYERS, minilm_path
 
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -31,7 +37,7 @@ def reference_evals(w: torch.Tensor) -> np.ndarray:
     return np.sort(np.linalg.svd(w.double().numpy(), compute_uv=False) ** 2)
 
 
-# --- the two paths agree -------------------------------------------------------------------
+# --- float32 Gram vs float64 -------------------------------------------------------------------
 
 SHAPES = [
     pytest.param(64, 48, "gauss", id="tall-gauss"),
@@ -53,7 +59,7 @@ def test_float32_gram_matches_float64_svd(rows: int, cols: int, kind: str) -> No
     observed error is ~√m·eps32 (≤ 1.5e-6 here). Eigenvalues near λ_max are therefore good
     to ~1e-6 relative, while tiny ones (λ ≪ λ_max) carry the same absolute error and so a
     large relative one: that is why only the top of the spectrum is compared relatively.
-    The float64 path is an SVD in float64: good to ~1e-13 relative everywhere.
+    The float64 path (float64 Gram) is good to ~1e-13·λ_max everywhere.
     """
     w = make_weight(rows, cols, kind=kind)
     ref = reference_evals(w)
@@ -93,17 +99,91 @@ def test_half_precision_weights_are_upcast(half: torch.dtype, precision: str) ->
     )
 
 
-def test_eigvalsh_failure_falls_back_to_svd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If eigvalsh does not converge (LAPACK/cuSOLVER error) the layer still gets a spectrum."""
+# --- float64: Gram + eigvalsh in float64 ----------------------------------------------------
 
-    def fail(*args: object, **kwargs: object) -> torch.Tensor:
-        raise torch.linalg.LinAlgError("failed to converge")
 
-    monkeypatch.setattr(torch.linalg, "eigvalsh", fail)
-    w = make_weight(30, 20, seed=4)
-    np.testing.assert_allclose(
-        compute_spectrum(w, LINEAR).evals, reference_evals(w), rtol=1e-12
-    )
+def _conv2d(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """A (rows, cols, 3, 3) Conv2d weight with heavy-tailed slices."""
+    slices = [make_weight(rows, cols, kind="heavy", seed=seed + k) for k in range(9)]
+    return torch.stack(slices, dim=-1).reshape(rows, cols, 3, 3)
+
+
+def _numpy_reference(w: torch.Tensor, layer_type: str) -> np.ndarray:
+    """σ² in float64 numpy of the matrices the layer applies, pooled, ascending."""
+    a = w.double().numpy()
+    if layer_type == CONV2D:
+        mats = [a[:, :, i, j] for i in range(a.shape[2]) for j in range(a.shape[3])]
+        return np.sort(np.concatenate([0.5 * np.linalg.svd(m, compute_uv=False) ** 2
+                                       for m in mats]))
+    return np.sort(np.linalg.svd(a.T if layer_type == CONV1D else a, compute_uv=False) ** 2)
+
+
+FLOAT64_CASES = [
+    pytest.param(LINEAR, lambda: make_weight(300, 120, kind="heavy", seed=10), id="tall"),
+    pytest.param(LINEAR, lambda: make_weight(120, 300, kind="heavy", seed=11), id="wide"),
+    pytest.param(LINEAR, lambda: make_weight(200, 200, seed=12), id="square"),
+    pytest.param(CONV1D, lambda: make_weight(64, 192, kind="heavy", seed=13), id="conv1d"),
+    pytest.param(CONV2D, lambda: _conv2d(48, 32, seed=14), id="conv2d"),
+]
+
+
+@pytest.mark.parametrize(("layer_type", "build"), FLOAT64_CASES)
+def test_float64_gram_matches_numpy_svd(layer_type: str, build: Callable[[], torch.Tensor]) -> None:
+    """The float64 path (float64 Gram + eigvalsh) is within 1e-10 relative of numpy's float64
+    SVD on the top 10% of eigenvalues, and within 1e-12·λ_max on every one.
+
+    Why not relative everywhere: squaring into a Gram matrix leaves every eigenvalue off by
+    ~m·eps64·λ_max (Weyl), ~1e-14·λ_max here: relative to λ_max, not to the small λ. The
+    heavy-tailed cases make that show (λ spans 1e4 from top to bottom).
+    """
+    w = build()
+    ref = _numpy_reference(w, layer_type)
+    got = compute_spectrum(w, layer_type, precision="float64", conv_norm=0.5).evals
+    assert got.shape == ref.shape
+    top = slice(-max(1, ref.size // 10), None)
+    assert np.max(np.abs(got[top] - ref[top]) / ref[top]) < 1e-10
+    assert np.max(np.abs(got - ref)) < 1e-12 * ref[-1]
+
+
+def _failing_eigensolver(gram: torch.Tensor) -> torch.Tensor:
+    raise torch.linalg.LinAlgError("failed to converge")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("shape", [(1, 30, 20), (1, 20, 30), (4, 12, 16)], ids=str)
+def test_eigensolver_failure_falls_back_to_float64_svd(
+    dtype: torch.dtype, shape: tuple[int, int, int]
+) -> None:
+    """If eigvalsh raises LinAlgError (LAPACK/cuSOLVER did not converge) the batch gets
+    float64 svdvals squared: the exact reference values, not the Gram's (which differ from
+    them in the last bits, so the test tells the two paths apart)."""
+    mats = torch.from_numpy(np.random.default_rng(4).standard_normal(shape)).to(dtype)
+    expected = torch.linalg.svdvals(mats.double()).square()
+    fallback = gram_eigenvalues(mats, solve_dtype=torch.float64, eigensolver=_failing_eigensolver)
+    assert fallback.dtype == torch.float64
+    assert torch.equal(fallback, expected)
+    gram = gram_eigenvalues(mats, solve_dtype=torch.float64)
+    assert not torch.equal(gram.sort().values, expected.sort().values)
+    torch.testing.assert_close(gram.sort().values, expected.sort().values, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_alphas_match_svd_on_minilm() -> None:
+    """On the real trained all-MiniLM-L6-v2 weights, float64 Gram + eigvalsh gives the alphas of
+    the former float64 path (svdvals) within 1e-9, layer by layer (xmin_mid and DKS)."""
+    with Checkpoint(minilm_path()) as ckpt:
+        keys = [k for k in ckpt.keys()  # noqa: SIM118 - not a Mapping
+                if k.endswith(".weight") and len(ckpt.shape(k)) == 2
+                and "embeddings" not in k]
+        assert len(keys) == MINILM_LINEAR_LAYERS
+        for key in keys:
+            w = ckpt.read(key)
+            svd = np.sort(torch.linalg.svdvals(w.double()).square().numpy())
+            gram = compute_spectrum(w, LINEAR, precision="float64").evals
+            for fix_fingers in ("xmin_mid", "DKS"):
+                old = layer_metrics(svd, max_dim=max(w.shape), fix_fingers=fix_fingers)
+                new = layer_metrics(gram, max_dim=max(w.shape), fix_fingers=fix_fingers)
+                assert new["status"] == old["status"] == "ok", key
+                assert abs(new["alpha"] - old["alpha"]) < 1e-9, (key, fix_fingers)
 
 
 def test_unknown_precision_is_refused() -> None:
@@ -115,13 +195,18 @@ def test_unknown_precision_is_refused() -> None:
 
 
 @pytest.mark.parametrize("precision", ["float32", "float64"])
-def test_conv1d_is_transposed_linear(precision: str) -> None:
-    """GPT-2's Conv1D stores (in x out): same singular values, but M, N are out x in."""
-    w = make_weight(32, 96, seed=5)  # in=32, out=96 as Conv1D stores it
+@pytest.mark.parametrize(("n_in", "n_out"), [(32, 96), (96, 32), (48, 48)], ids=str)
+def test_conv1d_is_transposed_linear(precision: str, n_in: int, n_out: int) -> None:
+    """GPT-2's Conv1D stores (in x out): M, N are out x in, the singular values those of the
+    transposed Linear; and the spectrum is bit for bit that of a Linear layer holding the same
+    stored tensor (the speculative spectra of esd_worker.speculate rely on it), square or not."""
+    w = make_weight(n_in, n_out, kind="heavy", seed=5)
     conv1d = compute_spectrum(w, CONV1D, precision=precision)
-    linear = compute_spectrum(w.t().contiguous(), LINEAR, precision=precision)
-    assert (conv1d.M, conv1d.N) == (96, 32) == (linear.M, linear.N)
-    np.testing.assert_array_equal(conv1d.evals, linear.evals)
+    transposed = compute_spectrum(w.t().contiguous(), LINEAR, precision=precision)
+    as_stored = compute_spectrum(w, LINEAR, precision=precision)
+    assert (conv1d.M, conv1d.N) == (n_out, n_in) == (transposed.M, transposed.N)
+    np.testing.assert_array_equal(conv1d.evals, as_stored.evals)
+    np.testing.assert_allclose(conv1d.evals, transposed.evals, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("conv_norm", [0.5, 1.0, 2.0])
