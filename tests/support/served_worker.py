@@ -46,7 +46,7 @@ def analyse(request: Request, state: Path) -> Result:
         time.sleep(30)
     if name.startswith("fail-"):
         print("esd-worker: error: model not found: " + name, file=sys.stderr, flush=True)
-        return Result(request.key, FAILED, 3, f"PermanentError: model not found: {name}")
+        return Result(request.key, FAILED, 3, f"PermanentModelError: model not found: {name}")
     if name.startswith("transient-"):
         return Result(request.key, FAILED, 4, "TransientError: hub unreachable", True)
     time.sleep(0.05)

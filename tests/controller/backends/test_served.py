@@ -92,7 +92,7 @@ def test_failures_reported_by_the_worker_keep_their_class_and_retries(
     fail, transient = outcomes[tasks("fail-a")[0].key], outcomes[tasks("transient-b")[0].key]
     assert (fail.status, fail.attempts, fail.exit_code, fail.retryable) == ("failed", 1, 3,
                                                                             False)
-    assert fail.error == "PermanentError: model not found: fail-a"
+    assert fail.error == "PermanentModelError: model not found: fail-a"
     assert fail.stderr_tail[-1] == "esd-worker: error: model not found: fail-a"
     assert (transient.attempts, transient.exit_code, transient.retryable) == (3, 4, True)
     assert len({pid for pid, _, _ in starts(tmp_path)}) == 1  # a failure is not a crash
