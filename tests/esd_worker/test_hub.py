@@ -119,7 +119,10 @@ def test_pinned_revision(hub: HubServer, llama_dir: Path, tmp_path: Path, pin: s
     assert out["resolved"] == [{"dir": str(tmp_path / "hub" / "models--esd-test--tiny-llama"
                                            / "snapshots" / want), "sha": want}]
     refs = tmp_path / "hub" / "models--esd-test--tiny-llama" / "refs"
-    assert (refs / pin).read_text() == want if pin != "sha" else not (refs / main).exists()
+    if pin == "sha":
+        assert not (refs / main).exists()  # a commit is no ref
+    else:
+        assert (refs / pin).read_text() == want
     api = hub.calls(kind="api")
     assert len(api) == 1 and api[0].path.endswith(f"/revision/{revision}")
 
@@ -284,6 +287,23 @@ def test_a_403_behind_a_cache_miss_is_permanent() -> None:
     assert type(error) is PermanentModelError and "access denied (403)" in str(error)
     miss.__cause__ = _http_error(503, {})
     assert type(classify_hub_error(miss, "org/name", None, offline=False)) is TransientError
+
+
+def test_double_serves_ranges_and_logs(llama_dir: Path) -> None:
+    """What huggingface_hub sends when it resumes a cut-off download: Range: bytes=N-."""
+    import httpx2
+
+    with HubServer() as server, httpx2.Client(trust_env=False) as http:  # no proxy
+        sha = server.add_repo(REPO, llama_dir)
+        url = f"{server.url}/{REPO}/resolve/{sha}/config.json"
+        whole = (llama_dir / "config.json").read_bytes()
+        response = http.get(url, headers={"Range": "bytes=10-"})
+        assert response.status_code == 206 and response.content == whole[10:]
+        assert response.headers["Content-Range"] == f"bytes 10-{len(whole) - 1}/{len(whole)}"
+        assert response.headers["X-Repo-Commit"] == sha
+        assert http.get(url, headers={"Range": f"bytes={len(whole)}-"}).status_code == 416
+    assert [(r.method, r.status, r.file) for r in server.requests] == [
+        ("GET", 206, "config.json"), ("GET", 416, "config.json")]
 
 
 def test_env_for_a_client_drops_tokens_and_offline(tmp_path: Path) -> None:
