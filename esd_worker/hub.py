@@ -150,7 +150,14 @@ def download_files(
         )
 
     with ThreadPoolExecutor(max_workers=max(1, min(_MAX_PARALLEL_FILES, len(names)))) as pool:
-        list(pool.map(fetch, names))
+        futures = [pool.submit(fetch, name) for name in names]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            # One file failed for good: do not start the shards still queued.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     folder = repo_cache_dir(model_id, cache_dir)
     if (ref or "main") != sha:
         # hf_hub_download records refs only for what it resolved itself; it was given the sha.
@@ -195,7 +202,12 @@ def classify_hub_error(
             "set: download it first, or unset HF_HUB_OFFLINE"
         )
     if isinstance(e, errors.LocalEntryNotFoundError):
-        # Not offline by choice: the hub could not be reached and the cache lacks the files.
+        # Not offline by choice: the hub failed (after huggingface_hub's own retries) or could
+        # not be reached, and the cache lacks the files.
+        if cause is not None and (status := _status(cause)) is not None:
+            return TransientError(
+                f"hub error for {what} (HTTP {status}) and it is not (fully) cached: retry later"
+            )
         reason = f" ({_one_line(cause)})" if cause is not None else ""
         return TransientError(f"hub unreachable and {what} not (fully) cached{reason}")
     if isinstance(e, errors.EntryNotFoundError):
