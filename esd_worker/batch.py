@@ -134,7 +134,6 @@ class Batch:
 
     def run(self, requests: Iterator[Request]) -> Tally:
         for request in requests:
-            self.emit(event_line("start", key=request.key))
             try:
                 result = self.one(request)
             finally:
@@ -171,6 +170,8 @@ class Batch:
             log.info("model=%s key=%s skipped: %s", request.model, key, skip)
             return Result(key, SKIPPED, EXIT_OK, error=skip)
         starts = self._note_start(request)
+        # After the note: a worker killed from here on is found by the next one.
+        self.emit(event_line("start", key=key))
         if starts > self.settings.max_retries + 1:
             error = (f"WorkerCrashed: {starts - 1} worker(s) died analysing {request.model} "
                      "(out of host memory, a segfault or a fatal CUDA error): a poison model, "

@@ -11,6 +11,7 @@ line belongs to. Pure (no torch, no store): the controller imports it.
     worker → controller (stdout), one JSON object per line:
         {"event": "ready", "pid": P}                       imports done, taking requests
         {"event": "start", "key": K}                       K is being analysed: a crash now is K's
+                                                           (none for a model found done)
         {"event": "result", "key": K, "status": S, "exit_code": C, "error": E,
          "retryable": B, "seconds": T}                     S: done, failed or skipped
 

@@ -124,6 +124,7 @@ class Slots:
         job.attempts += 1
         job.wait_s += max(now - job.ready_since, 0.0)
         job.gpus, job.terminate_at, job.killed = slot.gpus, None, False
+        job.started = now  # until it starts: a model found done is answered without a start
         row = job.task.row
         assert row is not None
         slot.sent.append(job)
