@@ -42,13 +42,15 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store) 
         inbox = Inbox(requests_from_list(args.models), closed=True)
         log.info("%d model(s) from %s", len(inbox.upcoming()), args.models)
 
-    from esd_worker.analyze import analyse_model  # torch: after the store check
-    from esd_worker.prefetch import Prefetcher
+    from esd_worker.prefetch import Prefetcher  # no torch: downloads start during imports
 
     cache_dir: Path | None = args.cache_dir
     prefetcher = Prefetcher(inbox, depth=args.prefetch,
                             budget=args.cache_budget or _default_budget(cache_dir),
                             cache_dir=cache_dir, own_cache=cache_dir is not None)
+    if args.serve:
+        inbox.read_from(sys.stdin)
+    from esd_worker.analyze import analyse_model  # torch: after the store check
 
     def analyse(settings: WorkerSettings, target: Store, key: str) -> Any:
         return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve)
@@ -62,8 +64,6 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store) 
                       overwrite=args.overwrite, skip_failed=args.skip_failed),
         store, analyse, emit, finished=prefetcher.finished,
     )
-    if args.serve:
-        inbox.read_from(sys.stdin)
     emit(event_line("ready", pid=os.getpid()))
     try:
         tally = batch.run(iter(inbox))
