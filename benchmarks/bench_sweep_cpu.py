@@ -88,7 +88,7 @@ def sweep(models: Path, out: Path, *extra: str, env: dict[str, str] | None = Non
 
 def part_reuse(work: Path) -> dict[str, Any]:
     models = build_twenty(work / "models")
-    n = sum(1 for _ in open(models)) - 1
+    n = len(models.read_text().splitlines()) - 1
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     long_lived = sweep(models, work / "out-long", env=env)
     per_model = sweep(models, work / "out-each", "--worker-reuse", "1", env=env)

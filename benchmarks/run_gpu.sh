@@ -15,9 +15,11 @@
 #   4. bench_worker.py on the Llama-2-7B shape (checkpoint written to $CKPT on local disk):
 #      the worker end to end vs the whole-model svdvals baseline (its SVD loop capped at
 #      $BASELINE_MAX_S seconds, the rest extrapolated per shape, as the JSON says);
-#   5. the worker once more after dropping the page cache (cold reads), when allowed.
+#   5. the worker once more after dropping the page cache (cold reads), when allowed;
+#   6. bench_sweep_gpu.py: ten 7B-shaped models through `esd-sweep run` (long-lived workers,
+#      models/hour, the workers' peak resident memory) and --precision float64 vs float32.
 # Every result lands in $OUT: gpu_checks.json, pytest_spectra.txt, bench_worker.json,
-# bench_worker_cold.json and the logs.
+# bench_worker_cold.json, bench_sweep_gpu.json and the logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -165,6 +167,10 @@ if sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
 else
   echo "cannot drop the page cache here: cold run skipped"
 fi
+
+step "6. bench_sweep_gpu.py: ten 7B-shaped models through esd-sweep run; float64 vs float32"
+"$PY" benchmarks/bench_sweep_gpu.py --ckpt "$CKPT" --models "${SWEEP_MODELS:-10}" \
+  --json "$OUT/bench_sweep_gpu.json" 2>&1 | tee "$OUT/bench_sweep_gpu.log"
 
 step "done; results in $OUT"
 ls -l "$OUT"

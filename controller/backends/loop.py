@@ -12,6 +12,7 @@ slots).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -170,7 +171,7 @@ class Loop:
             in_use = len(self.slots) + len(self.running)
             if job.task.row is not None and not job.task.argv and self.b.spec is not None:
                 try:
-                    taken = self.slots.offer(job, now, lambda n=in_use: self.b.acquire(n))
+                    taken = self.slots.offer(job, now, functools.partial(self.b.acquire, in_use))
                 except LogDirError as e:
                     raise SweepError(f"{e} (--log-dir)") from e  # setup, not this task's
                 except (OSError, ValueError) as e:

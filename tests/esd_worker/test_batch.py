@@ -200,7 +200,7 @@ def test_a_done_model_clears_its_old_failure_record_and_is_skipped_next_time(
     analyses = Analyses({})
     run_batch(store, analyses, [req("m")])
     assert not store.exists(failure_key("key-m")) and analyses.calls == ["m"]
-    tally, events, _ = run_batch(store, analyses, [req("m")])
+    tally, _, _ = run_batch(store, analyses, [req("m")])
     assert analyses.calls == ["m"] and (tally.skipped, tally.exit_code) == (1, 0)
     tally, _, _ = run_batch(store, analyses, [req("m")], overwrite=True)
     assert analyses.calls == ["m", "m"] and tally.done == 1
@@ -224,7 +224,7 @@ def test_a_model_whose_attempt_note_shows_every_try_crashed_is_a_poison_model(
     store = LocalStore(tmp_path)
     store.put_bytes(attempt_key("key-p"), json.dumps({"starts": max_retries + 1}).encode())
     analyses = Analyses({})
-    tally, events, _ = run_batch(store, analyses, [req("p"), req("ok")],
+    _, events, _ = run_batch(store, analyses, [req("p"), req("ok")],
                                  max_retries=max_retries)
     assert analyses.calls == ["ok"]
     [poison, _] = [result_from(e) for e in events if e["event"] == "result"]
