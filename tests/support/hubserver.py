@@ -49,7 +49,8 @@ _HF_VARS = ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN", "HF_
 
 @dataclass(frozen=True)
 class Request:
-    """One request as answered. kind: "api", "file" (resolve), "cdn" (LFS body) or "other"."""
+    """One request as answered. kind: "api", "file" (resolve), "cdn" (LFS body) or "other".
+    started: when it arrived (time.monotonic(), comparable with the test process's clock)."""
 
     method: str
     path: str
@@ -57,6 +58,7 @@ class Request:
     kind: str
     repo: str | None = None
     file: str | None = None
+    started: float = 0.0
 
 
 @dataclass
@@ -270,6 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         hub: HubServer = self.server.hub
+        started = time.monotonic()
         path = urlsplit(self.path).path
         kind, repo, revision, file, tail = _parse(path)
         seen = Request(self.command, path, 0, kind, repo, file)
@@ -289,7 +292,7 @@ class _Handler(BaseHTTPRequestHandler):
                                  {"X-Repo-Commit": commit[0]})
         else:
             status = self._file(repo, commit[0], file, commit[1][file], kind == "cdn")
-        hub._record(Request(self.command, path, status, kind, repo, file))
+        hub._record(Request(self.command, path, status, kind, repo, file, started))
 
     def _api(self, repo: str, sha: str, files: dict[str, _File], tail: str) -> int:
         if tail == "tree":

@@ -1,0 +1,111 @@
+"""Downloads while analysing: the real `esd-worker --models` against the local hub double
+(tests/support/hubserver.py) through the real huggingface_hub client. Asserted from what
+reached the hub (its request log, with arrival times) and what is left on disk: the next
+model is fetched while the current one is analysed, within the budget; a base is downloaded
+once for its adapter; the worker's own cache is emptied as models finish, a user's is not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import REPO_ROOT
+from tests.support.builders import make_lora_adapter, worker_command
+from tests.support.hubserver import HubServer
+
+MODELS = [f"esd-test/model-{i}" for i in range(3)]
+BASE, ADAPTER = "esd-test/base", "esd-test/base-lora"
+
+
+@pytest.fixture
+def hub(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+    adapter = make_lora_adapter(llama_dir, tmp_path_factory.mktemp("lora") / "adapter",
+                                target_modules=("q_proj",), base_model_name_or_path=BASE)
+    with HubServer() as server:
+        for repo in [*MODELS, BASE]:
+            server.add_repo(repo, llama_dir)
+        server.add_repo(ADAPTER, adapter)
+        yield server
+
+
+def weights_size(llama_dir: Path) -> int:
+    return sum(f.stat().st_size for f in llama_dir.glob("*.safetensors"))
+
+
+def run(hub: HubServer, home: Path, out: Path, rows: list[str], *extra: str
+        ) -> list[tuple[float, dict[str, Any]]]:
+    """The worker over `rows`; its stdout events, each with the time it was read."""
+    listed = out.parent / f"{out.name}.csv"
+    listed.write_text("model_id,base_model_relation,source_model\n" + "\n".join(rows) + "\n")
+    env = hub.env(home) | {"PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([*worker_command(), "--models", str(listed), "--output", str(out),
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    got: list[tuple[float, dict[str, Any]]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        got.append((time.monotonic(), json.loads(line)))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return got
+
+
+def result_time(events: list[tuple[float, dict[str, Any]]], repo: str) -> float:
+    key_part = repo.replace("/", "--")
+    return next(t for t, e in events if e["event"] == "result" and key_part in e["key"])
+
+
+def first_body(hub: HubServer, repo: str) -> float:
+    return min(r.started for r in hub.calls("GET", kind="cdn") if r.repo == repo)
+
+
+@pytest.mark.parametrize(("extra", "overlaps"), [
+    pytest.param((), True, id="prefetch-1"),
+    pytest.param(("--prefetch", "0"), False, id="prefetch-0"),
+    pytest.param(("--cache-budget", "1"), False, id="budget-too-small"),
+])
+def test_the_next_model_downloads_while_one_is_analysed(
+    hub: HubServer, llama_dir: Path, tmp_path: Path, extra: tuple[str, ...], overlaps: bool
+) -> None:
+    """Throttled so each download takes ~0.5 s: with prefetch, model 1's weights are being
+    fetched before model 0's result; without (or with no room in the budget), only after."""
+    hub.throttle_bytes_per_s = weights_size(llama_dir) / 0.5
+    events = run(hub, tmp_path / "hf", tmp_path / "out", MODELS, *extra)
+    assert [e["status"] for _, e in events if e["event"] == "result"] == ["done"] * 3
+    for before, after in zip(MODELS, MODELS[1:], strict=False):
+        assert (first_body(hub, after) < result_time(events, before)) is overlaps
+    for repo in MODELS:  # each model's weights fetched once
+        assert len([r for r in hub.calls("GET", kind="cdn") if r.repo == repo]) == 1
+
+
+def test_the_workers_own_cache_is_emptied_and_a_base_is_fetched_once(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """Listed adapter-first: the worker moves the adapter right after its base, downloads
+    the base once for both, and with --cache-dir deletes each repo once no later model
+    needs it; the user's HF cache (HF_HOME) gets nothing."""
+    cache = tmp_path / "worker-cache"
+    rows = [f"{ADAPTER},adapter,{BASE}", MODELS[0], f"{BASE},base,"]
+    events = run(hub, tmp_path / "hf", tmp_path / "out", rows, "--cache-dir", str(cache))
+    order = [e["key"] for _, e in events if e["event"] == "result"]
+    assert [k.split("--")[1] for k in order] == ["model-0", "base", "base-lora"]
+    assert len([r for r in hub.calls("GET", kind="cdn") if r.repo == BASE]) == 1
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("models--")) == []
+    assert not list((tmp_path / "hf").rglob("*.safetensors"))
+
+
+def test_the_users_hf_cache_is_never_evicted(hub: HubServer, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    run(hub, home, tmp_path / "out", MODELS[:2])
+    kept = sorted(p.name for p in (home / "hub").iterdir() if p.name.startswith("models--"))
+    assert kept == ["models--esd-test--model-0", "models--esd-test--model-1"]
+    hub.clear_log()
+    again = run(hub, home, tmp_path / "out2", MODELS[:2])  # another output: analysed again
+    assert [e["status"] for _, e in again if e["event"] == "result"] == ["done", "done"]
+    assert hub.calls("GET", kind="cdn") == []  # from the cache, no download
