@@ -125,12 +125,20 @@ class Speculation:
         # differently over threads can round differently), whatever this thread inherits.
         self._threads = torch.get_num_threads()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="esd-speculate", daemon=True)
+        # Not a daemon: a signal's exception (cli: SIGTERM raises Terminated) can interrupt
+        # the join in stop(), and a daemon thread still inside torch when the interpreter
+        # exits aborts the process; a normal thread is joined at exit, and having been told
+        # to stop it ends after the tensor in progress.
+        self._thread = threading.Thread(target=self._run, name="esd-speculate")
         self.done: dict[str, Speculated] = {}
         self.busy_s = 0.0
 
     def __enter__(self) -> Speculation:
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # interrupted (a signal) after the thread may have started
+            self._stopping.set()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -139,8 +147,12 @@ class Speculation:
     def stop(self) -> None:
         if not self._complete:
             self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        try:
+            if self._thread.is_alive():
+                self._thread.join()
+        except BaseException:  # a signal while waiting: do not leave it running on
+            self._stopping.set()
+            raise
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
