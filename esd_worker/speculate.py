@@ -49,20 +49,24 @@ SPECULATE_MODES = ("auto", "off", "on", "complete")
 
 
 def speculation_mode(requested: str, device: torch.device) -> str:
-    """off, on or complete (see Speculation) for a requested mode; auto: on, except on a
-    CPU-only host with a single core, where discovery and spectra would only take turns."""
+    """off, on or complete (see Speculation) for a requested mode.
+
+    auto: on with a GPU (the kernels run there, the host thread mostly waits). On a CPU only
+    when a core is left over beside torch's threads for discovery's Python: measured on
+    the 2-core development machine with all-MiniLM-L6-v2, 2 torch threads made the run
+    slower (discovery starved of its core: 3.0 s -> 3.3 s), 1 thread faster (3.4 s -> 3.0 s).
+    """
     if requested not in SPECULATE_MODES:
         raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}: {requested!r}")
     if requested != "auto":
         return requested
     if device.type != "cpu":
         return "on"
-        return True
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return "on" if cores > 1 else "off"
+    return "on" if cores > torch.get_num_threads() else "off"
 
 
 def candidate_keys(ckpt: Checkpoint, analysis: AnalysisSettings) -> list[str]:
@@ -121,12 +125,20 @@ class Speculation:
         # differently over threads can round differently), whatever this thread inherits.
         self._threads = torch.get_num_threads()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="esd-speculate", daemon=True)
+        # Not a daemon: a signal's exception (cli: SIGTERM raises Terminated) can interrupt
+        # the join in stop(), and a daemon thread still inside torch when the interpreter
+        # exits aborts the process; a normal thread is joined at exit, and having been told
+        # to stop it ends after the tensor in progress.
+        self._thread = threading.Thread(target=self._run, name="esd-speculate")
         self.done: dict[str, Speculated] = {}
         self.busy_s = 0.0
 
     def __enter__(self) -> Speculation:
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # interrupted (a signal) after the thread may have started
+            self._stopping.set()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,8 +147,12 @@ class Speculation:
     def stop(self) -> None:
         if not self._complete:
             self._stopping.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        try:
+            if self._thread.is_alive():
+                self._thread.join()
+        except BaseException:  # a signal while waiting: do not leave it running on
+            self._stopping.set()
+            raise
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from esd_worker.analyze import analyse_model_with
 from esd_worker.results import eigs_from_npz
 from esd_worker.settings import AnalysisSettings, WorkerSettings
+from esd_worker.speculate import speculation_mode
 from tests.support.builders import (
     make_llama,
     make_lora_adapter,
@@ -157,3 +159,19 @@ def test_overlap_computes_spectra_before_a_slow_discovery_ends(tmp_path: Path) -
 def test_unknown_mode_is_refused(llama_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="speculate"):
         Run(llama_dir, tmp_path, "sometimes")
+
+
+def test_auto_mode_needs_a_spare_core_on_the_cpu() -> None:
+    """auto: on with a GPU; on the CPU off when torch's threads take every core (discovery
+    would be starved of its own), on when one is left over."""
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        assert speculation_mode("auto", torch.device("cuda:0")) == "on"
+        torch.set_num_threads(cores)
+        assert speculation_mode("auto", torch.device("cpu")) == "off"
+        torch.set_num_threads(1)
+        assert speculation_mode("auto", torch.device("cpu")) == ("on" if cores > 1 else "off")
+        assert speculation_mode("complete", torch.device("cpu")) == "complete"
+    finally:
+        torch.set_num_threads(threads)
