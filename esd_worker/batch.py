@@ -136,16 +136,21 @@ class Batch:
         for request in requests:
             try:
                 result = self.one(request)
-            finally:
-                if self.finished is not None:
-                    self.finished(request)
+            except BaseException:
+                self._finished(request)
+                raise
             self.tally.add(result)
-            self.emit(result.to_line())
+            self.emit(result.to_line())  # first: whoever waits on it need not wait for eviction
+            self._finished(request)
             if self.fatal:
                 log.error("the worker cannot go on after this error; exiting so that a fresh "
                           "one takes the next models")
                 break
         return self.tally
+
+    def _finished(self, request: Request) -> None:
+        if self.finished is not None:
+            self.finished(request)
 
     def one(self, request: Request) -> Result:
         """Analyse one model and record how it ended; never raises but for a stop."""

@@ -48,6 +48,7 @@ class Inbox:
         self._queue: deque[Request] = deque(requests)
         self._closed = closed
         self._cond = threading.Condition()
+        self.current: Request | None = None  # the last one taken (being analysed)
 
     def put(self, request: Request) -> None:
         with self._cond:
@@ -76,7 +77,8 @@ class Inbox:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait(_WAIT_S)
-            return self._queue.popleft() if self._queue else None
+            self.current = self._queue.popleft() if self._queue else None
+            return self.current
 
     def __iter__(self) -> Iterator[Request]:
         while (request := self.take()) is not None:

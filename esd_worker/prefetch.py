@@ -40,7 +40,7 @@ class _Entry:
 
     ref: str
     model_id: str
-    size: int
+    size: int | None  # None while it is being sized
     result: Future[ResolvedModel] = field(default_factory=Future)
 
 
@@ -65,6 +65,7 @@ class Prefetcher:
         self._current: set[str] = set()  # refs the model in progress uses
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a model started or finished: look ahead now
         self._thread: threading.Thread | None = None
         if depth > 0:
             self._thread = threading.Thread(target=self._loop, name="esd-prefetch", daemon=True)
@@ -73,6 +74,7 @@ class Prefetcher:
     # -- the main thread's side ---------------------------------------------------------------
 
     def resolve(self, ref: str) -> ResolvedModel:
+        self._wake.set()  # a model is starting: what comes after it may be fetched now
         with self._lock:
             self._current.add(ref)
             entry = self._entries.get(ref)
@@ -81,15 +83,24 @@ class Prefetcher:
                 return entry.result.result()
             except TransientError as e:  # it may have been the network then: try again now
                 log.info("prefetch of %s failed (%s); fetching again", ref, e)
-        model = resolve_model(ref, cache_dir=self.cache_dir)
+        if Path(ref).expanduser().is_dir():
+            return resolve_model(ref)
+        # Held from now on (its size once known), so the read-ahead leaves it room.
+        entry = _Entry(ref, parse_model_ref(ref)[0], None)
         with self._lock:
-            done = _Entry(ref, model.model_id, _dir_bytes(model.directory))
-            done.result.set_result(model)
-            self._entries[ref] = done
-        return model
+            self._entries[ref] = entry
+        try:
+            files = model_files(ref, cache_dir=self.cache_dir)
+        except BaseException as e:
+            entry.result.set_exception(e)
+            raise
+        entry.size = files.total_bytes
+        self._download(entry, files)
+        return entry.result.result()
 
     def finished(self, request: Request) -> None:
         """The model is analysed: its downloads go unless a queued model needs them too."""
+        self._wake.set()
         with self._lock:
             used, self._current = self._current | {request.model}, set()
             wanted = {ref for r in self.inbox.upcoming() for ref in _refs(r)}
@@ -104,23 +115,35 @@ class Prefetcher:
             folder = repo_cache_dir(entry.model_id, self.cache_dir)
             if folder.is_dir():
                 log.info("evicting %s from the worker's cache (%s)", entry.model_id,
-                         _gib(entry.size))
+                         _gib(entry.size or 0))
                 shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
     # -- the prefetch thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while not self._stop.wait(_IDLE_S):
+        while not self._stop.is_set():
+            self._wake.wait(_IDLE_S)
+            self._wake.clear()
+            if self._current_unsized():
+                continue  # the model just taken comes first: its size is not known yet
             for request in self.inbox.upcoming()[: self.depth]:
                 # all() stops at the first ref that must wait for room in the budget.
                 if self._stop.is_set() or not all(self._fetch(r) for r in _refs(request)):
                     break
                 self._fetch_adapter_base(request)
+
+    def _current_unsized(self) -> bool:
+        current = self.inbox.current
+        if current is None or Path(current.model).expanduser().is_dir():
+            return False
+        with self._lock:
+            return current.model not in self._entries
 
     def _fetch(self, ref: str) -> bool:
         """Fetch ref ahead; False when it must wait for room in the budget."""
@@ -139,8 +162,10 @@ class Prefetcher:
                 self._entries[ref] = entry
             return True
         with self._lock:
-            held = sum(e.size for e in self._entries.values())
-            if self.budget is not None and held and held + files.total_bytes > self.budget:
+            sizes = [e.size for e in self._entries.values()]
+            held = sum(size or 0 for size in sizes)
+            if None in sizes or (self.budget is not None and held
+                                 and held + files.total_bytes > self.budget):
                 return False
             entry = _Entry(ref, files.model_id, files.total_bytes)
             self._entries[ref] = entry
@@ -174,13 +199,6 @@ class Prefetcher:
 
 def _refs(request: Request) -> list[str]:
     return [request.model] + ([request.base_model] if request.base_model else [])
-
-
-def _dir_bytes(directory: Path) -> int:
-    try:
-        return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-    except OSError:
-        return 0
 
 
 def _gib(size: int) -> str:
