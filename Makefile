@@ -44,6 +44,7 @@ bench: setup
 	$(PY) benchmarks/bench_plan.py
 	$(PY) benchmarks/bench_dispatch.py
 	$(PY) benchmarks/bench_refit.py
+	$(PY) benchmarks/bench_sweep_cpu.py
 
 clean:
 	rm -rf $(VENV) $(EXAMPLE) $(RESULTS) .pytest_cache .mypy_cache .ruff_cache

@@ -45,7 +45,8 @@ def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
     add_flag(parser, "--conv-norm", type=float, default=d.conv_norm,
              help=f"Conv2d slices are scaled by sqrt(conv_norm) (default {d.conv_norm})")
     add_flag(parser, "--precision", choices=PRECISIONS, default=d.precision,
-             help="float32: Gram matrix + eigvalsh (fast, default); float64: SVD (reference)")
+             help="float32: Gram matrix + eigvalsh (fast, default); float64: the same in "
+             "float64 (reference accuracy)")
     add_flag(parser, "--include-embeddings", action="store_true",
              help="analyse Embedding layers too")
 

@@ -23,7 +23,8 @@ class AnalysisSettings:
     bins: histogram bins for xmin_peak (default 100).
     min_evals: layers whose smaller side is below this get status=too_small (default 10).
     conv_norm: Conv2d slices are scaled by sqrt(conv_norm) before pooling (default 0.5).
-    precision: float32 = Gram matrix + eigvalsh (fast path); float64 = SVD in float64.
+    precision: float32 = Gram matrix + eigvalsh (fast path); float64 = float64 Gram +
+        eigvalsh (alphas within ~1e-12 of float64 SVD; docs/metrics.md).
     include_embeddings: analyse Embedding layers too (default off).
     """
 

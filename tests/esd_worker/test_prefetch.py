@@ -6,6 +6,7 @@ once for its adapter; the worker's own cache is emptied as models finish, a user
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -78,7 +79,7 @@ def test_the_next_model_downloads_while_one_is_analysed(
     hub.throttle_bytes_per_s = weights_size(llama_dir) / 0.5
     events = run(hub, tmp_path / "hf", tmp_path / "out", MODELS, *extra)
     assert [e["status"] for _, e in events if e["event"] == "result"] == ["done"] * 3
-    for before, after in zip(MODELS, MODELS[1:], strict=False):
+    for before, after in itertools.pairwise(MODELS):
         assert (first_body(hub, after) < result_time(events, before)) is overlaps
     for repo in MODELS:  # each model's weights fetched once
         assert len([r for r in hub.calls("GET", kind="cdn") if r.repo == repo]) == 1
