@@ -229,6 +229,32 @@ def test_ctrl_c_stops_dispatching_and_the_same_command_resumes(
         assert first_marker.read_bytes() == before
 
 
+def test_a_worker_killed_under_a_model_costs_it_one_attempt_and_the_rest_go_on(
+    tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """SIGKILL the long-lived worker while it analyses the first model (as the OOM killer
+    would): the controller charges that model one attempt, starts a fresh worker, and every
+    model ends done; the first model's log shows both attempts, the store no attempt note."""
+    models = write_model_list(tmp_path / "models.csv", [(str(p), "", "") for p in tiny_models])
+    out = tmp_path / "results"
+    keys = [model_key(str(p)) for p in tiny_models]
+    proc = _start_sweep(models, out)
+    _wait_for(out / "logs" / "workers" / f"{keys[0]}.log", proc)
+    log_text = (out / "logs" / "esd-sweep.log").read_text()
+    pid = int(log_text.split("worker 1 started on cpu pid=")[1].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert all((out / k / "result.json").is_file() for k in keys)
+    # Killed at its first log line, seconds before its marker (transformers is still
+    # importing): the retry is that model's second attempt.
+    first_log = (out / "logs" / "workers" / f"{keys[0]}.log").read_text()
+    assert "attempt 1 key=" in first_log and "attempt 2 key=" in first_log
+    assert "WorkerCrashed: the worker was killed by SIGKILL" in stderr
+    assert sorted(p.name for p in out.glob("_attempts/*")) == []
+    assert sorted(p.name for p in out.glob("_failures/*")) == []
+
+
 def test_custom_commands_run_under_the_same_management(tmp_path: Path) -> None:
     """--mode custom runs each command line (argv split, no shell) with the worker slots and
     records: one that exits 3 is a permanent failure (exit 1), the others succeed."""
