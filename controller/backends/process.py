@@ -110,24 +110,33 @@ class Attempt:
         return Ended(rc if rc >= 0 else None, -rc if rc < 0 else None, tail, error, retryable)
 
     def signal(self, sig: signal.Signals) -> None:
-        """Signal the worker's whole process group (its own session), the worker included.
-
-        Only while the worker itself is unreaped: its pid, which is the group id, cannot
-        have been reused then.
-        """
-        if self.proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc, sig)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the process; SIGKILL it after `timeout_s`."""
-        try:
-            self.proc.wait(timeout=max(timeout_s, 0.0))
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait()
+        wait_or_kill(self.proc, timeout_s)
         self.output.close()
+
+
+def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    """Signal a worker's whole process group (its own session), the worker included.
+
+    Only while the worker itself is unreaped: its pid, which is the group id, cannot have
+    been reused then.
+    """
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def wait_or_kill(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """Wait for a worker; SIGKILL its group after `timeout_s`."""
+    try:
+        proc.wait(timeout=max(timeout_s, 0.0))
+    except subprocess.TimeoutExpired:
+        signal_group(proc, signal.SIGKILL)
+        proc.wait()
 
 
 def worker_env(gpus: tuple[int, ...], threads: int | None,

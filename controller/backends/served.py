@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import queue
 import shlex
 import signal
@@ -31,6 +30,8 @@ from controller.backends.process import (
     LogDirError,
     die_with_parent,
     safe_name,
+    signal_group,
+    wait_or_kill,
     worker_env,
 )
 from esd_worker.protocol import DRAIN, MODEL_BEGIN, MODEL_END, Request, parse_event
@@ -130,19 +131,11 @@ class ServedWorker:
     # -- ending ---------------------------------------------------------------------------
 
     def signal(self, sig: signal.Signals) -> None:
-        """Signal the worker's process group (its own session) while the worker is unreaped."""
-        if self.proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+        signal_group(self.proc, sig)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the process; SIGKILL it after `timeout_s`."""
-        try:
-            self.proc.wait(timeout=max(timeout_s, 0.0))
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait()
+        wait_or_kill(self.proc, timeout_s)
         self.finish_reading()
 
     def finish_reading(self) -> None:
