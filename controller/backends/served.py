@@ -150,6 +150,12 @@ class ServedWorker:
             lines = self._tails.get(key) if key is not None else self._worker_tail
             return tuple(lines or ())
 
+    def forget(self, key: str) -> None:
+        """Drop what is kept of a model that ended (a worker may analyse millions)."""
+        with self._lock:
+            self._tails.pop(key, None)
+            self._logs.pop(key, None)
+
     def log_path(self, key: str) -> str | None:
         path = self._logs.get(key)
         return str(path) if path is not None else None

@@ -184,6 +184,7 @@ class Slots:
             job.log_path = slot.worker.log_path(job.task.key)
             job.last = Ended(0 if ok else result.exit_code, None, slot.worker.tail(key),
                              "" if ok else result.error, not ok and result.retryable)
+            slot.worker.forget(job.task.key)
             got.ended.append(job)
 
     def _exited(self, slot: Slot, now: float, got: Collected) -> None:
