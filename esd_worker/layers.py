@@ -77,6 +77,21 @@ def match_by_suffix(name: str, index: dict[str, list[str]], *, min_parts: int = 
     return None
 
 
+def warm_up(*, cuda: bool) -> None:
+    """Import what layer discovery needs (transformers, its model base class: ~3 s on a CPU,
+    more on a cold image) and start CUDA, so that a long-lived worker pays this while its
+    first model downloads, not after. Safe in a background thread."""
+    try:
+        import transformers.modeling_utils  # noqa: F401
+        from accelerate import init_empty_weights  # noqa: F401
+        from transformers.pytorch_utils import Conv1D  # noqa: F401
+
+        if cuda and torch.cuda.is_available():
+            torch.cuda.init()
+    except Exception as e:  # the model that needs it will report the problem
+        log.debug("warm-up: %s", e)
+
+
 def _module_type(module: torch.nn.Module) -> str | None:
     from transformers.pytorch_utils import Conv1D
 

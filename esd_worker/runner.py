@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,12 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store) 
     if args.serve:
         inbox.read_from(sys.stdin)
     from esd_worker.analyze import analyse_model  # torch: after the store check
+    from esd_worker.layers import warm_up
+
+    # transformers and CUDA start while the first model downloads (not a daemon: a thread
+    # killed inside an import at exit can abort the interpreter).
+    threading.Thread(target=warm_up, kwargs={"cuda": template.device != "cpu"},
+                     name="esd-warm-up").start()
 
     def analyse(settings: WorkerSettings, target: Store, key: str) -> Any:
         return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve)
