@@ -6,7 +6,7 @@ reuse:    20 small models (8 directories holding the all-MiniLM-L6-v2 weights of
           default long-lived worker and with `--worker-reuse 1` (a fresh worker per model: the
           old way), one worker (`--cpu-workers 1`). Targets (issue 12): >= 4x faster and
           <= 1.0 s per model amortised.
-prefetch: 6 models (one decoder block of seven 2048² bf16 matrices, 58 MB) served by the
+prefetch: 6 models (two decoder blocks of seven 2048² bf16 matrices each, 117 MB) served by the
           local hub double (tests/support/hubserver.py) over HTTP, throttled so that one
           model's download takes about as long as its analysis (calibrated here first),
           swept cold (empty HF cache) with `--prefetch 1` and `--prefetch 0`. Target:
@@ -109,13 +109,13 @@ def part_prefetch(work: Path) -> dict[str, Any]:
     from esd_worker.settings import WorkerSettings
     from tests.support.hubserver import HubServer
 
-    # Square 2048² layers in bf16: seconds of eigvalsh per model for 58 MB of weights, so
+    # Square 2048² layers in bf16: seconds of eigvalsh per model for 117 MB of weights, so
     # the throttled download is network-like (~15 MB/s), not a CPU-bound copy competing
     # with the analysis for this machine's two cores.
     base = work / "hub-model"
     if not (base / "config.json").is_file():
         torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=2048, intermediate_size=2048, num_hidden_layers=1,
+        config = LlamaConfig(hidden_size=2048, intermediate_size=2048, num_hidden_layers=2,
                              num_attention_heads=16, num_key_value_heads=16, vocab_size=256,
                              tie_word_embeddings=True)
         LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(base)
