@@ -6,6 +6,7 @@ import contextlib
 import io
 import logging
 import re
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,15 +78,22 @@ def match_by_suffix(name: str, index: dict[str, list[str]], *, min_parts: int = 
     return None
 
 
+# transformers is imported lazily, module by module: two threads importing it at once can
+# see it half initialised ("module 'transformers' has no attribute 'AutoConfig'", seen with
+# warm_up running beside a discovery), and a discovery would silently fall back. Whoever
+# imports or uses it to build a model holds this lock.
+_TRANSFORMERS = threading.RLock()
+
+
 def warm_up(*, cuda: bool) -> None:
     """Import what layer discovery needs (transformers, its model base class: ~3 s on a CPU,
     more on a cold image) and start CUDA, so that a long-lived worker pays this while its
     first model downloads, not after. Safe in a background thread."""
     try:
-        import transformers.modeling_utils  # noqa: F401
-        from accelerate import init_empty_weights  # noqa: F401
-        from transformers.pytorch_utils import Conv1D  # noqa: F401
-
+        with _TRANSFORMERS:
+            import transformers.modeling_utils  # noqa: F401
+            from accelerate import init_empty_weights  # noqa: F401
+            from transformers.pytorch_utils import Conv1D  # noqa: F401
         if cuda and torch.cuda.is_available():
             torch.cuda.init()
     except Exception as e:  # the model that needs it will report the problem
@@ -93,7 +101,8 @@ def warm_up(*, cuda: bool) -> None:
 
 
 def _module_type(module: torch.nn.Module) -> str | None:
-    from transformers.pytorch_utils import Conv1D
+    with _TRANSFORMERS:
+        from transformers.pytorch_utils import Conv1D
 
     if isinstance(module, Conv1D):
         return CONV1D
@@ -108,6 +117,12 @@ def _module_type(module: torch.nn.Module) -> str | None:
 
 def _build_meta_model(directory: Path, *, trust_remote_code: bool) -> torch.nn.Module | None:
     """The model's architecture with no weights, or None when transformers does not know it."""
+    with _TRANSFORMERS:
+        return _build_meta_model_locked(directory, trust_remote_code=trust_remote_code)
+
+
+def _build_meta_model_locked(directory: Path, *, trust_remote_code: bool
+                             ) -> torch.nn.Module | None:
     import transformers
     from accelerate import init_empty_weights
 
