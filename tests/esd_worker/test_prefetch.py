@@ -15,22 +15,33 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.support import REPO_ROOT
-from tests.support.builders import make_lora_adapter, worker_command
+from tests.support.builders import make_llama, make_lora_adapter, worker_command
 from tests.support.hubserver import HubServer
 
 MODELS = [f"esd-test/model-{i}" for i in range(3)]
 BASE, ADAPTER = "esd-test/base", "esd-test/base-lora"
 
 
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Square 768² layers in bf16: about a second of analysis for 14 MB, so a read-ahead has
+    time to show whatever the machine's load."""
+    return make_llama(tmp_path_factory.mktemp("wide") / "llama", hidden_size=768,
+                      intermediate_size=768, num_layers=2, dtype=torch.bfloat16)
+
+
 @pytest.fixture
-def hub(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
+def hub(llama_dir: Path, wide_llama: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
     adapter = make_lora_adapter(llama_dir, tmp_path_factory.mktemp("lora") / "adapter",
                                 target_modules=("q_proj",), base_model_name_or_path=BASE)
     with HubServer() as server:
-        for repo in [*MODELS, BASE]:
-            server.add_repo(repo, llama_dir)
+        for repo in MODELS:
+            server.add_repo(repo, wide_llama)
+        server.add_repo(BASE, llama_dir)
         server.add_repo(ADAPTER, adapter)
         yield server
 
@@ -72,11 +83,11 @@ def first_body(hub: HubServer, repo: str) -> float:
     pytest.param(("--cache-budget", "1"), False, id="budget-too-small"),
 ])
 def test_the_next_model_downloads_while_one_is_analysed(
-    hub: HubServer, llama_dir: Path, tmp_path: Path, extra: tuple[str, ...], overlaps: bool
+    hub: HubServer, wide_llama: Path, tmp_path: Path, extra: tuple[str, ...], overlaps: bool
 ) -> None:
-    """Throttled so each download takes ~0.5 s: with prefetch, model 1's weights are being
-    fetched before model 0's result; without (or with no room in the budget), only after."""
-    hub.throttle_bytes_per_s = weights_size(llama_dir) / 0.5
+    """Throttled so each download takes ~0.5 s: with prefetch, model i+1's weights are being
+    fetched before model i's result; without (or with no room in the budget), only after."""
+    hub.throttle_bytes_per_s = weights_size(wide_llama) / 0.5
     events = run(hub, tmp_path / "hf", tmp_path / "out", MODELS, *extra)
     assert [e["status"] for _, e in events if e["event"] == "result"] == ["done"] * 3
     for before, after in itertools.pairwise(MODELS):
