@@ -11,9 +11,8 @@ import logging
 from dataclasses import dataclass, field
 
 from controller.backends.base import Outcome
-from controller.runs import utc_now
 from esd_worker.layout import marker_key
-from esd_worker.records import FailureRecord, clear_failure, redact, write_failure
+from esd_worker.records import FailureRecord, clear_failure, redact, utc_now, write_failure
 from esd_worker.store import Store
 
 log = logging.getLogger(__name__)

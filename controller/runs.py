@@ -35,11 +35,6 @@ class Tally(Protocol):
     def waits(self) -> Sequence[float]: ...
 
 
-def utc_now() -> str:
-    """Now in UTC, ISO-8601 to the second: the run report's and the failure records' times."""
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 def new_run_id(now: datetime | None = None) -> str:
     """A sortable, unique run id: UTC time to the second, then 6 random hex digits.
 

@@ -33,10 +33,11 @@ from controller.plan import Plan, plan_run
 from controller.progress import Progress
 from controller.recorder import Recorder
 from controller.results.summary import write_summary
-from controller.runs import new_run_id, run_report, utc_now, write_run_report
+from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.modellist import ModelList, base_first, make_single, read_model_list
+from esd_worker.records import utc_now
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)

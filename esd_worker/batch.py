@@ -44,7 +44,7 @@ from esd_worker.records import (
     FailureRecord,
     clear_failure,
     read_failure,
-    utc_timestamp,
+    utc_now,
     write_failure,
 )
 from esd_worker.settings import WorkerSettings
@@ -225,7 +225,7 @@ class Batch:
         record = FailureRecord(
             model=request.model, model_key=request.key, error=error, exit_code=code,
             signal=None, retryable=retryable, attempts=attempts, stderr_tail=tuple(tail.lines),
-            run_id=self.settings.run_id, time=utc_timestamp(),
+            run_id=self.settings.run_id, time=utc_now(),
         )
         write_failure(self.store, record)
         self._clear_note(request.key)
@@ -247,7 +247,7 @@ class Batch:
                 log.warning("unreadable attempt note %s: counted as one start", key)
                 starts += 1
         note = {"model": request.model, "starts": starts, "run_id": self.settings.run_id,
-                "host": platform.node(), "pid": os.getpid(), "time": utc_timestamp()}
+                "host": platform.node(), "pid": os.getpid(), "time": utc_now()}
         self.store.put_bytes(key, (json.dumps(note) + "\n").encode())
         return starts
 

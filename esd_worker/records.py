@@ -54,10 +54,11 @@ def redact(text: str) -> str:
     return text
 
 
-def utc_timestamp(now: datetime | None = None) -> str:
-    """ISO-8601 UTC time to the second, e.g. 2026-11-23T07:05:01Z."""
+def utc_now(now: datetime | None = None) -> str:
+    """ISO-8601 UTC time to the second, e.g. 2026-11-23T07:05:01+00:00: a record's `time`
+    (whoever writes it: the worker or the controller) and the run report's times."""
     now = now or datetime.now(timezone.utc)
-    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now.astimezone(timezone.utc).isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)

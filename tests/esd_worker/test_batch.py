@@ -186,6 +186,7 @@ def test_a_failed_model_gets_the_controllers_record_and_the_next_one_runs(
     assert (record.exit_code, record.retryable, record.attempts, record.run_id) == (
         exit_code, retryable, 2, "run-7")
     assert record.error == results[0].error
+    assert record.time.endswith("+00:00")  # the controller's format (esd_worker.records.utc_now)
     assert any("analysing bad" in line for line in record.stderr_tail)
     assert record.stderr_tail[-1].startswith("esd-worker: error: ")
     assert tally.exit_code == (4 if retryable else 3)

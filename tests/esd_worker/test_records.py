@@ -15,7 +15,7 @@ from esd_worker.records import (
     clear_failure,
     read_failures,
     redact,
-    utc_timestamp,
+    utc_now,
     write_failure,
 )
 from esd_worker.store import LocalStore
@@ -145,12 +145,13 @@ def test_from_json_rejects(data: bytes, expected: str) -> None:
 
 
 
-def test_utc_timestamp() -> None:
+def test_utc_now() -> None:
+    """The one time format of records (worker- or controller-written) and run reports."""
     from datetime import datetime, timedelta, timezone
 
     cet = timezone(timedelta(hours=1))
-    assert utc_timestamp(datetime(2026, 11, 23, 8, 5, 1, 999, tzinfo=cet)) == "2026-11-23T07:05:01Z"
-    assert utc_timestamp().endswith("Z")
+    assert utc_now(datetime(2026, 11, 23, 8, 5, 1, 999, tzinfo=cet)) == "2026-11-23T07:05:01+00:00"
+    assert utc_now().endswith("+00:00")
 
 
 # --- redaction ------------------------------------------------------------------------------
