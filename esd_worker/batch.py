@@ -22,12 +22,14 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from esd_worker.errors import (
+    ERROR_PREFIX,
     EXIT_OK,
     EXIT_TRANSIENT,
     Terminated,
     WorkerError,
     classify_exit,
     exit_code_for,
+    failure_message,
 )
 from esd_worker.layout import attempt_key, canonical_parameters, read_marker
 from esd_worker.protocol import (
@@ -192,15 +194,14 @@ class Batch:
             raise
         except Exception as e:
             code = exit_code_for(e)
-            message = _message(e, request.model)
             if _fatal_cuda(e):
                 code, self.fatal = EXIT_TRANSIENT, True
             elif not isinstance(e, (WorkerError, MemoryError)):
                 log.error("unexpected error analysing %s", request.model, exc_info=e)
-            _, retryable = classify_exit(code, None)
-            self.stderr.write(f"esd-worker: error: {message}\n")
-            tail.lines.append(f"esd-worker: error: {message}")
-            cls = classify_exit(code, None)[0]
+            message = failure_message(e, request.model)
+            self.stderr.write(ERROR_PREFIX + message + "\n")
+            tail.lines.append(ERROR_PREFIX + message)
+            cls, retryable = classify_exit(code, None)
             return self._failed(request, f"{cls}: {message}", code, retryable, tail,
                                 attempts=request.attempt)
         _release_gpu_memory()
@@ -253,16 +254,6 @@ class Batch:
 
     def _clear_note(self, key: str) -> None:
         self.store.delete(attempt_key(key))
-
-
-def _message(e: BaseException, model: str) -> str:
-    if isinstance(e, WorkerError):
-        text = str(e)
-    elif isinstance(e, MemoryError):
-        text = "out of host memory; retry on a larger machine"
-    else:
-        text = f"internal error analysing {model}: {type(e).__name__}: {e} (a bug)"
-    return " ".join(text.split())
 
 
 def _fatal_cuda(e: BaseException) -> bool:

@@ -17,7 +17,14 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from esd_worker import __version__
-from esd_worker.errors import EXIT_USAGE, Terminated, WorkerError, exit_code_for
+from esd_worker.errors import (
+    ERROR_PREFIX,
+    EXIT_USAGE,
+    Terminated,
+    WorkerError,
+    exit_code_for,
+    failure_message,
+)
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.runner import run_batch
@@ -108,9 +115,9 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(f"terminated by signal {signum} before the result was written")
 
 
-def _fail(message: str) -> None:
+def _fail(error: BaseException, model: str) -> None:
     """The one line a person (or the controller's failure record) reads."""
-    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    print(ERROR_PREFIX + failure_message(error, model), file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -132,19 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkerError as e:
         if args.log_format == "json":
             log.error("%s", e, extra={"exit_code": e.exit_code})
-        _fail(str(e))
+        _fail(e, args.model)
         return exit_code_for(e)
-    except (KeyboardInterrupt, Terminated) as e:
-        _fail(str(e) if isinstance(e, Terminated) else "interrupted; no result written")
-        return exit_code_for(e)
-    except MemoryError as e:
-        _fail("out of host memory; retry on a larger machine")
+    except (KeyboardInterrupt, Terminated, MemoryError) as e:
+        _fail(e, args.model)
         return exit_code_for(e)
     except Exception as e:
         # A bug, not a model problem: keep the traceback for the failure record.
         log.exception("unexpected error analysing %s", args.model)
-        _fail(f"internal error analysing {args.model}: {type(e).__name__}: {e} "
-              "(a bug: see the traceback above)")
+        _fail(e, args.model)
         return exit_code_for(e)
     finally:
         if previous is not None:

@@ -136,3 +136,21 @@ def signal_name(signum: int) -> str:
         return _signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+ERROR_PREFIX = "esd-worker: error: "  # what the controller's tail and people look for
+
+
+def failure_message(error: BaseException, model: str) -> str:
+    """The one line that says why analysing `model` ended without a result, on one line,
+    for `esd-worker --model` and for each model of a batch alike."""
+    if isinstance(error, (WorkerError, Terminated)):
+        text = str(error)
+    elif isinstance(error, KeyboardInterrupt):
+        text = "interrupted; no result written"
+    elif isinstance(error, MemoryError):
+        text = "out of host memory; retry on a larger machine"
+    else:  # a bug in the worker, not a model problem (the caller logs the traceback)
+        text = (f"internal error analysing {model}: {type(error).__name__}: {error} "
+                "(a bug: see the traceback above)")
+    return " ".join(text.split())

@@ -13,6 +13,7 @@ from esd_worker.errors import (
     UsageError,
     classify_exit,
     exit_code_for,
+    failure_message,
     signal_name,
 )
 
@@ -68,3 +69,21 @@ def test_exit_code_for(error: BaseException, code: int) -> None:
     each code classifies as retryable exactly when the error was transient."""
     assert exit_code_for(error) == code
     assert classify_exit(code, None)[1] is (code in (4, 5))
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        pytest.param(PermanentModelError("model not found:\n  x"), "model not found: x",
+                     id="worker-error-one-line"),
+        pytest.param(Terminated("terminated by signal 15"), "terminated by signal 15",
+                     id="terminated"),
+        pytest.param(KeyboardInterrupt(), "interrupted; no result written", id="ctrl-c"),
+        pytest.param(MemoryError(), "out of host memory; retry on a larger machine",
+                     id="host-oom"),
+        pytest.param(ZeroDivisionError("boom"), "internal error analysing org/m: "
+                     "ZeroDivisionError: boom (a bug: see the traceback above)", id="a-bug"),
+    ],
+)
+def test_failure_message_is_one_line_for_every_ending(error: BaseException, expected: str) -> None:
+    assert failure_message(error, "org/m") == expected
