@@ -194,21 +194,21 @@ class Loop:
     def _start_command(self, job: Job, gpus: tuple[int, ...], now: float) -> None:
         """A custom command: one process for this attempt."""
         task = job.task
-        job.attempts += 1
         job.wait_s += max(now - job.ready_since, 0.0)
         job.gpus, job.started, job.terminate_at, job.killed = gpus, now, None, False
         argv = self.b.argv(task, self.b.device)
         try:
-            job.running = Attempt(task.key, argv, number=job.attempts, gpus=gpus, env=task.env,
-                                  log_dir=self.settings.log_dir, threads=self.b.threads())
+            job.running = Attempt(task.key, argv, number=job.attempts + 1, gpus=gpus,
+                                  env=task.env, log_dir=self.settings.log_dir,
+                                  threads=self.b.threads())
         except LogDirError as e:
             self.b.release(gpus)
             raise SweepError(f"{e} (--log-dir)") from e
         except (OSError, ValueError) as e:
             self.b.release(gpus)
-            job.attempts -= 1
             self._could_not_start(job, e, argv)
             return
+        job.attempts += 1
         job.log_path = str(job.running.log_path) if job.running.log_path else None
         self.running.append(job)
         self._log_start(job, job.running.pid)

@@ -23,7 +23,8 @@ from controller.backends.process import Ended, describe_exit
 from controller.backends.served import ServedWorker
 from controller.backends.tasks import Job
 from esd_worker.errors import signal_name
-from esd_worker.protocol import DONE, SKIPPED, Request, result_from
+from esd_worker.inbox import request_for
+from esd_worker.protocol import DONE, SKIPPED, result_from
 
 log = logging.getLogger("controller.backends.local")
 
@@ -125,11 +126,9 @@ class Slots:
         job.wait_s += max(now - job.ready_since, 0.0)
         job.gpus, job.terminate_at, job.killed = slot.gpus, None, False
         job.started = now  # until it starts: a model found done is answered without a start
-        row = job.task.row
-        assert row is not None
+        assert job.task.row is not None
         slot.sent.append(job)
-        slot.worker.send(Request(job.task.key, row.ref, row.relation, row.source_model,
-                                 job.attempts))
+        slot.worker.send(request_for(job.task.row, job.attempts))
         slot.served += 1
         if self.reuse is not None and slot.served >= self.reuse:
             slot.worker.close_input()  # it exits after these; a fresh one takes the next
