@@ -152,27 +152,27 @@ def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord
     and left out: it cannot say whether to retry, so the model is treated as having none.
     """
     keys = list_failure_keys(store)
-    blobs = dict(zip(keys, fetch_all(store, list(keys.values()), threads=threads), strict=True))
-    records: dict[str, FailureRecord] = {}
-    for model_key, data in blobs.items():
-        if data is None:  # cleared since the listing
-            continue
-        try:
-            records[model_key] = FailureRecord.from_json(data)
-        except ValueError as e:
-            log.warning("failure record %s ignored: %s", keys[model_key], e)
-    return records
+    where = list(keys.values())
+    blobs = fetch_all(store, where, threads=threads)
+    records = {key: _parse(at, data) for key, at, data in zip(keys, where, blobs, strict=True)}
+    return {key: record for key, record in records.items() if record is not None}
 
 
 def read_failure(store: Store, model_key: str) -> FailureRecord | None:
     """A model's failure record; None when it has none or it cannot be read (logged)."""
-    data = store.get_bytes(failure_key(model_key))
+    where = failure_key(model_key)
+    return _parse(where, store.get_bytes(where))
+
+
+def _parse(where: str, data: bytes | None) -> FailureRecord | None:
+    """The record stored at `where`; None when gone (cleared since a listing) or unreadable
+    (logged: it cannot say whether to retry, so the model counts as having none)."""
     if data is None:
         return None
     try:
         return FailureRecord.from_json(data)
     except ValueError as e:
-        log.warning("failure record %s ignored: %s", failure_key(model_key), e)
+        log.warning("failure record %s ignored: %s", where, e)
         return None
 
 
