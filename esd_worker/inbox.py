@@ -7,13 +7,15 @@ download; the order of a list (bases before their adapters) is esd_worker.modell
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from esd_worker.modellist import ModelRow, base_first, read_model_list
+from esd_worker.naming import split_model_ref
 from esd_worker.protocol import DRAIN, Request, parse_op
 
 log = logging.getLogger(__name__)
@@ -45,14 +47,31 @@ class Inbox:
     """
 
     def __init__(self, requests: Sequence[Request] = (), *, closed: bool = False) -> None:
-        self._queue: deque[Request] = deque(requests)
+        self._queue: deque[Request] = deque()
         self._closed = closed
         self._cond = threading.Condition()
+        # What the queue needs, counted as it changes: whether a later model needs a
+        # download is asked after every model, of queues of a million (esd_worker.prefetch).
+        self._refs: Counter[str] = Counter()
+        self._repos: Counter[str] = Counter()
         self.current: Request | None = None  # the last one taken (being analysed)
+        for request in requests:
+            self._push(request)
+
+    def _push(self, request: Request) -> None:
+        self._queue.append(request)
+        self._count(request, 1)
+
+    def _count(self, request: Request, step: int) -> None:
+        for ref in request.refs:
+            for counter, name in ((self._refs, ref), (self._repos, split_model_ref(ref)[0])):
+                counter[name] += step
+                if counter[name] <= 0:
+                    del counter[name]  # a list of millions: keep only what is still queued
 
     def put(self, request: Request) -> None:
         with self._cond:
-            self._queue.append(request)
+            self._push(request)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -64,20 +83,34 @@ class Inbox:
         with self._cond:
             dropped = len(self._queue)
             self._queue.clear()
+            self._refs.clear()
+            self._repos.clear()
             self._closed = True
             self._cond.notify_all()
         log.info("drain: the model in progress finishes, %d queued dropped", dropped)
 
-    def upcoming(self) -> list[Request]:
-        """What will be taken next, in order (a snapshot)."""
+    def upcoming(self, limit: int | None = None) -> list[Request]:
+        """What will be taken next, in order (a snapshot of the first `limit`)."""
         with self._cond:
-            return list(self._queue)
+            return list(itertools.islice(self._queue, limit))
+
+    def needs(self, ref: str) -> bool:
+        """Whether a queued request names this exact model reference."""
+        with self._cond:
+            return self._refs[ref] > 0
+
+    def needs_repo(self, model_id: str) -> bool:
+        """Whether a queued request names any revision of this hub repo."""
+        with self._cond:
+            return self._repos[model_id] > 0
 
     def take(self) -> Request | None:
         with self._cond:
             while not self._queue and not self._closed:
                 self._cond.wait(_WAIT_S)
             self.current = self._queue.popleft() if self._queue else None
+            if self.current is not None:
+                self._count(self.current, -1)
             return self.current
 
     def __iter__(self) -> Iterator[Request]:

@@ -83,7 +83,7 @@ class Prefetcher:
                 return entry.result.result()
             except TransientError as e:  # it may have been the network then: try again now
                 log.info("prefetch of %s failed (%s); fetching again", ref, e)
-        if Path(ref).expanduser().is_dir():
+        if _local(ref):
             return resolve_model(ref)
         # Held from now on (its size once known), so the read-ahead leaves it room.
         entry = _Entry(ref, parse_model_ref(ref)[0], None)
@@ -103,14 +103,12 @@ class Prefetcher:
         self._wake.set()
         with self._lock:
             used, self._current = self._current | {request.model}, set()
-            wanted = {ref for r in self.inbox.upcoming() for ref in _refs(r)}
-            wanted_ids = {parse_model_ref(ref)[0] for ref in wanted}
             gone = [self._entries.pop(ref) for ref in used
-                    if ref in self._entries and ref not in wanted]
+                    if ref in self._entries and not self.inbox.needs(ref)]
         if not self.own_cache:
             return
         for entry in gone:
-            if entry.model_id in wanted_ids or not entry.result.done():
+            if self.inbox.needs_repo(entry.model_id) or not entry.result.done():
                 continue
             folder = repo_cache_dir(entry.model_id, self.cache_dir)
             if folder.is_dir():
@@ -132,15 +130,15 @@ class Prefetcher:
             self._wake.clear()
             if self._current_unsized():
                 continue  # the model just taken comes first: its size is not known yet
-            for request in self.inbox.upcoming()[: self.depth]:
+            for request in self.inbox.upcoming(self.depth):
                 # all() stops at the first ref that must wait for room in the budget.
-                if self._stop.is_set() or not all(self._fetch(r) for r in _refs(request)):
+                if self._stop.is_set() or not all(self._fetch(r) for r in request.refs):
                     break
                 self._fetch_adapter_base(request)
 
     def _current_unsized(self) -> bool:
         current = self.inbox.current
-        if current is None or Path(current.model).expanduser().is_dir():
+        if current is None or _local(current.model):
             return False
         with self._lock:
             return current.model not in self._entries
@@ -150,8 +148,8 @@ class Prefetcher:
         with self._lock:
             if ref in self._entries:
                 return True
-        if Path(ref).expanduser().is_dir():
-            return True  # a local directory: nothing to download
+        if _local(ref):
+            return True  # nothing to download
         try:
             files = model_files(ref, cache_dir=self.cache_dir)
         except Exception as e:  # its turn will resolve it again and report the error
@@ -197,8 +195,9 @@ class Prefetcher:
             self._fetch(base)
 
 
-def _refs(request: Request) -> list[str]:
-    return [request.model] + ([request.base_model] if request.base_model else [])
+def _local(ref: str) -> bool:
+    """A local directory, used in place (resolve_model's rule): never downloaded."""
+    return Path(ref).expanduser().is_dir()
 
 
 def _gib(size: int) -> str:

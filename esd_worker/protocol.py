@@ -42,6 +42,11 @@ class Request:
     base_model: str | None = None
     attempt: int = 1
 
+    @property
+    def refs(self) -> tuple[str, ...]:
+        """The model references it needs: the model, and the base it names, if any."""
+        return (self.model, self.base_model) if self.base_model else (self.model,)
+
     def to_line(self) -> str:
         return json.dumps({"op": "analyse", **asdict(self)}, ensure_ascii=False) + "\n"
 

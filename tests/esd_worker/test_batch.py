@@ -81,6 +81,21 @@ def test_the_inbox_reads_requests_and_a_drain_drops_what_is_queued(
     assert inbox.take() is None and inbox.upcoming() == []
 
 
+def test_the_inbox_knows_what_its_queue_still_needs() -> None:
+    """Asked after every model by the prefetcher (eviction): counted, not searched."""
+    inbox = Inbox([Request("a", "org/base@v1"), Request("b", "org/lora", "lora", "org/base"),
+                   Request("c", "org/other")])
+    assert inbox.upcoming(2) == [Request("a", "org/base@v1"),
+                                 Request("b", "org/lora", "lora", "org/base")]
+    assert inbox.needs("org/base@v1") and inbox.needs("org/base")
+    assert inbox.take() is not None  # a
+    assert not inbox.needs("org/base@v1") and inbox.needs_repo("org/base")
+    assert inbox.take() is not None  # b
+    assert not inbox.needs_repo("org/base") and inbox.needs_repo("org/other")
+    inbox.drain()
+    assert not inbox.needs_repo("org/other") and inbox.upcoming() == []
+
+
 def row(model_id: str, relation: str = "", source: str | None = None) -> ModelRow:
     return ModelRow(model_id, None, relation, source)
 
