@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from esd_worker.batch import Batch, BatchSettings
-from esd_worker.errors import EXIT_TRANSIENT
+from esd_worker.errors import EXIT_TRANSIENT, UsageError
 from esd_worker.inbox import Inbox, requests_from_list
 from esd_worker.protocol import event_line
 from esd_worker.settings import WorkerSettings
@@ -32,16 +32,15 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store) 
     code: 0 all done or skipped, 3 some permanent failures, 4 a failure a retry may fix or a
     stop (esd_worker.batch.Tally)."""
     if args.prefetch < 0 or args.max_retries < 0:
-        from esd_worker.errors import UsageError
-
         raise UsageError("--prefetch and --max-retries must be >= 0")
     protocol = _protocol_stream()
     started = time.perf_counter()
     if args.serve:
         inbox = Inbox()
     else:
-        inbox = Inbox(requests_from_list(args.models), closed=True)
-        log.info("%d model(s) from %s", len(inbox.upcoming()), args.models)
+        requests = requests_from_list(args.models)
+        inbox = Inbox(requests, closed=True)
+        log.info("%d model(s) from %s", len(requests), args.models)
 
     from esd_worker.prefetch import Prefetcher  # no torch: downloads start during imports
 

@@ -124,7 +124,7 @@ class Slots:
     def _send(self, slot: Slot, job: Job, now: float) -> None:
         job.attempts += 1
         job.wait_s += max(now - job.ready_since, 0.0)
-        job.gpus, job.terminate_at, job.killed = slot.gpus, None, False
+        job.gpus, job.terminate_at = slot.gpus, None  # SIGKILL is the slot's (Slot.killed)
         job.started = now  # until it starts: a model found done is answered without a start
         assert job.task.row is not None
         slot.sent.append(job)
