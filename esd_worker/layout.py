@@ -40,6 +40,7 @@ EIGS_NAME = "eigs.npz"
 MARKER_NAME = "result.json"
 FAILURES_PREFIX = "_failures/"
 ATTEMPTS_PREFIX = "_attempts/"
+SHARDS_PREFIX = "_shards/"
 SUMMARY_KEY = "summary.csv"
 RUNS_PREFIX = "runs/"
 REFITS_PREFIX = "refits/"
@@ -107,6 +108,23 @@ def failure_key(model_key: str) -> str:
 def attempt_key(model_key: str) -> str:
     """Store key of a model's attempt note (written before a worker starts it)."""
     return f"{ATTEMPTS_PREFIX}{check_model_key(model_key)}.json"
+
+
+def shard_prefix(run_id: str, class_name: str) -> str:
+    """`_shards/<run_id>/<class>/`: the shard lists of one run's Indexed Job (one per
+    resource class); shard i is `<prefix><i>.csv`, a model list the worker reads."""
+    if not _RUN_ID.fullmatch(run_id):
+        raise LayoutError(f"invalid run id {run_id!r}")
+    if not _RUN_ID.fullmatch(class_name):
+        raise LayoutError(f"invalid resource class {class_name!r}")
+    return f"{SHARDS_PREFIX}{run_id}/{class_name}/"
+
+
+def shard_key(run_id: str, class_name: str, index: int) -> str:
+    """Store key of shard `index` (0-based, the Job's completion index) of a run's class."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise LayoutError(f"invalid shard index {index!r}")
+    return f"{shard_prefix(run_id, class_name)}{index}.csv"
 
 
 def run_report_key(run_id: str) -> str:
