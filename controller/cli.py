@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
              "local outputs)")
     add_flag(output, "--no-eigs", action="store_true",
              help="do not store eigenvalues (eigs.npz)")
+    add_flag(output, "--no-summary", action="store_true",
+             help="do not rebuild summary.csv at the end (it reads the marker of every done "
+             "model; for lists of millions, build it later with `esd-sweep report`)")
     _add_common(run)
 
     status = sub.add_parser("status", help="how many models of the list are done, to do, failed")
@@ -323,6 +326,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         prefetch=getattr(args, "prefetch", 1),
         cache_budget=getattr(args, "cache_budget", None),
         cache_dir=getattr(args, "cache_dir", None),
+        summary=not getattr(args, "no_summary", False),
     )
 
 

@@ -1,20 +1,38 @@
 """The resume plan: which listed models are done (marker with the same parameters) and which to run.
 
-Owns the split of a model list against the store. Pure but for the store reads it asks
-esd_worker.layout for (the markers of listed models, one listing) and esd_worker.records
-(failure records). Does not look at what is running: the backend knows that.
+Owns the split of a model list against the store, for lists of any length: `ListPlan` reads
+the list as a stream (twice: once to count, again to hand out the work), so a list of
+millions of rows is never held, only the store's marker keys. Pure but for the store reads
+it asks esd_worker.layout for (one listing of markers, the markers of listed models) and
+esd_worker.records (failure records). Does not look at what is running: the backend knows
+that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from esd_worker.layout import Marker, canonical_parameters, list_markers, read_markers
-from esd_worker.modellist import ModelRow
+from esd_worker.layout import canonical_parameters, list_markers, read_markers
+from esd_worker.modellist import ModelRow, RowProblem, base_first
 from esd_worker.records import read_failures
 from esd_worker.store import Store
+
+log = logging.getLogger(__name__)
+
+TODO, STALE, DONE, SKIPPED = "todo", "stale", "done", "skipped"
+# Markers of listed models read to compare their parameters. Beyond this many (a rerun of a
+# list of millions), a marker counts as done by its presence in the listing: reading them
+# all would cost one request each. The worker still compares parameters before it skips a
+# model it is given, and `--overwrite` recomputes everything.
+VERIFY_LIMIT = 100_000
+# Adapters are put right after their base within chunks of this many rows (base_first needs
+# the chunk in memory; a list ordered base-then-adapters loses nothing).
+CHUNK_ROWS = 50_000
+
+Items = Callable[[], Iterable[ModelRow | RowProblem]]
 
 
 @dataclass(frozen=True)
@@ -30,6 +48,140 @@ class Plan:
     done: tuple[ModelRow, ...]
     skipped_failed: tuple[ModelRow, ...]
     stale: tuple[ModelRow, ...]
+
+
+@dataclass
+class PlanCounts:
+    """How many listed models are in each state (models: valid rows after duplicates and
+    --limit; todo includes stale)."""
+
+    models: int = 0
+    bad_rows: int = 0
+    duplicates: int = 0
+    done: int = 0
+    todo: int = 0
+    stale: int = 0
+    skipped_failed: int = 0
+
+
+@dataclass
+class ListPlan:
+    """A model list split against the store, read as a stream.
+
+    items: a function that reads the list again each time it is called (rows and bad rows
+    in file order: esd_worker.modellist.iter_model_list). `scan` reads it once: counts, bad
+    rows (each handed to on_problem; the first 100 kept in `problems`), which markers have
+    other parameters. `classify`, `rows` and `todo` read it again.
+    Duplicates (same id and revision) are dropped, the first kept; `limit` applies to valid
+    rows after that. overwrite / skip_failed: as `esd-sweep run` takes them.
+    """
+
+    items: Items
+    store: Store
+    parameters: Mapping[str, Any]
+    overwrite: bool = False
+    skip_failed: bool = False
+    limit: int | None = None
+    verify_limit: int = VERIFY_LIMIT
+    threads: int = 16
+    on_problem: Callable[[RowProblem], None] | None = None
+    counts: PlanCounts = field(default_factory=PlanCounts)
+    problems: list[RowProblem] = field(default_factory=list)
+    verified: bool = True  # False: more markers than verify_limit, presence counted as done
+    _present: set[str] = field(default_factory=set)
+    _stale: set[str] = field(default_factory=set)
+    _unreadable: set[str] = field(default_factory=set)  # a marker that does not parse: todo
+    _permanent: set[str] = field(default_factory=set)
+
+    def scan(self) -> ListPlan:
+        """Read the store (one marker listing, the failure records with skip_failed) and the
+        list once; returns self."""
+        if not self.overwrite:
+            self._present = list_markers(self.store)
+        if self.skip_failed:
+            self._permanent = {key for key, record in read_failures(
+                self.store, threads=self.threads).items() if not record.retryable}
+        to_verify: list[str] | None = []
+        counts = self.counts
+        for row in self._rows(count=True):
+            if to_verify is not None and row.key in self._present:
+                to_verify.append(row.key)
+                if len(to_verify) > self.verify_limit:
+                    to_verify = None
+        if to_verify is None:
+            self.verified = False
+            log.info("more than %d listed models have a result: a result counts as done "
+                     "without reading its parameters (the worker checks them before it "
+                     "skips a model; --overwrite recomputes all)", self.verify_limit)
+        elif to_verify:
+            wanted = canonical_parameters(self.parameters)  # once, not per marker
+            markers = read_markers(self.store, to_verify, threads=self.threads)
+            self._stale = {key for key, marker in markers.items()
+                           if marker is not None and marker.parameters != wanted}
+            self._unreadable = {key for key, marker in markers.items() if marker is None}
+        for _, state in self.classify():
+            if state == DONE:
+                counts.done += 1
+            elif state == SKIPPED:
+                counts.skipped_failed += 1
+            else:
+                counts.todo += 1
+                counts.stale += state == STALE
+        return self
+
+    def _rows(self, *, count: bool = False) -> Iterator[ModelRow]:
+        """The list's valid rows without duplicates, up to limit (count: tally while at it)."""
+        seen: set[int] = set()  # hashes of (id, revision): 2M rows in ~130 MB, not 500
+        kept = 0
+        for item in self.items():
+            if isinstance(item, RowProblem):
+                if count:
+                    self.counts.bad_rows += 1
+                    if len(self.problems) < 100:
+                        self.problems.append(item)
+                    if self.on_problem is not None:
+                        self.on_problem(item)
+                continue
+            if self.limit is not None and kept >= self.limit:
+                if count:
+                    continue  # bad rows after the limit are still reported
+                return
+            ident = hash((item.model_id, item.revision))
+            if ident in seen:
+                self.counts.duplicates += count
+                continue
+            seen.add(ident)
+            kept += 1
+            self.counts.models += count
+            yield item
+
+    def classify(self) -> Iterator[tuple[ModelRow, str]]:
+        """Every listed model (list order) with its state: todo, stale, done or skipped."""
+        for row in self._rows():
+            key = row.key
+            if key in self._present and key not in self._stale and key not in self._unreadable:
+                yield row, DONE
+            elif key in self._permanent:
+                yield row, SKIPPED
+            else:
+                yield row, STALE if key in self._stale else TODO
+
+    def rows(self) -> Iterator[ModelRow]:
+        """The listed models (valid, first of duplicates, up to limit), in list order."""
+        return self._rows()
+
+    def todo(self) -> Iterator[ModelRow]:
+        """The models to analyse, in run order: list order, except that an adapter comes
+        right after its base (within chunks of CHUNK_ROWS), so a worker downloads the base
+        once for both."""
+        chunk: list[ModelRow] = []
+        for row, state in self.classify():
+            if state in (TODO, STALE):
+                chunk.append(row)
+                if len(chunk) >= CHUNK_ROWS:
+                    yield from base_first(chunk)
+                    chunk = []
+        yield from base_first(chunk)
 
 
 def plan_run(
@@ -49,36 +201,12 @@ def plan_run(
     skipped_failed unless done (also with overwrite); by default they are tried again.
     Only the markers of listed models are read.
     """
-    wanted = canonical_parameters(parameters)  # once, not per marker (lists of 10^5 models)
-    markers: dict[str, Marker | None] = {}
-    if not overwrite:
-        present = list_markers(store)
-        markers = read_markers(
-            store, [m.key for m in models if m.key in present], threads=threads
-        )
-    permanent: set[str] = set()
-    if skip_failed:
-        permanent = {
-            key for key, record in read_failures(store, threads=threads).items()
-            if not record.retryable
-        }
-
-    todo: list[ModelRow] = []
-    done: list[ModelRow] = []
-    skipped: list[ModelRow] = []
-    stale: list[ModelRow] = []
-    for model in models:
-        key = model.key
-        marker = markers.get(key)
-        if marker is not None and marker.parameters == wanted:
-            done.append(model)
-            continue
-        if key in permanent:
-            skipped.append(model)
-            continue
-        if marker is not None:
-            stale.append(model)
-        todo.append(model)
-    return Plan(
-        todo=tuple(todo), done=tuple(done), skipped_failed=tuple(skipped), stale=tuple(stale)
-    )
+    plan = ListPlan(lambda: models, store, parameters, overwrite=overwrite,
+                    skip_failed=skip_failed, verify_limit=len(models), threads=threads).scan()
+    split: dict[str, list[ModelRow]] = {TODO: [], STALE: [], DONE: [], SKIPPED: []}
+    for row, state in plan.classify():
+        split[state].append(row)
+        if state == STALE:
+            split[TODO].append(row)
+    return Plan(todo=tuple(split[TODO]), done=tuple(split[DONE]),
+                skipped_failed=tuple(split[SKIPPED]), stale=tuple(split[STALE]))

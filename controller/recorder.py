@@ -3,6 +3,8 @@ model gets one (`_failures/<model_key>.json`), and the run's tally grows.
 
 Owns what a run learned about each task; knows no backend (an Outcome says where a task
 ran). A worker's "done" is checked against the store: only a marker makes a model done.
+An outcome the store holds already (Outcome.recorded: a sharded run's workers write their
+markers and failure records themselves) is only tallied.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Recorder:
             log.info("model=%s key=%s cancelled (no result; the next run does it)",
                      task.label, key)
             return
+        if outcome.recorded:
+            self._tally_recorded(outcome)
+            return
         error, retryable = outcome.error, outcome.retryable
         if outcome.status == "done" and model and not self.store.exists(marker_key(key)):
             # The worker said yes but the store disagrees: never count it done.
@@ -60,11 +65,7 @@ class Recorder:
             log.info("model=%s key=%s done in %.1fs on %s", task.label, key,
                      outcome.duration_s, outcome.where)
             return
-        record = FailureRecord(
-            model=task.label, model_key=key, error=error, exit_code=outcome.exit_code,
-            signal=outcome.signal, retryable=retryable, attempts=outcome.attempts,
-            stderr_tail=tuple(outcome.stderr_tail), run_id=self.run_id, time=utc_now(),
-        )
+        record = self._record(outcome, error, retryable)
         self.failed[key] = record
         self.durations[key] = round(outcome.duration_s, 3)
         if model:
@@ -74,3 +75,22 @@ class Recorder:
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s%s", task.label, key,
                   outcome.attempts, outcome.where, error, f" | {last}" if last else "")
 
+
+    def _record(self, outcome: Outcome, error: str, retryable: bool) -> FailureRecord:
+        task = outcome.task
+        return FailureRecord(
+            model=task.label, model_key=task.key, error=error, exit_code=outcome.exit_code,
+            signal=outcome.signal, retryable=retryable, attempts=outcome.attempts,
+            stderr_tail=tuple(outcome.stderr_tail), run_id=self.run_id, time=utc_now(),
+        )
+
+    def _tally_recorded(self, outcome: Outcome) -> None:
+        """Count an outcome the store holds; a done model is not logged one by one (a
+        sharded run tallies a million at its end: the progress line showed them)."""
+        key = outcome.task.key
+        if outcome.status == "done":
+            self.done.append(key)
+            return
+        self.failed[key] = self._record(outcome, outcome.error, outcome.retryable)
+        log.error("model=%s key=%s failed after %d attempt(s) on %s: %s", outcome.task.label,
+                  key, outcome.attempts, outcome.where, outcome.error)

@@ -30,6 +30,8 @@ class SweepSettings:
     `cluster`). dry_run: print what would be started (commands or Jobs), start nothing.
     prefetch / cache_budget / cache_dir: the long-lived workers' read-ahead (models, bytes)
     and their own download directory (esd-worker --prefetch, --cache-budget, --cache-dir).
+    summary: rebuild summary.csv at the end (it reads every done model's marker: a list of
+    millions may leave it to a later `esd-sweep report`).
     """
 
     output: str
@@ -59,3 +61,4 @@ class SweepSettings:
     prefetch: int = 1
     cache_budget: int | None = None
     cache_dir: str | None = None
+    summary: bool = True

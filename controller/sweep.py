@@ -13,13 +13,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
 from controller.backends import open_backend
-from controller.backends.base import Backend, Task, WorkerSpec
+from controller.backends.base import Backend, Task, Work, WorkerSpec
 from controller.backends.local import LocalBackend
 from controller.commands import read_commands
 from controller.errors import (
@@ -29,14 +29,14 @@ from controller.errors import (
     InfrastructureError,
     SweepError,
 )
-from controller.plan import Plan, plan_run
+from controller.plan import ListPlan
 from controller.progress import Progress
 from controller.recorder import Recorder
 from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.layout import SUMMARY_KEY, run_report_key
-from esd_worker.modellist import ModelList, base_first, make_single, read_model_list
+from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
 from esd_worker.records import utc_now
 from esd_worker.store import Store, open_store
 
@@ -57,7 +57,7 @@ class SweepResult:
 def run_sweep(
     settings: SweepSettings,
     *,
-    on_plan: Callable[[Plan], None] | None = None,
+    on_plan: Callable[[ListPlan], None] | None = None,
     opener: BackendOpener = open_backend,
     out: TextIO | None = None,
 ) -> SweepResult:
@@ -67,30 +67,30 @@ def run_sweep(
     """
     started = _Started()
     store = _open_store(settings.output)
-    models = load_models(settings)
-    params = settings.analysis.as_dict()
-    plan = plan_run(models.rows, store, params, overwrite=settings.overwrite,
-                    skip_failed=settings.skip_failed)
-    log.info("%d model(s): %d done already, %d to run (%d with other parameters), %d skipped "
-             "for a permanent failure record, %d bad row(s)", len(models.rows), len(plan.done),
-             len(plan.todo), len(plan.stale), len(plan.skipped_failed), len(models.problems))
-    if on_plan is not None:
-        on_plan(plan)
-    backend = opener(settings, worker_spec(settings, started.run_id, store.url))
-    # An adapter right after its base: a worker downloads the base once for both.
-    tasks = [Task.for_model(row) for row in base_first(plan.todo)]
-    if settings.dry_run:
-        return _dry_run(backend, tasks, plan, started.run_id, store.url, out or sys.stdout)
-    recorder = Recorder(store, started.run_id)
-    interrupted = execute(backend, tasks, recorder)
-    summary_rows = write_summary(store, list(models.rows), parameters=params)
-    counts = {"models": len(models.rows), "bad_rows": len(models.problems),
-              "already_done": len(plan.done), "skipped_failed": len(plan.skipped_failed)}
-    result = _finish(settings, store, started, backend, recorder, counts, mode="esd",
+    source = model_source(settings)
+    try:
+        plan = plan_models(settings, store, source.items)
+        counts = plan.counts
+        log.info("%d model(s): %d done already, %d to run (%d with other parameters), %d "
+                 "skipped for a permanent failure record, %d bad row(s)", counts.models,
+                 counts.done, counts.todo, counts.stale, counts.skipped_failed, counts.bad_rows)
+        if on_plan is not None:
+            on_plan(plan)
+        backend = opener(settings, worker_spec(settings, started.run_id, store.url))
+        work = PlannedWork(plan)
+        if settings.dry_run:
+            return _dry_run(backend, work, plan, started.run_id, store.url, out or sys.stdout)
+        recorder = Recorder(store, started.run_id)
+        interrupted = execute(backend, work, recorder)
+        summary_rows = 0 if not settings.summary else write_summary(
+            store, plan.rows(), parameters=settings.analysis.as_dict())
+    finally:
+        source.close()
+    result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
                      summary_rows=summary_rows, interrupted=interrupted)
     log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
              started.run_id, len(recorder.done), len(recorder.failed), len(recorder.cancelled),
-             len(plan.done), run_report_key(started.run_id),
+             counts.done, run_report_key(started.run_id),
              f", {SUMMARY_KEY} ({summary_rows} models)" if summary_rows else "")
     return result
 
@@ -129,43 +129,87 @@ def worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerS
     )
 
 
-def load_models(settings: SweepSettings) -> ModelList:
-    """The model list (or the single model), with bad rows reported one line each."""
+class PlannedWork:
+    """The plan's models to analyse as the backends' Work: counted once, read again from
+    the list each time it is iterated."""
+
+    def __init__(self, plan: ListPlan) -> None:
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return self.plan.counts.todo
+
+    def __iter__(self) -> Iterator[Task]:
+        return (Task.for_model(row) for row in self.plan.todo())
+
+
+class _Single:
+    """--single-model as a model source (one row, or the problem with it)."""
+
+    def __init__(self, settings: SweepSettings) -> None:
+        self.models = make_single(str(settings.single_model),
+                                  relation=settings.single_relation,
+                                  source_model=settings.single_source)
+
+    def items(self) -> Iterator[ModelRow | RowProblem]:
+        return iter([*self.models.problems, *self.models.rows])
+
+    def close(self) -> None:
+        pass
+
+
+def model_source(settings: SweepSettings) -> ListFile | _Single:
+    """Where the models come from: the list (read as a stream) or --single-model."""
     if settings.single_model:
-        models = make_single(settings.single_model, relation=settings.single_relation,
-                             source_model=settings.single_source)
-    elif settings.model_list is not None:
-        models = read_model_list(settings.model_list, limit=settings.limit)
-    else:
+        return _Single(settings)
+    if settings.model_list is None:
         raise SweepError("give --model-list FILE or --single-model ID")
-    for problem in models.problems:
-        log.error("%s", problem)
-    if models.problems and settings.strict:
+    return ListFile(settings.model_list)
+
+
+def plan_models(settings: SweepSettings, store: Store,
+                items: Callable[[], Iterable[ModelRow | RowProblem]], *,
+                skip_failed: bool | None = None) -> ListPlan:
+    """The plan of the listed models against the store; bad rows logged one line each."""
+    plan = ListPlan(
+        items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
+        skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
+        limit=settings.limit, on_problem=lambda problem: log.error("%s", problem)).scan()
+    if plan.counts.bad_rows and settings.strict:
         raise SweepError(
-            f"{len(models.problems)} bad row(s) in the model list and --strict is set: "
+            f"{plan.counts.bad_rows} bad row(s) in the model list and --strict is set: "
             "nothing was started"
         )
-    if models.duplicates:
-        log.info("%d duplicate row(s) ignored (same id and revision)", models.duplicates)
-    return models
+    if plan.counts.duplicates:
+        log.info("%d duplicate row(s) ignored (same id and revision)", plan.counts.duplicates)
+    return plan
 
 
 def models_status(settings: SweepSettings) -> dict[str, Any]:
     """What `esd-sweep status` prints: done / to do / failed for the list against the store."""
     store = _open_store(settings.output)
-    models = load_models(settings)
-    plan = plan_run(models.rows, store, settings.analysis.as_dict(), skip_failed=True)
+    source = model_source(settings)
+    try:
+        counts = plan_models(settings, store, source.items, skip_failed=True).counts
+    finally:
+        source.close()
     return {
-        "models": len(models.rows),
-        "bad_rows": len(models.problems),
-        "done": len(plan.done),
-        "todo": len(plan.todo),
-        "stale": len(plan.stale),
-        "failed_permanent": len(plan.skipped_failed),
+        "models": counts.models,
+        "bad_rows": counts.bad_rows,
+        "done": counts.done,
+        "todo": counts.todo,
+        "stale": counts.stale,
+        "failed_permanent": counts.skipped_failed,
     }
 
 
-def execute(backend: Backend, tasks: Sequence[Task], recorder: Recorder) -> bool:
+def _counts(plan: ListPlan) -> dict[str, int]:
+    c = plan.counts
+    return {"models": c.models, "bad_rows": c.bad_rows, "already_done": c.done,
+            "skipped_failed": c.skipped_failed}
+
+
+def execute(backend: Backend, tasks: Work, recorder: Recorder) -> bool:
     """Run the tasks on the backend under Ctrl+C handling; True when interrupted."""
     progress = Progress(len(tasks))
     try:
@@ -216,19 +260,19 @@ def _finish(
     return SweepResult(run_id=started.run_id, exit_code=code, report=report)
 
 
-def _dry_run(backend: Backend, tasks: Sequence[Task], plan: Plan, run_id: str, store_url: str,
+def _dry_run(backend: Backend, work: Work, plan: ListPlan, run_id: str, store_url: str,
              out: TextIO) -> SweepResult:
     """Print what the backend would start (commands or Jobs); start and write nothing."""
     try:
-        started = backend.dry_run(tasks, out)
+        started = backend.dry_run(work, out)
     finally:
         backend.close()
-    log.info("--dry-run: %d printed, nothing started (%d already done)", started,
-             len(plan.done))
+    counts = plan.counts
+    log.info("--dry-run: %d printed, nothing started (%d already done)", started, counts.done)
     report = {
         "run_id": run_id, "output": store_url, "backend": backend.name, "dry_run": True,
-        "counts": {"models": len(plan.todo) + len(plan.done) + len(plan.skipped_failed),
-                   "already_done": len(plan.done), "jobs": started, "done": 0,
+        "counts": {"models": counts.todo + counts.done + counts.skipped_failed,
+                   "already_done": counts.done, "jobs": started, "done": 0,
                    "failed": 0, "bad_rows": 0},
         "failures": {}, "summary": None,
     }

@@ -10,10 +10,13 @@ import csv
 import io
 import json
 import re
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import IO, TextIO
 
 from esd_worker.errors import ModelListError
 from esd_worker.naming import model_key
@@ -252,26 +255,6 @@ def _is_skipped(cells: list[str]) -> bool:
     return cells[0].lstrip().startswith("#")
 
 
-def _read_text(path: str | Path) -> str:
-    """The list's text: a local path, or a store URL (s3://bucket/key.csv, file:///…)."""
-    source = str(path)
-    if "://" in source:
-        data = _read_url(source)
-    else:
-        try:
-            data = Path(path).read_bytes()
-        except FileNotFoundError as e:
-            raise ModelListError(f"model list not found: {path}") from e
-        except IsADirectoryError as e:
-            raise ModelListError(f"model list is a directory, not a CSV file: {path}") from e
-        except OSError as e:
-            raise ModelListError(f"cannot read model list {path}: {e.strerror or e}") from e
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ModelListError(f"model list {path} is not UTF-8 text: {e}") from e
-
-
 def _read_url(url: str) -> bytes:
     """The bytes of a list kept in a store: the store is the URL's folder, the key its name.
 
@@ -366,36 +349,109 @@ def read_model_list(path: str | Path, *, limit: int | None = None) -> ModelList:
     `path` is a local file or a store URL (s3://…, file://…).
     Raises ModelListError when the file as a whole cannot be used.
     """
-    source = str(path)
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
-    header: _Header | None = None
     rows: list[ModelRow] = []
     problems: list[RowProblem] = []
-    data_rows = 0
-    prev_line = 0
-    try:
-        for cells in reader:
-            # A record starts on the line after the previous one ended (quoted cells may
-            # span lines), so problems point at the line people see in an editor.
-            line, prev_line = prev_line + 1, reader.line_num
-            if _is_skipped(cells):
-                continue
-            if header is None:
-                header = _parse_header(cells, f"{source}:{line}")
-                continue
-            data_rows += 1
-            row, why = _parse_row(header, cells, line)
-            if row is None:
-                problems.append(RowProblem(source, line, why or "invalid row"))
-            else:
-                rows.append(row)
-    except csv.Error as e:
-        raise ModelListError(f"{source}:{reader.line_num}: not valid CSV: {e}") from e
-    if header is None:
-        raise ModelListError(f"model list {source} is empty (no header row)")
-    if not data_rows:
-        raise ModelListError(f"model list {source} has a header but no models")
+    for item in iter_model_list(path):
+        if isinstance(item, RowProblem):
+            problems.append(item)
+        else:
+            rows.append(item)
     return _finish(rows, problems, limit)
+
+
+def iter_model_list(path: str | Path, *, source: str | None = None,
+                    ) -> Iterator[ModelRow | RowProblem]:
+    """The list's rows and bad rows in file order, one at a time (lists of millions of rows
+    are never held: a store URL is copied to a temporary file first). No duplicate removal
+    and no limit (read_model_list and the controller's plan do those). Raises
+    ModelListError when the file as a whole cannot be used. source: the name problems
+    give (default: path)."""
+    source = source or str(path)
+    with _open_text(path) as text:
+        reader = csv.reader(text)
+        header: _Header | None = None
+        data_rows = 0
+        prev_line = 0
+        try:
+            for cells in reader:
+                # A record starts on the line after the previous one ended (quoted cells may
+                # span lines), so problems point at the line people see in an editor.
+                line, prev_line = prev_line + 1, reader.line_num
+                if _is_skipped(cells):
+                    continue
+                if header is None:
+                    header = _parse_header(cells, f"{source}:{line}")
+                    continue
+                data_rows += 1
+                row, why = _parse_row(header, cells, line)
+                yield row if row is not None else RowProblem(source, line, why or "invalid row")
+        except csv.Error as e:
+            raise ModelListError(f"{source}:{reader.line_num}: not valid CSV: {e}") from e
+        if header is None:
+            raise ModelListError(f"model list {source} is empty (no header row)")
+        if not data_rows:
+            raise ModelListError(f"model list {source} has a header but no models")
+
+
+class ListFile:
+    """A model list read more than once (the controller's plan reads it two or three
+    times): a store URL is copied once to a temporary file, deleted with this object."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+        self._copy: IO[bytes] | None = None
+
+    def items(self) -> Iterator[ModelRow | RowProblem]:
+        """iter_model_list of the list (of its local copy, for a URL)."""
+        source = str(self.path)
+        if "://" not in source:
+            return iter_model_list(self.path)
+        if self._copy is None:
+            copy = tempfile.NamedTemporaryFile(prefix="esd-list-", suffix=".csv")  # noqa: SIM115
+            copy.write(_read_url(source))
+            copy.flush()
+            self._copy = copy
+        return iter_model_list(self._copy.name, source=source)
+
+    def close(self) -> None:
+        if self._copy is not None:
+            self._copy.close()
+            self._copy = None
+
+
+@contextmanager
+def _open_text(path: str | Path) -> Iterator[TextIO]:
+    """The list as a text stream: a local file read as it goes, or a store URL copied to a
+    temporary file (deleted afterwards)."""
+    source = str(path)
+    if "://" in source:
+        with tempfile.TemporaryFile() as tmp:
+            tmp.write(_read_url(source))
+            tmp.seek(0)
+            with _decoded(tmp, source) as text:
+                yield text
+        return
+    try:
+        raw = open(path, "rb")  # noqa: SIM115 (closed below, after decoding errors are mapped)
+    except FileNotFoundError as e:
+        raise ModelListError(f"model list not found: {path}") from e
+    except IsADirectoryError as e:
+        raise ModelListError(f"model list is a directory, not a CSV file: {path}") from e
+    except OSError as e:
+        raise ModelListError(f"cannot read model list {path}: {e.strerror or e}") from e
+    with raw, _decoded(raw, source) as text:
+        yield text
+
+
+@contextmanager
+def _decoded(raw: IO[bytes], source: str) -> Iterator[TextIO]:
+    text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
+    try:
+        yield text
+    except UnicodeDecodeError as e:
+        raise ModelListError(f"model list {source} is not UTF-8 text: {e}") from e
+    finally:
+        text.detach()
 
 
 def make_single(ref: str, *, relation: str = "", source_model: str | None = None) -> ModelList:

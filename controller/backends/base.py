@@ -8,7 +8,7 @@ for every backend: `WorkerSpec`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
@@ -61,6 +61,9 @@ class Outcome:
     log_path: the worker's log file, or None.
     error: "" when done, else "<Class>: <what happened>" (esd_worker.errors.classify_exit).
     retryable: whether another attempt could help.
+    recorded: the store holds this outcome already (the worker wrote the marker or the
+        failure record itself, as a sharded Kubernetes run's workers do): the recorder
+        tallies it and writes nothing.
     """
 
     task: Task
@@ -77,6 +80,18 @@ class Outcome:
     retryable: bool
     gpus: tuple[int, ...] = ()
     log_path: str | None = None
+    recorded: bool = False
+
+
+class Work(Protocol):
+    """The tasks of a run, in run order, and how many there are. Iterating may read them
+    from the model list again (controller.plan.ListPlan: a list of millions is never held);
+    a backend that needs them all at once makes a list (the local backend: one machine's
+    worth of models). A list or tuple of Tasks is Work."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[Task]: ...
 
 
 OutcomeCallback = Callable[[Outcome], None]
@@ -145,7 +160,7 @@ class WorkerSpec:
 class Backend(Protocol):
     """Runs tasks and reports each one's end.
 
-    run: run every task; call on_outcome once for each task that ended (done, failed,
+    run: run every task of `work`; call on_outcome once for each task that ended (done, failed,
     cancelled), in the calling thread, and return those outcomes. Returns when every task
     has ended, or soon after request_stop.
     request_stop: safe from a signal handler; `stop_notice(n)` says, for people, what the
@@ -159,15 +174,14 @@ class Backend(Protocol):
     name: str
 
     def run(
-        self, tasks: Sequence[Task], on_outcome: OutcomeCallback,
-        progress: Progress | None = None,
+        self, work: Work, on_outcome: OutcomeCallback, progress: Progress | None = None,
     ) -> Sequence[Outcome]: ...
 
     def request_stop(self) -> None: ...
 
     def stop_notice(self, count: int) -> str: ...
 
-    def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int: ...
+    def dry_run(self, work: Work, out: TextIO) -> int: ...
 
     def report(self) -> dict[str, Any]: ...
 

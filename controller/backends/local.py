@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from controller.backends.base import Outcome, OutcomeCallback, Task, WorkerSpec
+from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.loop import Loop
 from controller.backends.tasks import Job, Outcomes
 from controller.errors import SweepError
@@ -188,26 +188,29 @@ class LocalBackend:
         assert self.spec is not None
         return serve_argv(self.worker_cmd, self.spec, self.device)
 
-    def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int:
+    def dry_run(self, work: Work, out: TextIO) -> int:
         """The one-model command lines equivalent to what run() does (device as asked)."""
         device = self.spec.device if self.spec is not None else "auto"
-        for task in tasks:
+        count = 0
+        for task in work:
             out.write(shlex.join(self.argv(task, device)) + "\n")
+            count += 1
         out.flush()
-        return len(tasks)
+        return count
 
     # The run loop -------------------------------------------------------------------------
 
     def run(
-        self, tasks: Sequence[Task], on_outcome: OutcomeCallback | None = None,
+        self, work: Work, on_outcome: OutcomeCallback | None = None,
         progress: Progress | None = None,
     ) -> list[Outcome]:
         """Run every task; return when all have ended, or a stop was requested and the
-        running ones have ended.
+        running ones have ended. The tasks are held as a list: this machine's worth.
 
         Returns one Outcome per task that started at least once (tasks never started
         because of a stop have none; the next run picks them up).
         """
+        tasks = list(work)
         if tasks and self._open_tracker is not None:
             self.tracker, self._open_tracker = self._open_tracker(), None
             self._check_capacity()

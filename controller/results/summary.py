@@ -12,7 +12,7 @@ import csv
 import dataclasses
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -134,7 +134,7 @@ def summary_to_csv(rows: Sequence[Mapping[str, Any]]) -> bytes:
 
 def write_summary(
     store: Store,
-    models: Sequence[ModelRow],
+    models: Iterable[ModelRow],
     *,
     threads: int = 16,
     parameters: Mapping[str, Any] | None = None,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from controller.backends.base import Outcome, OutcomeCallback, Task, WorkerSpec
+from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.errors import JobSpecError, KubeError, as_sweep_error
 from controller.backends.kubernetes.events import JobEvents
 from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
@@ -136,7 +136,7 @@ class KubernetesBackend:
     def device(self) -> str:
         return "cuda" if self.gpus_per_job > 0 else "cpu"
 
-    def dry_run(self, tasks: Sequence[Task], out: TextIO) -> int:
+    def dry_run(self, tasks: Work, out: TextIO) -> int:
         """Print the first-attempt Jobs as YAML (`kubectl apply -f -` takes it); create
         nothing. Every model's problem at once, as one SweepError."""
         jobs, problems = [], []
@@ -156,7 +156,7 @@ class KubernetesBackend:
         out.flush()
         return len(jobs)
 
-    def run(self, tasks: Sequence[Task], on_outcome: OutcomeCallback,
+    def run(self, tasks: Work, on_outcome: OutcomeCallback,
             progress: Progress | None = None) -> list[Outcome]:
         """Run every model; returns one Outcome per model that ended (done or failed).
 
@@ -210,7 +210,7 @@ class KubernetesBackend:
     def _stopping(self) -> bool:
         return self._stop_requests > 0
 
-    def _run(self, tasks: Sequence[Task], on_outcome: OutcomeCallback,
+    def _run(self, tasks: Work, on_outcome: OutcomeCallback,
              progress: Progress | None) -> list[Outcome]:
         if self.kube is None:
             raise SweepError("the kubernetes backend has no client (built for a dry run)")
