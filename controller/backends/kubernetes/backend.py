@@ -16,12 +16,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
-from controller.backends.kubernetes.errors import JobSpecError, KubeError, as_sweep_error
+from controller.backends.kubernetes.errors import JobSpecError, sweep_errors
 from controller.backends.kubernetes.events import JobEvents
 from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
 from controller.backends.kubernetes.names import sweep_selector
@@ -163,7 +162,7 @@ class KubernetesBackend:
         Returns early on request_stop, or with wait=False once everything that fits is
         submitted: models still in flight are listed in `left_running`.
         """
-        with _sweep_errors():
+        with sweep_errors():
             return self._run(tasks, on_outcome, progress)
 
     def report(self) -> dict[str, Any]:
@@ -304,18 +303,6 @@ def _row(task: Task) -> ModelRow:
     return task.row
 
 
-@contextmanager
-def _sweep_errors() -> Iterator[None]:
-    """Kubernetes errors leave the backend as the sweep errors that say what to do."""
-    try:
-        yield
-    except KubeError as e:
-        mapped = as_sweep_error(e)
-        if mapped is None:
-            raise
-        raise mapped from e
-
-
 def check_output(settings: SweepSettings) -> None:
     """The pods must reach the store: object storage, or a shared volume when allowed."""
     url = settings.output
@@ -337,5 +324,5 @@ def open_client(context: str | None) -> KubeClient:
             f"--backend kubernetes needs the Kubernetes client ({e}): "
             "pip install 'esd-sweep[kube]'"
         ) from e
-    with _sweep_errors():
+    with sweep_errors():
         return client.load_client(context)

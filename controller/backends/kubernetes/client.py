@@ -370,6 +370,13 @@ class KubeClient:
         _json(resp)
         return True
 
+    def server_version(self) -> str:
+        """The API server's gitVersion (e.g. "v1.31.2-eks-7f9249a"); "" when it does not say."""
+        op = _Op("get", "version", "", "-")
+        resp = self._call(op, k8s.VersionApi(self._api).get_code, _preload_content=False)
+        doc = _json(resp)
+        return str((doc or {}).get("gitVersion") or "")
+
     # -- pods, logs, events --------------------------------------------------------------
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:

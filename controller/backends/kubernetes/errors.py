@@ -2,11 +2,15 @@
 
 Owns KubeError and its kinds (what the API server answered, by meaning, not HTTP status),
 JobSpecError (a Job that cannot be built) and `as_sweep_error`, which turns a KubeError
-into the SweepError that says what to do next. Importable without the optional
-`kubernetes` package: only controller.backends.kubernetes.client raises the KubeErrors.
+into the SweepError that says what to do next (`sweep_errors`: around a backend's run).
+Importable without the optional `kubernetes` package: only
+controller.backends.kubernetes.client raises the KubeErrors.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from controller.errors import InfrastructureError, SweepError
 
@@ -75,3 +79,15 @@ def as_sweep_error(e: BaseException) -> SweepError | None:
     if isinstance(e, KubeError):
         return InfrastructureError(f"kubernetes: {e}")
     return None
+
+
+@contextmanager
+def sweep_errors() -> Iterator[None]:
+    """Kubernetes errors leave a backend as the sweep errors that say what to do."""
+    try:
+        yield
+    except KubeError as e:
+        mapped = as_sweep_error(e)
+        if mapped is None:
+            raise
+        raise mapped from e

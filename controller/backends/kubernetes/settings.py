@@ -63,6 +63,12 @@ class ClusterSettings:
     log_tail_lines: lines of a failed pod's log kept in its failure record.
     backoff_limit: counted pod failures a Job absorbs (default 0: each counted failure
     ends the Job, and the controller decides on a retry, as a new Job `-a<N>`).
+    shard_size: models per shard at most (0: auto, up to 1,000; 1: one Job per model, the
+    per-model backend). max_parallel: the sharded run's GPU budget (pods at once, in GPUs;
+    for CPU-only classes, pods). hub_rate: hub requests per second for the whole sweep,
+    shared by its pods (and the controller's size lookups). large_model_bytes: models
+    bigger than this go to the "gpu-large" class. poll_interval_s: seconds between looks
+    at a sharded run's Jobs.
     """
 
     namespace: str = DEFAULT_NAMESPACE
@@ -93,6 +99,11 @@ class ClusterSettings:
     watch_timeout_s: int = 60
     log_tail_lines: int = 20
     backoff_limit: int = 0
+    shard_size: int = 0
+    max_parallel: int = 100
+    hub_rate: float = 3.0
+    large_model_bytes: int = 30 * 10**9
+    poll_interval_s: float = 10.0
 
     def problems(self) -> list[str]:
         """Every problem with these settings, each naming its flag (empty: usable)."""
@@ -111,6 +122,16 @@ class ClusterSettings:
             out.append(f"--telemetry-port: must be 1..65535, got {self.telemetry_port}")
         if self.watch_timeout_s < 1:
             out.append(f"watch_timeout_s: must be >= 1, got {self.watch_timeout_s}")
+        if self.shard_size < 0:
+            out.append(f"--shard-size: must be >= 0 (0: auto), got {self.shard_size}")
+        if self.max_parallel < 1:
+            out.append(f"--max-parallel: must be >= 1, got {self.max_parallel}")
+        if not self.hub_rate > 0:
+            out.append(f"--hub-rate: must be > 0 requests/s, got {self.hub_rate}")
+        if self.large_model_bytes < 1:
+            out.append(f"--large-model-size: must be > 0, got {self.large_model_bytes}")
+        if not self.poll_interval_s > 0:
+            out.append(f"poll_interval_s: must be > 0, got {self.poll_interval_s}")
         return out
 
     def job_settings(

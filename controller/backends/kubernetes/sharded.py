@@ -1,0 +1,356 @@
+"""The sharded Kubernetes backend: one Indexed Job per resource class over shards of the list.
+
+Owns the Backend contract (controller.backends.base) for `--backend kubernetes` when models
+are sharded (the default; `--shard-size 1` keeps one Job per model: .backend): checking the
+API server can run it, re-attaching to the sweep's Indexed Jobs a run before left running,
+creating this run's Jobs, following them by polling (a handful of objects, whatever the
+number of models), and each model's Outcome at the end, read from the store: the workers
+write markers and failure records themselves; only a shard whose pods never finished it
+(a failed index) is diagnosed from its pods. Does not cut shards (.sharding), build Jobs
+(.indexed) or talk HTTP (.client).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
+from controller.backends.kubernetes.errors import sweep_errors
+from controller.backends.kubernetes.indexed import build_indexed_job, server_too_old
+from controller.backends.kubernetes.jobs import JobSettings, jobs_to_yaml
+from controller.backends.kubernetes.names import RUN_LABEL, sharded_selector
+from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.sharding import ClassShards, write_shards
+from controller.backends.kubernetes.shardjobs import IndexedRun, ShardFailures
+from controller.errors import SweepError
+from controller.progress import Progress
+from controller.settings import SweepSettings
+from controller.shards import ResourceClass, default_classes
+from controller.sizing import Sizer
+from esd_worker.layout import list_failure_keys, list_markers, shard_prefix
+from esd_worker.records import read_failure
+from esd_worker.store import Store, open_store
+
+if TYPE_CHECKING:
+    from controller.backends.kubernetes.client import KubeClient
+
+log = logging.getLogger(__name__)
+
+
+class ShardedBackend:
+    """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
+
+    classes: the resource classes models are sorted into (controller.shards). size: a
+    model's bytes (controller.sizing.Sizer.size). poll_s: seconds between looks at the
+    Jobs. clock / sleep: for tests.
+    """
+
+    name = "kubernetes"
+
+    def __init__(
+        self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
+        job_settings: JobSettings, store: Store, classes: tuple[ResourceClass, ...],
+        size: Callable[[Any], int], poll_s: float = 10.0, own_kube: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        problems = settings.problems()
+        if problems:
+            raise SweepError("invalid cluster settings: " + "; ".join(problems))
+        self.settings = settings
+        self.kube = kube
+        self.spec = spec
+        self.job_settings = job_settings
+        self.store = store
+        self.classes = classes
+        self.size = size
+        self.poll_s = poll_s
+        self.instance = job_settings.instance
+        self._own_kube = own_kube
+        self._clock = clock
+        self._sleep = sleep
+        self._stop_requests = 0
+        self.runs: list[IndexedRun] = []  # this run's Jobs
+        self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
+        self.left_running: list[str] = []
+
+    @classmethod
+    def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
+                      kube: KubeClient | None = None) -> ShardedBackend:
+        """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
+        from controller.backends.kubernetes.backend import check_output, open_client
+
+        if not settings.dry_run:
+            check_output(settings)
+        cluster = settings.cluster
+        gpus = 0 if settings.device == "cpu" else settings.gpu.gpus_per_job
+        job_settings = cluster.job_settings(
+            run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
+            worker_args=spec.flags(), log_format=spec.log_format)
+        classes = default_classes(device="cpu" if gpus == 0 else "cuda", gpus_per_job=gpus,
+                                  large_bytes=cluster.large_model_bytes)
+        sizer = Sizer(rate_per_s=cluster.hub_rate)
+        own = kube is None and not settings.dry_run
+        if own:
+            kube = open_client(cluster.kube_context)
+        try:
+            return cls(cluster, kube, spec=spec, job_settings=job_settings,
+                       store=open_store(spec.store_url), classes=classes, size=sizer.size,
+                       poll_s=cluster.poll_interval_s, own_kube=own)
+        except BaseException:
+            if own and kube is not None:
+                kube.close()
+            raise
+
+    # -- the Backend protocol ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_requests += 1
+
+    def stop_notice(self, count: int) -> str:
+        return ("stopping: the Indexed Jobs keep running on the cluster (the next run "
+                "re-attaches to them)")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.job_settings.gpus_per_job > 0 else "cpu"
+
+    def dry_run(self, work: Work, out: TextIO) -> int:
+        """Print the Indexed Jobs this run would create (shards counted, not written)."""
+        shards = self._shard(work, _Discard())  # type: ignore[arg-type]
+        pods = sum(c.parallelism for c in shards)
+        jobs = [self._job(c, pods) for c in shards]
+        for c in shards:
+            prefix = shard_prefix(self.spec.run_id, c.cls.name)
+            where = f"{self.spec.store_url.rstrip('/')}/{prefix}"
+            out.write(f"# class {c.cls.name}: {c.models} model(s) in {c.shards} shard(s), "
+                      f"{c.parallelism} pod(s) at once; shards written to {where}\n")
+        if jobs:
+            out.write(jobs_to_yaml(jobs))
+        out.flush()
+        return len(jobs)
+
+    def run(self, work: Work, on_outcome: OutcomeCallback,
+            progress: Progress | None = None) -> list[Outcome]:
+        with sweep_errors():
+            return self._run(work, on_outcome, progress)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "gpus": [],
+            "running": sum(r.models for r in self.runs if not r.finished),
+            "kubernetes": {
+                "mode": "sharded",
+                "namespace": self.settings.namespace,
+                "instance": self.instance,
+                "image": self.settings.image,
+                "jobs": [r.summary() for r in self.runs],
+                "attached": [r.summary() for r in self.attached],
+                "jobs_left_running": self.left_running,
+                "api_requests": self.kube.requests if self.kube is not None else 0,
+                "waited": self.settings.wait,
+            },
+        }
+
+    def close(self) -> None:
+        if self._own_kube and self.kube is not None:
+            self.kube.close()
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self._stop_requests > 0
+
+    def _run(self, work: Work, on_outcome: OutcomeCallback,
+             progress: Progress | None) -> list[Outcome]:
+        kube = self._client()
+        self._check_server(kube)
+        self.attached = self._unfinished(kube)
+        if self.attached:
+            log.info("re-attaching to %d Indexed Job(s) of this sweep left running by an "
+                     "earlier run (%s): waiting for them before sharding what is left",
+                     len(self.attached), ", ".join(r.name for r in self.attached))
+            if not self._follow(kube, self.attached, progress):
+                return []
+        remaining: Work = work
+        if self.attached:  # what they finished is done; the rest is sharded again
+            remaining = _NotDone(work, list_markers(self.store))
+        shards = self._shard(remaining, self.store)
+        pods = sum(c.parallelism for c in shards)
+        for c in shards:
+            self.runs.append(self._create(kube, c, pods))
+        if not self.settings.wait:
+            self.left_running = [r.name for r in self.runs]
+            log.info("--no-wait: %d Indexed Job(s) created; a later run re-attaches to them",
+                     len(self.runs))
+            return []
+        if not self._follow(kube, self.runs, progress):
+            return []
+        return self._outcomes(kube, work, on_outcome)
+
+    def _client(self) -> KubeClient:
+        if self.kube is None:
+            raise SweepError("the kubernetes backend has no client (built for a dry run)")
+        return self.kube
+
+    def _check_server(self, kube: KubeClient) -> None:
+        too_old = server_too_old(kube.server_version())
+        if too_old:
+            raise SweepError(too_old)
+
+    def _unfinished(self, kube: KubeClient) -> list[IndexedRun]:
+        items, _ = kube.list_jobs(self.settings.namespace, sharded_selector(self.instance))
+        runs = [IndexedRun.from_job(job) for job in items]
+        return [r for r in runs if not r.finished and r.run_id != self.spec.run_id]
+
+    def _shard(self, work: Work, store: Store) -> list[ClassShards]:
+        return write_shards(
+            work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
+            budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000)
+
+    def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:
+        """The Indexed Job of one class; pods: the run's pods at once, all classes (the
+        sweep's hub rate is shared among them)."""
+        hub_rate = self.settings.hub_rate / max(pods, 1)
+        batch = [*self.spec.batch_flags(), "--hub-rate", f"{hub_rate:.6g}"]
+        prefix = shard_prefix(self.spec.run_id, c.cls.name).rstrip("/")
+        return build_indexed_job(
+            run_id=self.spec.run_id, class_name=c.cls.name, completions=c.shards,
+            parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
+            shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
+            output_url=self.spec.store_url, settings=_for_class(self.job_settings, c.cls),
+            batch_args=batch, models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
+
+    def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:
+        job = self._job(c, pods)
+        ns, name = self.settings.namespace, job["metadata"]["name"]
+        kube.create_job(ns, job)  # "exists": a create whose answer was lost; read back below
+        created = kube.read_job(ns, name)
+        if created is None or (created["metadata"].get("labels") or {}).get(
+                RUN_LABEL) != self.spec.run_id:
+            raise SweepError(f"Job {name} in namespace {ns} is not this run's: delete it")
+        if "backoffLimitPerIndex" not in (created.get("spec") or {}):
+            kube.delete_job(ns, name)
+            raise SweepError(
+                f"the API server dropped spec.backoffLimitPerIndex from Job {name} (the "
+                "JobBackoffLimitPerIndex feature is off on this cluster): enable it, or run "
+                "one Job per model with --shard-size 1")
+        log.info("job=%s class=%s: %d shard(s), %d model(s), %d pod(s) at once", name,
+                 c.cls.name, c.shards, c.models, c.parallelism)
+        return IndexedRun.from_job(created, per_shard=c.per_shard)
+
+    def _follow(self, kube: KubeClient, runs: list[IndexedRun],
+                progress: Progress | None) -> bool:
+        """Poll the Jobs until every one has finished; False when stopped first."""
+        selector = sharded_selector(self.instance)
+        names = {r.name for r in runs}
+        while True:
+            items, _ = kube.list_jobs(self.settings.namespace, selector)
+            for job in items:
+                name = job["metadata"]["name"]
+                if name in names:
+                    next(r for r in runs if r.name == name).update(job, self._clock())
+            for r in runs:
+                if r.name not in {j["metadata"]["name"] for j in items} and not r.finished:
+                    r.vanish()  # deleted under us: its unfinished shards have no outcome
+                r.explain_pending(kube, self.settings, self._clock())
+            if progress is not None:
+                _show(progress, runs)
+            if all(r.finished for r in runs):
+                return True
+            if self._stopping():
+                self.left_running = [r.name for r in runs if not r.finished]
+                log.warning("stop requested: %d Indexed Job(s) keep running on the cluster "
+                            "(the next run re-attaches)", len(self.left_running))
+                return False
+            self._sleep(self.poll_s)
+
+    def _outcomes(self, kube: KubeClient, work: Work,
+                  on_outcome: OutcomeCallback) -> list[Outcome]:
+        """Each model's Outcome from the store (one listing of markers and one of failure
+        records); models of failed indexes without a record get their pod's diagnosis."""
+        done = list_markers(self.store)
+        records = list_failure_keys(self.store)
+        failures = ShardFailures(kube, self.store, self.settings, self.runs)
+        outcomes: list[Outcome] = []
+        for task in work:
+            outcome = self._outcome(task, done, records, failures)
+            outcomes.append(outcome)
+            on_outcome(outcome)
+        return outcomes
+
+    def _outcome(self, task: Task, done: set[str], records: dict[str, str],
+                 failures: ShardFailures) -> Outcome:
+        key = task.key
+        where = failures.where(key)
+        if key in done:
+            return _outcome(task, "done", where=where, recorded=True)
+        record = read_failure(self.store, key) if key in records else None
+        if record is not None and record.run_id == self.spec.run_id:
+            return _outcome(task, "failed", where=where, recorded=True, error=record.error,
+                            retryable=record.retryable, exit_code=record.exit_code,
+                            attempts=record.attempts, tail=record.stderr_tail)
+        diagnosis = failures.diagnosis(key)
+        if diagnosis is not None:
+            return _outcome(task, "failed", where=where, error=diagnosis.error,
+                            retryable=diagnosis.retryable, exit_code=diagnosis.exit_code,
+                            signal=diagnosis.signal, tail=diagnosis.tail)
+        return _outcome(task, "failed", where=where, retryable=True, error=(
+            "NoOutcome: the shard's pod ended without a result or a failure record for "
+            "this model (the next run tries it again)"))
+
+
+def _outcome(task: Task, status: str, *, where: str, recorded: bool = False, error: str = "",
+             retryable: bool = False, exit_code: int | None = None,
+             signal: int | None = None, attempts: int = 1,
+             tail: tuple[str, ...] = ()) -> Outcome:
+    return Outcome(task=task, status=status, exit_code=0 if status == "done" else exit_code,
+                   signal=signal, attempts=max(attempts, 1), duration_s=0.0, total_s=0.0,
+                   wait_s=0.0, where=where, stderr_tail=tuple(tail), error=error,
+                   retryable=retryable, recorded=recorded)
+
+
+def _for_class(settings: JobSettings, cls: ResourceClass) -> JobSettings:
+    from dataclasses import replace
+
+    return replace(settings, gpus_per_job=cls.gpus, memory_request=cls.memory,
+                   ephemeral_storage_request=cls.ephemeral_storage)
+
+
+def _show(progress: Progress, runs: list[IndexedRun]) -> None:
+    done = sum(r.models_done for r in runs)
+    failed = sum(r.models_failed for r in runs)
+    running = sum(r.models_running for r in runs)
+    total = sum(r.models for r in runs)
+    progress.update(done=done, failed=failed, running=running,
+                    waiting=max(total - done - failed - running, 0))
+
+
+class _NotDone:
+    """Work without the models that have a marker now (after re-attaching)."""
+
+    def __init__(self, work: Work, done: set[str]) -> None:
+        self.work, self.done = work, done
+        self._count: int | None = None
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(1 for _ in self)
+        return self._count
+
+    def __iter__(self) -> Iterator[Task]:
+        return (task for task in self.work if task.key not in self.done)
+
+
+class _Discard:
+    """A store that takes shard lists and keeps nothing (--dry-run counts shards only)."""
+
+    url = "dry-run://"
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        pass
+
