@@ -87,8 +87,20 @@ def _add_kube_flags(g: Any) -> None:
              help="memory request (default 16Gi)")
     add_flag(g, "--job-deadline", type=int, default=6 * 3600, metavar="S",
              help="activeDeadlineSeconds of each Job (default 21600)")
+    add_flag(g, "--shard-size", type=int, default=0, metavar="N",
+             help="models per shard at most (default 0: auto, shards balanced by bytes, up "
+             "to 1000 models each); 1: one Job per model instead of Indexed Jobs")
+    add_flag(g, "--max-parallel", type=int, default=100, metavar="GPUS",
+             help="sharded runs: GPUs (CPU-only: pods) in use at once, all classes "
+             "(default 100)")
+    add_flag(g, "--hub-rate", type=float, default=3.0, metavar="PER_S",
+             help="hub requests per second for the whole sweep, shared by its pods "
+             "(default 3: the hub's free tier allows 1000 per 5 minutes)")
+    add_flag(g, "--large-model-size", type=parse_size, default=30 * 10**9, metavar="BYTES",
+             help="models bigger than this run in the gpu-large class: more memory and disk "
+             "(default 30G)")
     add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
-             help="unfinished Jobs of this sweep at once (default 100)")
+             help="--shard-size 1: unfinished Jobs of this sweep at once (default 100)")
     add_flag(g, "--allow-pending", action="store_true",
              help="autoscaling clusters: submit without pinning to existing nodes when none "
              "has room, so the autoscaler adds nodes")
@@ -138,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser(
         "run", help="run the sweep: analyse every model not done yet",
         description="Analyse every listed model that has no result yet, on this machine "
-        "(--backend local) or as one Kubernetes Job per model (--backend kubernetes). "
+        "(--backend local) or on Kubernetes (--backend kubernetes: Indexed Jobs over shards "
+        "of the list, or one Job per model with --shard-size 1). "
         "Exit status: 0 all done, 1 some models failed, 2 usage or configuration error, "
         "3 infrastructure error (store or cluster unreachable, RBAC), 130 interrupted.",
     )
@@ -157,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(inputs, "--strict", action="store_true",
              help="any bad row in the model list stops the sweep before it starts")
     add_flag(running, "--backend", choices=("local", "kubernetes"), default="local",
-             help="local: subprocesses on this machine's GPUs or CPU; kubernetes: one "
-             "batch/v1 Job per model")
+             help="local: subprocesses on this machine's GPUs or CPU; kubernetes: Indexed "
+             "Jobs over shards of the list (docs/kubernetes.md)")
     add_flag(running, "--max-retries", type=int, default=2, metavar="N",
              help="extra attempts for transient failures (network, storage, GPU OOM, "
              "evictions; default 2)")
@@ -355,6 +368,8 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
         telemetry_namespace=args.telemetry_namespace, telemetry_port=args.telemetry_port,
         telemetry_urls=tuple(args.telemetry_url), pending_timeout_s=args.pending_timeout,
         wait=args.wait, allow_local_output=args.allow_local_output,
+        shard_size=args.shard_size, max_parallel=args.max_parallel, hub_rate=args.hub_rate,
+        large_model_bytes=args.large_model_size,
     )
     if args.backend == "kubernetes":
         problems.extend(cluster.problems())

@@ -1,8 +1,10 @@
 """Where the work runs, behind one contract (controller.backends.base.Backend).
 
 `open_backend` is the one place that picks a backend by name; each backend builds itself
-from the run's settings with its own `from_settings`. The Kubernetes backend, and with it
-the optional `kubernetes` client, is imported only when asked for.
+from the run's settings with its own `from_settings`. On Kubernetes, models go in shards
+run by Indexed Jobs (kubernetes.sharded), or one Job each with `--shard-size 1`
+(kubernetes.backend). The Kubernetes backends, and with them the optional `kubernetes`
+client, are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ BACKENDS = ("local", "kubernetes")
 
 def open_backend(settings: SweepSettings, spec: WorkerSpec) -> Backend:
     """The backend `settings.backend` names, built from the run's settings."""
-    if settings.backend == "kubernetes":
+    if settings.backend == "kubernetes" and settings.cluster.shard_size == 1:
         from controller.backends.kubernetes.backend import KubernetesBackend
 
         return KubernetesBackend.from_settings(settings, spec)
+    if settings.backend == "kubernetes":
+        from controller.backends.kubernetes.sharded import ShardedBackend
+
+        return ShardedBackend.from_settings(settings, spec)
     from controller.backends.local import LocalBackend
 
     return LocalBackend.from_settings(settings, spec)

@@ -87,9 +87,9 @@ def cluster(sim: KubeSim, out: Path) -> MarkerSimulator:
 
 
 def run_args(models: Path, out: Path, *extra: str) -> list[str]:
-    return ["run", "--backend", "kubernetes", "--namespace", NS, "--model-list", str(models),
-            "--output-dir", str(out), "--allow-local-output", "--no-telemetry",
-            "--image", "ghcr.io/example/esd-sweep:0.1.0", *extra]
+    return ["run", "--backend", "kubernetes", "--shard-size", "1", "--namespace", NS,
+            "--model-list", str(models), "--output-dir", str(out), "--allow-local-output",
+            "--no-telemetry", "--image", "ghcr.io/example/esd-sweep:0.1.0", *extra]
 
 
 IDS = ["org/alpha", "org/beta", "org/gamma"]
@@ -147,7 +147,7 @@ def test_rbac_denied_exits_3_naming_the_verb(
 def test_local_output_is_refused(kubeconfig: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     models = write_list(tmp_path / "m.csv", IDS)
-    code = main(["run", "--backend", "kubernetes", "--model-list", str(models),
+    code = main(["run", "--backend", "kubernetes", "--shard-size", "1", "--model-list", str(models),
                  "--output-dir", str(tmp_path / "out")])
     assert code == 2
     assert "s3://" in capsys.readouterr().err
@@ -169,7 +169,8 @@ def test_dry_run_prints_valid_jobs_and_creates_nothing(
     """--dry-run needs no cluster: the YAML is one Job per model, strict-valid for 1.31,
     secrets by reference only."""
     models = write_list(tmp_path / "m.csv", IDS)
-    code = main(["run", "--backend", "kubernetes", "--dry-run", "--model-list", str(models),
+    code = main(["run", "--backend", "kubernetes", "--shard-size", "1", "--dry-run",
+                 "--model-list", str(models),
                  "--output-dir", str(tmp_path / "out"), "--hf-token-secret", "hf",
                  "--s3-secret", "s3-creds", "--node-selector", "pool=gpu",
                  "--kueue-queue", "team-a"])
@@ -196,7 +197,8 @@ def test_dry_run_passes_the_store_endpoint_but_no_credentials(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEEXAMPLE00")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "do-not-leak-this-secret")
     models = write_list(tmp_path / "m.csv", IDS[:1])
-    code = main(["run", "--backend", "kubernetes", "--dry-run", "--model-list", str(models),
+    code = main(["run", "--backend", "kubernetes", "--shard-size", "1", "--dry-run",
+                 "--model-list", str(models),
                  "--output-dir", str(tmp_path / "out"), "--s3-secret", "s3-creds"])
     assert code == 0
     out = capsys.readouterr().out
@@ -213,7 +215,8 @@ def test_cluster_worker_flags_match_the_local_ones(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """The Job's container args are the local worker's flags with `esd-worker` as program."""
     models = write_list(tmp_path / "m.csv", ["org/alpha"])
-    main(["run", "--backend", "kubernetes", "--dry-run", "--model-list", str(models),
+    main(["run", "--backend", "kubernetes", "--shard-size", "1", "--dry-run",
+          "--model-list", str(models),
           "--output-dir", str(tmp_path / "out"), "--fix-fingers", "DKS", "--no-eigs",
           "--log-format", "json"])
     (doc,) = yaml.safe_load_all(capsys.readouterr().out)
