@@ -77,7 +77,7 @@ def indexed_job_name(run_id: str, class_name: str) -> str:
     if readable and len(readable) <= room and readable == run_id.lower():
         return f"{JOB_NAME_PREFIX}{readable}-{class_name}"
     digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:_HASH_LEN]
-    cut = readable[: room - _HASH_LEN - 1].rstrip("-")
+    cut = readable[: max(room - _HASH_LEN - 1, 0)].rstrip("-")
     run_part = f"{cut}-{digest}" if cut else digest
     return f"{JOB_NAME_PREFIX}{run_part}-{class_name}"
 

@@ -1,9 +1,11 @@
 """Kubernetes batch/v1 Job objects for one model each: settings, labels, pod spec (dicts out).
 
 Owns what a worker Job looks like (security context, GPU requests, secrets by reference,
-podFailurePolicy, Kueue and Karpenter hints). Pure. Does not name Jobs or hold the label
-keys (controller.backends.kubernetes.names), talk to a cluster (.client) or decide placement
-(the caller passes the node affinity in). Worker exit codes are esd_worker.errors'.
+podFailurePolicy, Kueue and Karpenter hints), the worker pod that sharded Indexed Jobs
+(.indexed) share, and the YAML any of them is printed as (read back alike by YAML 1.2 and
+1.1). Pure. Does not name Jobs or hold the label keys (controller.backends.kubernetes.names),
+talk to a cluster (.client) or decide placement (the caller passes the node affinity in).
+Worker exit codes are esd_worker.errors'.
 """
 
 from __future__ import annotations
