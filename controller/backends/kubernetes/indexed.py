@@ -49,6 +49,7 @@ _HASH_LEN = 8
 MAX_CLASS = MAX_NAME - len(JOB_NAME_PREFIX) - _HASH_LEN - 1
 _CLASS = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _NOT_NAME = re.compile(r"[^a-z0-9-]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 # backoffLimitPerIndex and the FailIndex action: beta and on by default from 1.29, GA in
 # 1.33. An older API server drops the fields it does not know: the Job would be created
@@ -154,13 +155,20 @@ def _check_count(what: str, value: object, low: int, high: int | None,
 
 
 def _check_url(what: str, url: str, problems: list[str]) -> None:
-    before = len(problems)
-    check_ref(what, url, problems)
-    if len(problems) == before:
-        try:
-            urlsplit(url)
-        except ValueError:
-            problems.append(f"{what}: not a URL")  # never echoed: it may hold credentials
+    # The URL as the pod gets it is what must be one safe argv element; the messages then
+    # quote it without a user:password@ part, which may be a credential.
+    if not isinstance(url, str):
+        problems.append(f"{what}: {url!r} is not a string")
+        return
+    if _CONTROL.search(url):  # before urlsplit, which silently drops newlines and tabs
+        problems.append(f"{what}: contains control characters")
+        return
+    try:
+        shown = _without_userinfo(url)
+    except ValueError:
+        problems.append(f"{what}: not a URL")
+        return
+    check_ref(what, shown, problems)
 
 
 def build_indexed_job(

@@ -436,6 +436,13 @@ def test_bad_inputs_are_refused(overrides: dict[str, Any], problem: str) -> None
         make_indexed(**overrides)
 
 
+def test_refusals_do_not_echo_credentials() -> None:
+    """A URL refused for a control character is quoted without its user:password@."""
+    with pytest.raises(JobSpecError, match="output_url") as caught:
+        make_indexed(output_url=f"s3://{KEY}:{SECRET}@esd-results/atlas\n--device")
+    assert KEY not in str(caught.value) and SECRET not in str(caught.value)
+
+
 def test_every_problem_at_once_and_run_ids_agree() -> None:
     """One error names every problem (the CLI shows them together); the name's run id is
     the settings' (labels and name must point at the same run)."""
