@@ -1,14 +1,17 @@
 """Kubernetes batch/v1 Job objects for one model each: settings, labels, pod spec (dicts out).
 
 Owns what a worker Job looks like (security context, GPU requests, secrets by reference,
-podFailurePolicy, Kueue and Karpenter hints). Pure. Does not name Jobs or hold the label
-keys (controller.backends.kubernetes.names), talk to a cluster (.client) or decide placement
-(the caller passes the node affinity in). Worker exit codes are esd_worker.errors'.
+podFailurePolicy, Kueue and Karpenter hints), the worker pod that sharded Indexed Jobs
+(.indexed) share, and the YAML any of them is printed as (read back alike by YAML 1.2 and
+1.1). Pure. Does not name Jobs or hold the label keys (controller.backends.kubernetes.names),
+talk to a cluster (.client) or decide placement (the caller passes the node affinity in).
+Worker exit codes are esd_worker.errors'.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -190,7 +193,8 @@ class JobSettings:
 
 
 
-def _check_ref(what: str, value: str, problems: list[str]) -> None:
+def check_ref(what: str, value: str, problems: list[str]) -> None:
+    """Append to `problems` why `value` (a model ref, a URL) cannot be one argv element."""
     # Model ids are untrusted: they only ever become one argv element and one annotation
     # value, but a leading '-' would read as a flag and control characters have no business
     # in an id, a path or a log line.
@@ -204,14 +208,21 @@ def _check_ref(what: str, value: str, problems: list[str]) -> None:
         problems.append(f"{what}: longer than {_MAX_REF} characters")
 
 
-def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[str, str]:
-    """The labels of a worker Job and its pods (selectable by run, model key, attempt)."""
+def sweep_labels(settings: JobSettings) -> dict[str, str]:
+    """The labels every worker Job of a run carries, per-model or sharded (app, sweep, run)."""
     return {
         "app.kubernetes.io/name": APP_NAME,
         INSTANCE_LABEL: settings.instance,
         "app.kubernetes.io/component": COMPONENT,
         MANAGED_BY_LABEL: APP_NAME,
         RUN_LABEL: settings.run_id,
+    }
+
+
+def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[str, str]:
+    """The labels of a worker Job and its pods (selectable by run, model key, attempt)."""
+    return {
+        **sweep_labels(settings),
         MODEL_KEY_LABEL: model_key_label(model_key),
         ATTEMPT_LABEL: str(attempt),
     }
@@ -317,9 +328,20 @@ def _resources(settings: JobSettings) -> dict[str, Any]:
     return out
 
 
-def _pod_spec(
-    args: list[str], settings: JobSettings, affinity: Mapping[str, Any] | None,
+def pod_annotations(settings: JobSettings) -> dict[str, str]:
+    """The worker pods' annotations: with do_not_disrupt, ask Karpenter and the cluster
+    autoscaler not to consolidate the node away under a running worker (empty otherwise)."""
+    if not settings.do_not_disrupt:
+        return {}
+    return {"karpenter.sh/do-not-disrupt": "true",
+            "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+
+
+def pod_spec(
+    args: list[str], settings: JobSettings, affinity: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The worker pod of every esd-sweep Job, per-model or sharded: `args` is the container's
+    argv (no command, no shell), affinity None = wherever the scheduler finds room."""
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": settings.image,
@@ -399,10 +421,10 @@ def build_job(
     Raises JobSpecError listing every problem with the settings and the model.
     """
     problems = list(settings.problems())
-    _check_ref("model_ref", model_ref, problems)
+    check_ref("model_ref", model_ref, problems)
     if source_model is not None:
-        _check_ref("source_model", source_model, problems)
-    _check_ref("output_url", output_url, problems)
+        check_ref("source_model", source_model, problems)
+    check_ref("output_url", output_url, problems)
     if not isinstance(relation, str) or not _RELATION.fullmatch(relation):
         problems.append(f"relation: {relation!r} is not a relation name")
     try:
@@ -426,18 +448,13 @@ def build_job(
     if source_model:
         annotations["esd-sweep/source-model"] = source_model
 
-    pod_annotations: dict[str, str] = {}
-    if settings.do_not_disrupt:
-        pod_annotations["karpenter.sh/do-not-disrupt"] = "true"
-        pod_annotations["cluster-autoscaler.kubernetes.io/safe-to-evict"] = "false"
-
     job_labels = dict(labels)
     if settings.kueue_queue:
         job_labels[KUEUE_QUEUE_LABEL] = settings.kueue_queue
 
     template_meta: dict[str, Any] = {"labels": dict(labels)}
-    if pod_annotations:
-        template_meta["annotations"] = pod_annotations
+    if settings.do_not_disrupt:
+        template_meta["annotations"] = pod_annotations(settings)
     args = worker_argv(
         model_ref=model_ref, model_key=model_key, relation=relation,
         source_model=source_model, output_url=output_url, settings=settings,
@@ -448,7 +465,7 @@ def build_job(
         "podFailurePolicy": pod_failure_policy(),
         "template": {
             "metadata": template_meta,
-            "spec": _pod_spec(args, settings, affinity),
+            "spec": pod_spec(args, settings, affinity),
         },
     }
     if settings.ttl_after_finished_s is not None:
@@ -471,15 +488,54 @@ def build_job(
 def jobs_to_yaml(jobs: Iterable[Mapping[str, Any]]) -> str:
     """Jobs as one multi-document YAML stream (`--dry-run`; `kubectl apply -f -` takes it).
 
-    safe_dump quotes every string that could read as another type and escapes control and
-    non-ASCII characters, so an odd model id stays one string value.
+    Written for YAML 1.2 readers (the API server, kubectl) as much as 1.1 ones (PyYAML):
+    every string that is not a plain word is double-quoted (see _yaml_str), control and
+    non-ASCII characters are escaped, so an odd model id or `--evals-thresh 1e-05` reads
+    back as the same string under either spec. Ints and bools stay plain.
     """
+    return _yaml_dump_all([_plain(job) for job in jobs])
+
+
+# A scalar written plain only when it is a word that every YAML reader takes as that string:
+# it starts with a letter (so no number, .inf/.nan, ~, indicator or sign), has no space, ':'
+# or '#', and is not one of the words YAML 1.1 (PyYAML) or 1.2 (the API server) read as a
+# bool or null. Everything else is double-quoted: PyYAML's own rule is 1.1's, which writes
+# `1e-05`, `0o17` or `08` plain, and a 1.2 reader parses those as numbers.
+_PLAIN_WORD = re.compile(r"[A-Za-z][A-Za-z0-9_./-]*")
+_YAML_KEYWORDS = frozenset({"y", "n", "yes", "no", "on", "off", "true", "false", "null"})
+
+
+def _yaml_str_style(value: str) -> str | None:
+    """None (plain) for a safe word, '"' for every other string."""
+    if _PLAIN_WORD.fullmatch(value) and value.lower() not in _YAML_KEYWORDS:
+        return None
+    return '"'
+
+
+@functools.cache
+def _yaml_dumper() -> Any:
     import yaml  # PyYAML comes with the [kube] extra; building Jobs does not need it
 
-    return yaml.safe_dump_all(
-        [_plain(job) for job in jobs], explicit_start=True, sort_keys=False,
-        default_flow_style=False, allow_unicode=False, width=1000,
+    class Dumper(yaml.SafeDumper):
+        """SafeDumper with the YAML 1.2-safe string rule (a subclass: the global stays)."""
+
+    def represent_str(dumper: Any, value: str) -> Any:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value,
+                                       style=_yaml_str_style(value))
+
+    Dumper.add_representer(str, represent_str)
+    return Dumper
+
+
+def _yaml_dump_all(documents: list[Any]) -> str:
+    import yaml
+
+    # width: never fold a long string over lines (readers cope; people grep the output).
+    text: str = yaml.dump_all(
+        documents, Dumper=_yaml_dumper(), explicit_start=True, sort_keys=False,
+        default_flow_style=False, allow_unicode=False, width=1 << 30,
     )
+    return text
 
 
 def _plain(value: Any) -> Any:

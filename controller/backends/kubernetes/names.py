@@ -25,6 +25,14 @@ OUTPUT_ANNOTATION = "esd-sweep/output"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# A sharded run's Indexed Jobs (one per resource class, controller.backends.kubernetes.indexed)
+# carry MODE_LABEL=MODE_SHARDED and their class; per-model Jobs carry no mode label.
+MODE_LABEL = "esd-sweep/mode"
+MODE_SHARDED = "sharded"
+CLASS_LABEL = "esd-sweep/shard-class"
+SHARDS_ANNOTATION = "esd-sweep/shards"  # the shard lists' store URL, credentials dropped
+MODELS_ANNOTATION = "esd-sweep/models"  # models in all the Job's shards
+SHARD_BYTES_ANNOTATION = "esd-sweep/shard-bytes"  # the byte budget each shard was cut to
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # set by the Job controller on its pods
 JOB_NAME_PREFIX = "esd-"
 MAX_ATTEMPT = 9999
@@ -111,10 +119,19 @@ def managed_selector() -> str:
     return f"{MANAGED_BY_LABEL}={APP_NAME}"
 
 
-
 def sweep_selector(instance: str) -> str:
     """Label selector for every Job of one sweep (one output), whatever the run."""
     return f"{managed_selector()},{INSTANCE_LABEL}={instance}"
+
+
+def sharded_selector(instance: str) -> str:
+    """Label selector for the Indexed Jobs of one sweep's sharded runs, whatever the run."""
+    return f"{sweep_selector(instance)},{MODE_LABEL}={MODE_SHARDED}"
+
+
+def per_model_selector(instance: str) -> str:
+    """Label selector for one sweep's per-model Jobs only (no mode label: not sharded)."""
+    return f"{sweep_selector(instance)},!{MODE_LABEL}"
 
 
 def output_annotation(url: str) -> str:
