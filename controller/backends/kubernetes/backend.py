@@ -23,7 +23,7 @@ from controller.backends.base import Outcome, OutcomeCallback, Task, Work, Worke
 from controller.backends.kubernetes.errors import JobSpecError, sweep_errors
 from controller.backends.kubernetes.events import JobEvents
 from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
-from controller.backends.kubernetes.names import sweep_selector
+from controller.backends.kubernetes.names import per_model_selector
 from controller.backends.kubernetes.placement import Placement, ScrapeFn
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.state import ModelTable
@@ -72,7 +72,7 @@ class KubernetesBackend:
         self.job_settings = job_settings
         self.output_url = output_url
         self.instance = job_settings.instance
-        self.selector = sweep_selector(self.instance)
+        self.selector = per_model_selector(self.instance)
         self.gpus_per_job = gpus_per_job
         self._own_kube = own_kube
         self._clock = clock
