@@ -21,13 +21,17 @@ the controller relies on and kmock leaves out:
   the API down for N seconds (connections dropped, or 503s);
 - a `committed=True` fault uses kmock's own reaction DSL (`emulator[criteria] << payload`),
   for which kmock stores the write *before* answering with the error: "the create landed
-  but the response was lost", after which a retry meets 409.
+  but the response was lost", after which a retry meets 409;
+- GET /version reporting `server_version` (KubeSim(server_version="1.28.3")), and
+  `per_index_backoff=False`: an apiserver with the JobBackoffLimitPerIndex gate off, which
+  drops backoffLimitPerIndex, maxFailedIndexes and FailIndex rules from a created Job.
 
 `JobSimulator` plays the Job controller and kubelet through the same HTTP API (bypassing
 the faults): pods Pending (optionally unschedulable, with a FailedScheduling event) →
 Running → Succeeded, or Failed with an exit code, OOMKilled, evicted/preempted
 (DisruptionTarget), node lost, deadline exceeded; it applies the Job's podFailurePolicy and
 backoffLimit the way the Job controller does, and can run on its own (`autopilot`).
+Indexed Jobs (completionMode Indexed) are tests/support/indexed.py's IndexedJobSimulator's.
 
 Use (one server per test: starting one takes ~10 ms):
 
@@ -1454,8 +1458,8 @@ class JobSimulator:
         def tick() -> None:
             for job in self.jobs():
                 name = job["metadata"]["name"]
-                if job_finished(job):
-                    continue
+                if job_finished(job) or job["spec"].get("completionMode") == "Indexed":
+                    continue  # Indexed Jobs are IndexedJobSimulator's
                 if job["spec"].get("suspend"):
                     if admit:
                         self.admit(name)
