@@ -21,13 +21,17 @@ the controller relies on and kmock leaves out:
   the API down for N seconds (connections dropped, or 503s);
 - a `committed=True` fault uses kmock's own reaction DSL (`emulator[criteria] << payload`),
   for which kmock stores the write *before* answering with the error: "the create landed
-  but the response was lost", after which a retry meets 409.
+  but the response was lost", after which a retry meets 409;
+- GET /version reporting `server_version` (KubeSim(server_version="1.28.3")), and
+  `per_index_backoff=False`: an apiserver with the JobBackoffLimitPerIndex gate off, which
+  drops backoffLimitPerIndex, maxFailedIndexes and FailIndex rules from a created Job.
 
 `JobSimulator` plays the Job controller and kubelet through the same HTTP API (bypassing
 the faults): pods Pending (optionally unschedulable, with a FailedScheduling event) →
 Running → Succeeded, or Failed with an exit code, OOMKilled, evicted/preempted
 (DisruptionTarget), node lost, deadline exceeded; it applies the Job's podFailurePolicy and
 backoffLimit the way the Job controller does, and can run on its own (`autopilot`).
+Indexed Jobs (completionMode Indexed) are tests/support/indexed.py's IndexedJobSimulator's.
 
 Use (one server per test: starting one takes ~10 ms):
 
@@ -333,6 +337,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     event_window: int | None = 10_000  # watch events kept (None: all); older → 410 Gone
     keep_history: bool = True  # kmock keeps every version of every object; off for benchmarks
     keep_requests: bool = False  # kmock's request log (its DSL assertions); slow when long
+    server_version: str = K8S_VERSION  # what GET /version reports ("1.29.4-eks-036c24b" too)
+    # False: the JobBackoffLimitPerIndex feature gate is off, as on apiservers before 1.29
+    # (alpha in 1.28): create silently drops backoffLimitPerIndex, maxFailedIndexes and
+    # FailIndex rules (the registry's PrepareForCreate), so only a read-back shows it.
+    per_index_backoff: bool = True
 
     _rv: int = attrs.field(default=0, init=False)
     _seq: int = attrs.field(default=0, init=False)
@@ -368,6 +377,21 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if isinstance(details, dict) and "retryAfterSeconds" in details:
             response.headers["Retry-After"] = str(details["retryAfterSeconds"])
         return response
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        """GET /version as the apiserver answers (kmock's own says 1.26): managed clusters
+        report a minor like "29+" and a gitVersion with their suffix (v1.29.4-eks-036c24b)."""
+        match = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.(\d+))?(.*)", self.server_version)
+        if match is None:
+            raise ValueError(f"server_version {self.server_version!r} is not MAJOR.MINOR[.PATCH]")
+        major, minor, patch, suffix = match.groups()
+        return {
+            "major": major, "minor": minor + ("+" if suffix else ""),
+            "gitVersion": f"v{major}.{minor}.{patch or 0}{suffix}",
+            "gitCommit": "9edcffcde5595e8a5b1a35f88c421764e575afce", "gitTreeState": "clean",
+            "buildDate": "2024-08-13T07:28:49Z", "goVersion": "go1.22.5", "compiler": "gc",
+            "platform": "linux/amd64",
+        }
 
     async def close_watches(self) -> None:
         """End every open watch (the server is stopping; aiohttp waits for its handlers)."""
@@ -464,6 +488,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             fault = self._fault_for(request)
             if fault is not None:
                 raise fault.error(request)
+        if request.resource is None and request.method == kmock.method.GET and \
+                request.url.path == "/version/":  # kubernetes.client.VersionApi's path
+            return aiohttp.web.json_response(await self._serve_server_version(request))
         if request.resource is None:
             return await super()._handle(request)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE):
@@ -592,6 +619,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             for k, v in (("completions", 1), ("parallelism", 1),
                          ("completionMode", "NonIndexed"), ("suspend", False)):
                 spec.setdefault(k, v)
+            if not self.per_index_backoff:
+                spec.pop("backoffLimitPerIndex", None)
+                spec.pop("maxFailedIndexes", None)
+                policy = spec.get("podFailurePolicy") or {}
+                if "rules" in policy:
+                    policy["rules"] = [r for r in policy["rules"] if r.get("action") != "FailIndex"]
+            spec.setdefault("backoffLimit",
+                            2**31 - 1 if spec.get("backoffLimitPerIndex") is not None else 6)
             spec.setdefault("podReplacementPolicy",
                             "Failed" if spec.get("podFailurePolicy") else "TerminatingOrFailed")
             uid, name = meta["uid"], meta["name"]
@@ -1032,6 +1067,70 @@ def _condition(kind: str, reason: str, message: str = "", status: str = "True") 
             "lastProbeTime": now, "lastTransitionTime": now}
 
 
+condition = _condition
+
+
+def pod_running_status(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The kubelet's status of a pod whose (first) container started and is ready."""
+    now = now_rfc3339()
+    container = pod["spec"]["containers"][0]
+    return {
+        "phase": "Running", "startTime": now, "hostIP": "10.0.0.7", "podIP": "10.1.0.7",
+        "conditions": [_condition("PodScheduled", ""), _condition("Ready", "")],
+        "containerStatuses": [{
+            "name": container["name"], "ready": True, "restartCount": 0, "started": True,
+            "image": container["image"], "imageID": "", "state": {"running": {"startedAt": now}}}],
+    }
+
+
+def pod_terminated_status(
+    pod: Mapping[str, Any], *, exit_code: int, reason: str, message: str, phase: str,
+    conditions: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """The kubelet's status of a pod whose container exited (phase Succeeded or Failed);
+    message: the termination message (FallbackToLogsOnError: the log's last lines)."""
+    now = now_rfc3339()
+    container = pod["spec"]["containers"][0]
+    terminated: dict[str, Any] = {"exitCode": exit_code, "reason": reason,
+                                  "startedAt": now, "finishedAt": now}
+    if message:
+        terminated["message"] = message
+    return {
+        "phase": phase,
+        "conditions": [_condition("PodScheduled", ""),
+                       _condition("Ready", "PodCompleted", status="False"),
+                       *[dict(c) for c in conditions]],
+        "containerStatuses": [{
+            "name": container["name"], "ready": False, "restartCount": 0, "started": False,
+            "image": container["image"], "imageID": "", "state": {"terminated": terminated}}],
+    }
+
+
+# A pod's fault: (exit code, container termination reason, pod conditions (type, reason,
+# message, status)) as the kubelet, the eviction API, the scheduler and PodGC leave them.
+POD_FAULTS: dict[str, tuple[int, str, tuple[tuple[str, str, str, str], ...]]] = {
+    # the container hits its memory limit (counted against backoffLimit)
+    "oom": (137, "OOMKilled", ()),
+    # eviction / drain / spot reclaim: DisruptionTarget, then SIGTERM
+    "evict": (143, "Error", (
+        ("DisruptionTarget", "EvictionByEvictionAPI", "Eviction API: evicting", "True"),)),
+    "preempt": (143, "Error", (
+        ("DisruptionTarget", "PreemptionByScheduler", "Preempted by a higher priority pod",
+         "True"),)),
+    # the node stops reporting: the taint manager evicts, PodGC fails the pod
+    "node_lost": (137, "ContainerStatusUnknown", (
+        ("DisruptionTarget", "DeletionByTaintManager",
+         "Taint manager: deleting due to NoExecute taint", "True"),
+        ("Ready", "NodeLost", "", "Unknown"))),
+}
+
+
+def fault_conditions(fault: str) -> list[dict[str, Any]]:
+    """The pod conditions of a POD_FAULTS entry, timestamped now."""
+    return [_condition(kind, reason, message, status=status)
+            for kind, reason, message, status in POD_FAULTS[fault][2]]
+
+
 def job_finished(job: Mapping[str, Any]) -> str | None:
     """"Complete" or "Failed" when the Job has that condition True, else None."""
     for cond in (job.get("status") or {}).get("conditions") or []:
@@ -1210,15 +1309,7 @@ class JobSimulator:
             self.start(name)
             pod = self._active_pod(name)
         assert pod is not None
-        now = now_rfc3339()
-        self._patch_pod(pod["metadata"]["name"], {
-            "phase": "Running", "startTime": now, "hostIP": "10.0.0.7", "podIP": "10.1.0.7",
-            "conditions": [_condition("PodScheduled", ""), _condition("Ready", "")],
-            "containerStatuses": [{
-                "name": "worker", "ready": True, "restartCount": 0, "started": True,
-                "image": pod["spec"]["containers"][0]["image"], "imageID": "",
-                "state": {"running": {"startedAt": now}}}],
-        })
+        self._patch_pod(pod["metadata"]["name"], pod_running_status(pod))
         # nodeName is spec (the scheduler's binding); kmock patches any field.
         self._doc(self._core.patch_namespaced_pod(
             pod["metadata"]["name"], self.namespace, {"spec": {"nodeName": node or self.node}},
@@ -1237,22 +1328,9 @@ class JobSimulator:
         pod_name = pod["metadata"]["name"]
         if log is not None:
             self.sim.set_log(self.namespace, pod_name, log)
-        now = now_rfc3339()
-        terminated: dict[str, Any] = {"exitCode": exit_code, "reason": reason,
-                                      "startedAt": now, "finishedAt": now}
-        if message:
-            terminated["message"] = message
-        status = {
-            "phase": phase,
-            "conditions": [_condition("PodScheduled", ""),
-                           _condition("Ready", "PodCompleted", status="False"),
-                           *[dict(c) for c in conditions]],
-            "containerStatuses": [{
-                "name": "worker", "ready": False, "restartCount": 0, "started": False,
-                "image": pod["spec"]["containers"][0]["image"], "imageID": "",
-                "state": {"terminated": terminated}}],
-        }
-        pod = self._patch_pod(pod_name, status)
+        pod = self._patch_pod(pod_name, pod_terminated_status(
+            pod, exit_code=exit_code, reason=reason, message=message, conditions=conditions,
+            phase=phase))
         return self.job(name), pod
 
     def succeed(self, name: str, *, log: str = "done\n") -> dict[str, Any]:
@@ -1306,7 +1384,8 @@ class JobSimulator:
 
     def oom_kill(self, name: str, *, log: str | None = None) -> dict[str, Any]:
         """The container hits its memory limit: exit 137, reason OOMKilled (counted)."""
-        return self.fail(name, 137, reason="OOMKilled", log=log)
+        code, reason, _ = POD_FAULTS["oom"]
+        return self.fail(name, code, reason=reason, log=log)
 
     def evict(self, name: str, *, reason: str = "EvictionByEvictionAPI",
               message: str = "Eviction API: evicting") -> dict[str, Any]:
@@ -1320,10 +1399,8 @@ class JobSimulator:
     def lose_node(self, name: str) -> dict[str, Any]:
         """The node stops reporting: the taint manager evicts the pod (DisruptionTarget),
         PodGC fails it with its container status unknown (exit 137)."""
-        return self.fail(name, 137, reason="ContainerStatusUnknown", conditions=[
-            _condition("DisruptionTarget", "DeletionByTaintManager",
-                       "Taint manager: deleting due to NoExecute taint"),
-            _condition("Ready", "NodeLost", status="Unknown")])
+        code, reason, _ = POD_FAULTS["node_lost"]
+        return self.fail(name, code, reason=reason, conditions=fault_conditions("node_lost"))
 
     def exceed_deadline(self, name: str) -> dict[str, Any]:
         """activeDeadlineSeconds passed: running pods are killed, the Job Failed."""
@@ -1381,8 +1458,8 @@ class JobSimulator:
         def tick() -> None:
             for job in self.jobs():
                 name = job["metadata"]["name"]
-                if job_finished(job):
-                    continue
+                if job_finished(job) or job["spec"].get("completionMode") == "Indexed":
+                    continue  # Indexed Jobs are IndexedJobSimulator's
                 if job["spec"].get("suspend"):
                     if admit:
                         self.admit(name)
