@@ -20,7 +20,8 @@ from ruamel.yaml import YAML
 
 from controller.backends.base import WorkerSpec
 from controller.backends.kubernetes.indexed import build_indexed_job
-from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
+from controller.backends.kubernetes.jobs import JobSettings, build_job
+from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from esd_worker.naming import model_key, split_model_ref
 
 RUN = "20261123T070501Z-3fa9c2"

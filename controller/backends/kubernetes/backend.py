@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.errors import JobSpecError, sweep_errors
 from controller.backends.kubernetes.events import JobEvents
-from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
+from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import per_model_selector
 from controller.backends.kubernetes.placement import Placement, ScrapeFn
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
@@ -30,6 +30,7 @@ from controller.backends.kubernetes.state import ModelTable
 from controller.backends.kubernetes.submit import Submitter
 from controller.backends.kubernetes.telemetry import scrape
 from controller.backends.kubernetes.watch import JobWatcher, WatchQueue
+from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from controller.errors import SweepError
 from controller.progress import Progress
 from controller.settings import SweepSettings

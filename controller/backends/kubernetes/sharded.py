@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.errors import sweep_errors
 from controller.backends.kubernetes.indexed import build_indexed_job, server_too_old
-from controller.backends.kubernetes.jobs import JobSettings, jobs_to_yaml
+from controller.backends.kubernetes.jobs import JobSettings
 from controller.backends.kubernetes.names import RUN_LABEL, sharded_selector
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.shardjobs import IndexedRun, ShardFailures
+from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from controller.errors import SweepError
 from controller.progress import Progress
 from controller.settings import SweepSettings
@@ -190,7 +191,8 @@ class ShardedBackend:
             return []
         if not self._follow(kube, self.runs, progress):
             return []
-        return self._outcomes(kube, work, on_outcome)
+        failures = ShardFailures(kube, self.store, self.settings, self.runs)
+        return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome)
 
     def _client(self) -> KubeClient:
         if self.kube is None:
@@ -269,39 +271,36 @@ class ShardedBackend:
                 return False
             self._sleep(self.poll_s)
 
-    def _outcomes(self, kube: KubeClient, work: Work,
-                  on_outcome: OutcomeCallback) -> list[Outcome]:
-        """Each model's Outcome from the store (one listing of markers and one of failure
-        records); models of failed indexes without a record get their pod's diagnosis."""
-        done = list_markers(self.store)
-        records = list_failure_keys(self.store)
-        failures = ShardFailures(kube, self.store, self.settings, self.runs)
-        outcomes: list[Outcome] = []
-        for task in work:
-            outcome = self._outcome(task, done, records, failures)
-            outcomes.append(outcome)
-            on_outcome(outcome)
-        return outcomes
-
-    def _outcome(self, task: Task, done: set[str], records: dict[str, str],
-                 failures: ShardFailures) -> Outcome:
+def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,
+                   on_outcome: OutcomeCallback) -> list[Outcome]:
+    """Each model's Outcome from the store (one listing of markers and one of failure
+    records); a model of a failed index without a record of this run gets the diagnosis
+    of the index's last pod; one with neither is a retryable NoOutcome."""
+    done = list_markers(store)
+    records = list_failure_keys(store)
+    outcomes: list[Outcome] = []
+    for task in work:
         key = task.key
         where = failures.where(key)
-        if key in done:
-            return _outcome(task, "done", where=where, recorded=True)
-        record = read_failure(self.store, key) if key in records else None
-        if record is not None and record.run_id == self.spec.run_id:
-            return _outcome(task, "failed", where=where, recorded=True, error=record.error,
-                            retryable=record.retryable, exit_code=record.exit_code,
-                            attempts=record.attempts, tail=record.stderr_tail)
+        record = read_failure(store, key) if key not in done and key in records else None
         diagnosis = failures.diagnosis(key)
-        if diagnosis is not None:
-            return _outcome(task, "failed", where=where, error=diagnosis.error,
-                            retryable=diagnosis.retryable, exit_code=diagnosis.exit_code,
-                            signal=diagnosis.signal, tail=diagnosis.tail)
-        return _outcome(task, "failed", where=where, retryable=True, error=(
-            "NoOutcome: the shard's pod ended without a result or a failure record for "
-            "this model (the next run tries it again)"))
+        if key in done:
+            outcome = _outcome(task, "done", where=where, recorded=True)
+        elif record is not None and record.run_id == run_id:
+            outcome = _outcome(task, "failed", where=where, recorded=True, error=record.error,
+                               retryable=record.retryable, exit_code=record.exit_code,
+                               attempts=record.attempts, tail=record.stderr_tail)
+        elif diagnosis is not None:
+            outcome = _outcome(task, "failed", where=where, error=diagnosis.error,
+                               retryable=diagnosis.retryable, exit_code=diagnosis.exit_code,
+                               signal=diagnosis.signal, tail=diagnosis.tail)
+        else:
+            outcome = _outcome(task, "failed", where=where, retryable=True, error=(
+                "NoOutcome: the shard's pod ended without a result or a failure record "
+                "for this model (the next run tries it again)"))
+        outcomes.append(outcome)
+        on_outcome(outcome)
+    return outcomes
 
 
 def _outcome(task: Task, status: str, *, where: str, recorded: bool = False, error: str = "",

@@ -28,7 +28,7 @@ from controller.backends.kubernetes.indexed import (
     shard_failure_policy,
     shard_worker_argv,
 )
-from controller.backends.kubernetes.jobs import JobSettings, build_job, jobs_to_yaml
+from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import (
     is_dns_label,
     is_label_value,
@@ -37,6 +37,7 @@ from controller.backends.kubernetes.names import (
     sharded_selector,
     sweep_selector,
 )
+from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from esd_worker.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.flags import analysis_argv
 from esd_worker.naming import model_key
