@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from esd_worker.modellist import ADAPTER_RELATIONS, ModelRow, parse_ref
+from esd_worker.modellist import ADAPTER_RELATIONS, ModelRow, is_local_path
 
 GIB = 1024**3
 API_COMPLETIONS_LIMIT = 100_000  # completions of an Indexed Job with backoffLimitPerIndex
@@ -138,9 +138,17 @@ def units(items: Iterable[Item]) -> Iterator[Unit]:
         if current:
             yield _unit(current)
         current = [item]
-        base_names = () if item.is_adapter else (item.ref, parse_ref(item.ref)[0])
+        base_names = () if item.is_adapter else (item.ref, _model_id(item.ref))
     if current:
         yield _unit(current)
+
+
+def _model_id(ref: str) -> str:
+    """The id part of a valid ref, as esd_worker.modellist.parse_ref splits it (without
+    validating it again: a row's ref is valid)."""
+    if is_local_path(ref) or "@" not in ref:
+        return ref
+    return ref.rpartition("@")[0]
 
 
 @dataclass(frozen=True)
