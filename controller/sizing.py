@@ -9,6 +9,7 @@ or report hub errors as the model's failure: the worker meets them again and rec
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import http.client
 import json
@@ -234,7 +235,7 @@ class Sizer:
             return None
         try:
             return parse_size(raw)
-        except ValueError:  # argparse.ArgumentTypeError is one
+        except argparse.ArgumentTypeError:
             if not self._bad_column_warned:
                 self._bad_column_warned = True
                 log.warning("line %d: %s %r is not a size; such rows are sized as if it were "
