@@ -115,14 +115,14 @@ def add_repo(hub: HubServer, tmp_path: Path, repo: str, files: Mapping[str, int]
 
 
 def api_requests(hub: HubServer, org: str, at_least: int = 0) -> list[Request]:
-    """The double's model-info requests about `org`'s repos, once at least `at_least` are
-    logged: it logs a request after answering it, so the last may land just after the client
-    has its answer."""
+    """The double's model-info requests about `org`'s repos in the order they arrived, once at
+    least `at_least` are logged: it logs a request after answering it, so the last may land
+    just after the client has its answer, and after a later one."""
     deadline = time.monotonic() + 10
     while True:
         calls = [c for c in hub.calls(kind="api") if (c.repo or "").startswith(f"{org}/")]
         if len(calls) >= at_least or time.monotonic() > deadline:
-            return calls
+            return sorted(calls, key=lambda c: c.started)
         time.sleep(0.01)
 
 
