@@ -1,0 +1,98 @@
+"""A shard pod's worker for the Indexed Job simulator: the real batch loop, a scripted analysis.
+
+`ShardWorker` is the `worker(job, index, attempt)` callback of
+tests.support.indexed.IndexedJobSimulator. For each pod it does what `esd-worker --shards`
+does in a pod: reads its shard from the store (the shard folder in the Job's argv, the index
+the simulator gives), runs the worker's own per-model loop (esd_worker.batch.Batch: skip
+what is done, attempt notes that find a model which killed a pod, failure records), and
+ends the pod as the worker's exit status says (0 → succeed, 4 → exit 4). Only the analysis
+is scripted, by the prefix of the model's name (after `org/`):
+
+- `ok-…`: writes the model's marker (what analyse_model writes last);
+- `bad-…`: a permanent error (a failure record, the shard goes on);
+- `flaky-…`: a transient error on its first try, fine afterwards;
+- `oom-…`: the pod is OOM-killed while analysing it (nothing recorded, the note stays).
+
+`evict` maps an index to the pod attempts that are evicted before they start (disruptions).
+`analysed` counts analyses per model key: "done exactly once" is checked against it.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from esd_worker.batch import Batch, BatchSettings
+from esd_worker.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
+from esd_worker.inbox import requests_from_list
+from esd_worker.layout import Marker, canonical_parameters, marker_key
+from esd_worker.settings import AnalysisSettings, WorkerSettings
+from esd_worker.store import Store
+from tests.support.indexed import Exit, Outcome
+
+PARAMS = canonical_parameters(AnalysisSettings().as_dict())
+
+
+class _PodKilled(BaseException):
+    """The pod died under the worker (the kernel's OOM killer): nothing after runs."""
+
+
+def shard_url(job: Mapping[str, Any]) -> str:
+    """The shard folder in the worker's argv (`--shards URL`)."""
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    return str(args[args.index("--shards") + 1])
+
+
+def run_id_of(job: Mapping[str, Any]) -> str:
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    return str(args[args.index("--run-id") + 1])
+
+
+@dataclass
+class ShardWorker:
+    store: Store
+    max_retries: int = 2
+    evict: Mapping[int, set[int]] = field(default_factory=dict)
+    analysed: collections.Counter[str] = field(default_factory=collections.Counter)
+    tried: collections.Counter[str] = field(default_factory=collections.Counter)
+    pods: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, job: dict[str, Any], index: int, attempt: int) -> Outcome:
+        with self._lock:
+            self.pods += 1
+        if attempt in self.evict.get(index, set()):
+            return "evict"
+        requests = requests_from_list(f"{shard_url(job)}/{index}.csv")
+        template = WorkerSettings(model="-", output=self.store.url)
+        batch = Batch(BatchSettings(template=template, run_id=run_id_of(job),
+                                    max_retries=self.max_retries, skip_failed=True),
+                      self.store, self._analyse, emit=lambda line: None, stderr=io.StringIO())
+        try:
+            tally = batch.run(iter(requests))
+        except _PodKilled:
+            return "oom"
+        code = tally.exit_code
+        if code in (EXIT_OK, EXIT_PERMANENT):  # --shards: a permanent failure is an outcome
+            return "succeed"
+        return Exit(code, log=f"worker: {tally.retryable} model(s) may succeed on a retry\n")
+
+    def _analyse(self, settings: WorkerSettings, store: Store, key: str) -> None:
+        model = settings.model.rsplit("/", 1)[-1]  # the name after org/
+        with self._lock:
+            self.tried[key] += 1
+            tries = self.tried[key]
+        if model.startswith("oom-"):
+            raise _PodKilled(model)
+        if model.startswith("bad-"):
+            raise PermanentModelError(f"{model}: not found on the hub")
+        if model.startswith("flaky-") and tries == 1:
+            raise TransientError(f"{model}: hub answered 503")
+        marker = Marker(model=settings.model, model_key=key, parameters=PARAMS, summary={"layers": 1})
+        store.put_bytes(marker_key(key), marker.to_json())
+        with self._lock:
+            self.analysed[key] += 1
