@@ -1,13 +1,16 @@
 """The `esd-worker` command: flags to settings; one model (`--model`) or many in one process
-(`--models FILE`, or `--serve` for a controller); each failure one line + exit code.
+(`--models FILE`, a shard of a Kubernetes run with `--shards URL`, or `--serve` for a
+controller); the hub rate limit (`--hub-rate`); each failure one line + exit code.
 
-A batch's per-model loop is esd_worker.batch's, its read-ahead esd_worker.prefetch's.
+A batch's per-model loop is esd_worker.batch's, its read-ahead esd_worker.prefetch's, which
+shard a pod takes and a batch's exit code esd_worker.runner's.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -21,19 +24,40 @@ from esd_worker.errors import (
     ERROR_PREFIX,
     EXIT_USAGE,
     Terminated,
+    UsageError,
     WorkerError,
     exit_code_for,
     failure_message,
 )
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
+from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
-from esd_worker.runner import run_batch
+from esd_worker.ratelimit import TokenBucket
+from esd_worker.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
 from esd_worker.settings import DEVICES, WorkerSettings
 from esd_worker.store import open_store
 
 log = logging.getLogger("esd_worker")
 
 PROG = "esd-worker"
+
+EPILOG = f"""exit codes: 0 done (a batch: every model done or skipped); 2 usage (--shards: the
+shard cannot run: no index, a bad index, no such shard); 3 permanent (a batch: some models
+failed for good, each recorded in _failures/; --shards exits 0 then, the records being the
+shard's outcome); 4 transient (network, storage, a stop; a batch: some failure a retry may
+fix); 5 out of GPU memory. --shards takes shard N of URL, URL/N.csv, N from --shard-index or
+{SHARD_INDEX_ENV}."""
+
+
+def _hub_rate(text: str) -> float:
+    """argparse type of --hub-rate: a finite number > 0."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return rate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Analyse the weight spectra (ESD, power-law fits) of one model, or of many "
         "in one process, and write <model_key>/layers.csv, eigs.npz and result.json (last) "
         "to the output store.",
+        epilog=EPILOG,
     )
     what = p.add_mutually_exclusive_group(required=True)
     add_flag(what, "--model", "--model-id", metavar="ID[@REV]|DIR",
@@ -56,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(what, "--models", metavar="CSV|URL",
              help="analyse every model of a model-list CSV (a path or s3:// URL) in this "
              "process; models already done are skipped, each outcome is recorded in the store")
+    add_flag(what, "--shards", metavar="URL",
+             help="analyse shard N of a sharded run: the model list URL/N.csv (URL a "
+             "directory, file:// or s3:// folder), N from --shard-index or "
+             f"${SHARD_INDEX_ENV}; as --models, with --skip-failed implied")
     what.add_argument("--serve", action="store_true",
                       help="take models as JSON lines on stdin (the controller's protocol: "
                       "esd_worker/protocol.py) and answer one JSON line each on stdout")
@@ -74,7 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
     add_flag(p, "--trust-remote-code", action="store_true",
              help="allow model code from the hub to build the layer map (off by default)")
-    batch = p.add_argument_group("many models (--models, --serve)")
+    add_flag(p, "--hub-rate", type=_hub_rate, default=None, metavar="R",
+             help="at most R hub requests a second from this process (model info, each file "
+             "download), bursts of up to max(1, R); a 429 holds them all (default: no limit)")
+    batch = p.add_argument_group("many models (--models, --shards, --serve)")
+    add_flag(batch, "--shard-index", default=None, metavar="N",
+             help=f"with --shards: the shard to take (default ${SHARD_INDEX_ENV})")
     add_flag(batch, "--run-id", default="", help="stamped on the failure records written")
     add_flag(batch, "--max-retries", type=int, default=2,
              help="a model that killed more than this many workers is recorded as a "
@@ -124,15 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(verbose=args.verbose, fmt=args.log_format)
     previous = _install_sigterm()
+    previous_limit = set_rate_limit(TokenBucket(args.hub_rate) if args.hub_rate else None)
     try:
         settings = settings_from_args(args)
         settings.validate()
+        shard = _shard(args)
         # The store is checked before torch is imported: a wrong bucket or missing
         # credentials fail in a second, not after seconds of imports.
         store = open_store(settings.output)
         store.check()
         if not args.model:
-            return run_batch(args, settings, store)
+            return run_batch(args, settings, store, shard)
         from esd_worker.analyze import analyse_model
 
         analyse_model(settings, store=store, model_key=args.model_key)
@@ -150,9 +186,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(e, args.model)
         return exit_code_for(e)
     finally:
+        set_rate_limit(previous_limit)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _shard(args: argparse.Namespace) -> Shard | None:
+    """The shard of --shards (before the store is asked anything: a pod without its index
+    fails at once), None for the other ways of giving work."""
+    if args.shards is not None:
+        return locate_shard(args.shards, args.shard_index)
+    if args.shard_index is not None:
+        raise UsageError("--shard-index goes with --shards")
+    return None
 
 
 def _install_sigterm() -> signal.Handlers | Any | None:

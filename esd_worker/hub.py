@@ -14,6 +14,12 @@ What huggingface_hub 2.4 already retries, so that this module does not multiply 
 What it does not retry, and this module does: the model-info API call (any failure), and a
 file GET answered 5xx. So the worst case is bounded: `attempts` model-info calls, and per file
 `attempts` × (7 HEADs + 6 GETs).
+
+Rate limit (`esd-worker --hub-rate R`, set once per process with `set_rate_limit`): each
+model-info call and each file download started (every attempt of either) first takes a token
+from one process-wide esd_worker.ratelimit.TokenBucket, whatever thread it runs in. A 429
+that reaches this module holds the bucket for its wait, so the other downloads back off too;
+a 429 that huggingface_hub retries by itself is seen (and held for) only once it gives up.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from esd_worker.errors import PermanentModelError, TransientError, WorkerError
+from esd_worker.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,6 +42,36 @@ T = TypeVar("T")
 RETRIES_ENV = "ESD_HUB_RETRIES"
 _HF_RETRIED_STATUSES = (408, 429)  # what huggingface_hub retries on a GET itself
 _MAX_PARALLEL_FILES = 8  # what snapshot_download uses: shards download side by side
+_TOO_MANY_REQUESTS = 429
+
+# The process's hub rate limit (None: none). Module state, not a setting passed down: every
+# path to the hub (the prefetcher's threads, analyse_model's resolve) shares the one bucket.
+_limiter: TokenBucket | None = None
+
+
+def set_rate_limit(limiter: TokenBucket | None) -> TokenBucket | None:
+    """Every later hub request of this process takes a token from `limiter` first (None: no
+    limit); returns the one in force before, for a caller that restores it."""
+    global _limiter
+    previous, _limiter = _limiter, limiter
+    return previous
+
+
+def _take_token() -> None:
+    limiter = _limiter
+    if limiter is not None:
+        waited = limiter.acquire()
+        if waited >= 1.0:
+            log.debug("hub rate limit: waited %.1fs for a request", waited)
+
+
+def _hold_for_429(answer: BaseException, wait: float) -> None:
+    """A 429 holds the bucket `wait` seconds: the next request of any thread waits at least
+    as long as this one does, so parallel downloads stop asking together."""
+    limiter = _limiter
+    if limiter is not None and _status(answer) == _TOO_MANY_REQUESTS:
+        log.info("hub rate limited (HTTP 429): hub requests held for %.1fs", wait)
+        limiter.hold(wait)
 
 
 @dataclass(frozen=True)
@@ -70,9 +107,18 @@ def _retry_after(error: BaseException) -> float | None:
     return float(value) if value.isdigit() else None  # an HTTP-date: fall back to backoff
 
 
-def _status(error: BaseException) -> int | None:
+def _status(error: BaseException | None) -> int | None:
     status = getattr(getattr(error, "response", None), "status_code", None)
     return status if isinstance(status, int) else None
+
+
+def _hub_answer(error: BaseException) -> BaseException:
+    """The HTTP error behind `error`: itself, or the one huggingface_hub wrapped in a
+    cache-miss error (LocalEntryNotFoundError) after its own retries."""
+    cause = error.__cause__
+    if _status(error) is None and cause is not None and _status(cause) is not None:
+        return cause
+    return error
 
 
 def with_retries(
@@ -84,19 +130,23 @@ def with_retries(
 
     Permanent failures (401, 403, 404, malformed ids) raise PermanentModelError at once;
     `retried_inside(e)` says huggingface_hub already retried e itself: raised at once too.
+    Each attempt is a hub request: it takes a token of the rate limit first (set_rate_limit).
     """
     for attempt in range(1, policy.attempts + 1):
+        _take_token()
         try:
             return call()
         except WorkerError:
             raise
         except Exception as e:
             error = classify_hub_error(e, model_id, revision)
+            answer = _hub_answer(e)
+            wait = policy.wait_s(attempt, answer)
+            _hold_for_429(answer, wait)
             if not isinstance(error, TransientError) or retried_inside(e):
                 raise error from e
             if attempt == policy.attempts:
                 raise TransientError(f"{error} (gave up after {attempt} attempts)") from e
-            wait = policy.wait_s(attempt, e)
             log.warning("%s; attempt %d of %d, retrying in %.1fs", error, attempt,
                         policy.attempts, wait)
             sleep(wait)
