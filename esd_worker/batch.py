@@ -65,7 +65,9 @@ class BatchSettings:
     the failure records. max_retries: a model whose attempt note shows more than this many
     starts without an outcome crashed every worker that tried it: recorded as a permanent
     failure and not started again. overwrite: analyse models that are done. skip_failed:
-    skip models with a permanent failure record.
+    skip models with a permanent failure record. skip_own_failures: skip models with a
+    permanent failure record of this run (a shard's pod retry: that record is the model's
+    outcome, while records of earlier runs are tried again, as `esd-sweep run` does).
     """
 
     template: WorkerSettings
@@ -73,6 +75,7 @@ class BatchSettings:
     max_retries: int = 2
     overwrite: bool = False
     skip_failed: bool = False
+    skip_own_failures: bool = False
 
 
 class ModelLog(logging.Handler):
@@ -214,9 +217,10 @@ class Batch:
             marker = read_marker(self.store, key)
             if marker is not None and marker.parameters == self._params:
                 return "done already (same parameters)"
-        if self.settings.skip_failed:
+        if self.settings.skip_failed or self.settings.skip_own_failures:
             record = read_failure(self.store, key)
-            if record is not None and not record.retryable:
+            if record is not None and not record.retryable and (
+                    self.settings.skip_failed or record.run_id == self.settings.run_id):
                 return f"permanent failure record ({record.error})"
         return ""
 

@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(what, "--shards", metavar="URL",
              help="analyse shard N of a sharded run: the model list URL/N.csv (URL a "
              "directory, file:// or s3:// folder), N from --shard-index or "
-             f"${SHARD_INDEX_ENV}; as --models, with --skip-failed implied")
+             f"${SHARD_INDEX_ENV}; as --models, skipping what failed for good in this --run-id")
     what.add_argument("--serve", action="store_true",
                       help="take models as JSON lines on stdin (the controller's protocol: "
                       "esd_worker/protocol.py) and answer one JSON line each on stdout")

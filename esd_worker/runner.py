@@ -18,7 +18,8 @@ Exit codes of a batch (the codes themselves are esd_worker.errors'):
     exits 0, so that Kubernetes counts the index complete and does not retry it);
   4 some model failed in a way a retry may fix (its record says retryable), a fatal CUDA
     error, or a stop: Kubernetes retries the index (backoffLimitPerIndex) and the next pod
-    skips what is done, and what failed permanently (--skip-failed is implied);
+    skips what is done, and what failed permanently in this run (--run-id: that record is
+    the model's outcome; records of earlier runs are tried again unless --skip-failed);
   2 the shard cannot run at all: no index (neither --shard-index nor JOB_COMPLETION_INDEX),
     an index that is not a whole number >= 0, the shard missing or not a model list;
   3 (as for any worker) the store is unusable as configured (no bucket, access denied) or a
@@ -132,9 +133,11 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         protocol.flush()
 
     batch = Batch(
-        # A shard's pod retry must not retry what failed for good: its record is its outcome.
+        # A shard's pod retry must not retry what failed for good in this run: that record is
+        # the model's outcome. A later run tries it again, as `esd-sweep run` does.
         BatchSettings(template=template, run_id=args.run_id, max_retries=args.max_retries,
-                      overwrite=args.overwrite, skip_failed=args.skip_failed or shard is not None),
+                      overwrite=args.overwrite, skip_failed=args.skip_failed,
+                      skip_own_failures=shard is not None),
         store, analyse, emit, finished=prefetcher.finished,
     )
     emit(event_line("ready", pid=os.getpid()))

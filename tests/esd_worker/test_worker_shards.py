@@ -148,11 +148,21 @@ def test_a_permanent_failure_completes_the_shard_and_is_not_retried(
 
     written = [marker_key(keys[0]), failure_key(keys[1]), marker_key(keys[2])]
     before = snapshot(store, written)
-    again = run_shard(folder, tmp_path / "out", index_env="0")  # no --skip-failed: implied
+    again = run_shard(folder, tmp_path / "out", index_env="0")  # the same run: a pod retry
     assert again.returncode == 0, again.stderr
     assert statuses(again.stdout) == dict.fromkeys(keys, "skipped")
     assert "permanent failure record" in again.stderr
     assert snapshot(store, written) == before
+    # A later run tries the model again (as `esd-sweep run` does by default); --skip-failed
+    # skips records of any run.
+    later = run_shard(folder, tmp_path / "out", "--run-id", "run-l", index_env="0")
+    assert later.returncode == 0, later.stderr
+    assert statuses(later.stdout)[keys[1]] == "failed"
+    record = FailureRecord.from_json(store.get_bytes(failure_key(keys[1])) or b"")
+    assert record.run_id == "run-l"
+    skipped = run_shard(folder, tmp_path / "out", "--run-id", "run-m", "--skip-failed",
+                        index_env="0")
+    assert statuses(skipped.stdout)[keys[1]] == "skipped"
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ class ShardWorker:
         requests = requests_from_list(f"{shard_url(job)}/{index}.csv")
         template = WorkerSettings(model="-", output=self.store.url)
         batch = Batch(BatchSettings(template=template, run_id=run_id_of(job),
-                                    max_retries=self.max_retries, skip_failed=True),
+                                    max_retries=self.max_retries, skip_own_failures=True),
                       self.store, self._analyse, emit=lambda line: None, stderr=io.StringIO())
         try:
             tally = batch.run(iter(requests))

@@ -119,11 +119,11 @@ def shard_failure_policy() -> dict[str, Any]:
 
     A disruption (eviction, preemption, node drain or loss, spot reclaim: the pod gets the
     DisruptionTarget condition) is ignored: the index runs again without using one of its
-    retries, and the worker skips the models already done. Exit 2 (usage) and 3 (permanent)
-    mean the shard itself cannot run (no shard file, bad flags): FailIndex ends that index
-    at once, the others go on. A worker with models that failed for good also exits 3, after
-    it has recorded each failure and finished the rest of its shard, so nothing is left
-    that a retry would do. Everything else (4 transient, 5 GPU out of memory, 137 OOMKilled,
+    retries, and the worker skips the models already done. Exit 2 (usage) and 3 (the store
+    unusable as configured) mean the shard itself cannot run (no shard file, bad flags, no
+    bucket): FailIndex ends that index at once, the others go on. A model that failed for
+    good is an outcome, not a pod failure: `esd-worker --shards` records it and exits 0
+    once the rest of its shard is done. Everything else (4 transient, 5 GPU out of memory, 137 OOMKilled,
     a segfault) counts against backoffLimitPerIndex: the next pod skips what is done, and
     the worker's attempt notes find a model that kills every pod and record it as a failure
     once it has used its starts, so the rest of the shard still completes.
