@@ -99,6 +99,8 @@ def _add_kube_flags(g: Any) -> None:
     add_flag(g, "--large-model-size", type=parse_size, default=30 * 10**9, metavar="BYTES",
              help="models bigger than this run in the gpu-large class: more memory and disk "
              "(default 30G)")
+    add_flag(g, "--poll-interval", type=float, default=10.0, metavar="S",
+             help="sharded runs: seconds between looks at the Indexed Jobs (default 10)")
     add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
              help="--shard-size 1: unfinished Jobs of this sweep at once (default 100)")
     add_flag(g, "--allow-pending", action="store_true",
@@ -369,7 +371,7 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
         telemetry_urls=tuple(args.telemetry_url), pending_timeout_s=args.pending_timeout,
         wait=args.wait, allow_local_output=args.allow_local_output,
         shard_size=args.shard_size, max_parallel=args.max_parallel, hub_rate=args.hub_rate,
-        large_model_bytes=args.large_model_size,
+        large_model_bytes=args.large_model_size, poll_interval_s=args.poll_interval,
     )
     if args.backend == "kubernetes":
         problems.extend(cluster.problems())

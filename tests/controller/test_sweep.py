@@ -239,7 +239,10 @@ def test_a_worker_killed_under_a_model_costs_it_one_attempt_and_the_rest_go_on(
     out = tmp_path / "results"
     keys = [model_key(str(p)) for p in tiny_models]
     proc = _start_sweep(models, out)
-    _wait_for(out / "logs" / "workers" / f"{keys[0]}.log", proc)
+    # The attempt note is written just before the worker says `start`; killed before that,
+    # the model was only sent, not started (another error, no crash charged to it).
+    _wait_for(out / "_attempts" / f"{keys[0]}.json", proc)
+    time.sleep(0.3)  # `start` reaches the controller; the model takes seconds to analyse
     log_text = (out / "logs" / "esd-sweep.log").read_text()
     pid = int(log_text.split("worker 1 started on cpu pid=")[1].split()[0])
     os.kill(pid, signal.SIGKILL)

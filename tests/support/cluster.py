@@ -3,12 +3,15 @@ worker does, a backend builder over KubeSim, and polling."""
 
 from __future__ import annotations
 
+import csv
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import yaml
 
 from controller.backends.base import Outcome, Task
 from controller.backends.kubernetes.backend import KubernetesBackend
@@ -53,6 +56,27 @@ class MarkerSimulator(JobSimulator):
                         parameters=PARAMS, summary={"layers": 1})
         self.store.put_bytes(marker_key(key), marker.to_json())
         return super().succeed(name, log=log)
+
+
+def write_list(path: Path, ids: Sequence[str]) -> Path:
+    """A model list CSV of these ids (no relation, no source)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["model_id", "base_model_relation", "source_model"])
+        writer.writerows([(i, "", "") for i in ids])
+    return path
+
+
+def write_kubeconfig(path: Path, server: str, *, namespace: str) -> Path:
+    """A kubeconfig whose current context is `server` (a KubeSim URL), as for a cluster."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sim",
+        "clusters": [{"name": "sim", "cluster": {"server": server}}],
+        "users": [{"name": "tester", "user": {}}],
+        "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "tester",
+                                                 "namespace": namespace}}],
+    }))
+    return path
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float = 10.0) -> Any:

@@ -92,7 +92,8 @@ class ShardWorker:
             raise PermanentModelError(f"{model}: not found on the hub")
         if model.startswith("flaky-") and tries == 1:
             raise TransientError(f"{model}: hub answered 503")
-        marker = Marker(model=settings.model, model_key=key, parameters=PARAMS, summary={"layers": 1})
+        marker = Marker(model=settings.model, model_key=key, parameters=PARAMS,
+                        summary={"layers": 1})
         store.put_bytes(marker_key(key), marker.to_json())
         with self._lock:
             self.analysed[key] += 1

@@ -8,7 +8,6 @@ SIGKILLed mid-run and started again.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -34,30 +33,11 @@ from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import open_store
 from tests.support import REPO_ROOT
-from tests.support.cluster import NS, MarkerSimulator, wait_for
+from tests.support.cluster import NS, MarkerSimulator, wait_for, write_kubeconfig, write_list
 from tests.support.kubesim import K8S_VERSION, KubeSim
 
 ROOT = REPO_ROOT
 pytestmark = pytest.mark.usefixtures("restore_logging")
-
-
-def write_list(path: Path, ids: Sequence[str]) -> Path:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["model_id", "base_model_relation", "source_model"])
-        writer.writerows([(i, "", "") for i in ids])
-    return path
-
-
-def write_kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sim",
-        "clusters": [{"name": "sim", "cluster": {"server": server}}],
-        "users": [{"name": "tester", "user": {}}],
-        "contexts": [{"name": "sim", "context": {"cluster": "sim", "user": "tester",
-                                                 "namespace": NS}}],
-    }))
-    return path
 
 
 @pytest.fixture
@@ -68,7 +48,7 @@ def sim() -> Iterator[KubeSim]:
 
 @pytest.fixture
 def kubeconfig(sim: KubeSim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url)
+    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url, namespace=NS)
     monkeypatch.setenv("KUBECONFIG", str(path))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     return path

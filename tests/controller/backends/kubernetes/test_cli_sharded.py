@@ -1,0 +1,125 @@
+"""`esd-sweep run --backend kubernetes` in its default, sharded mode, end to end.
+
+CLI → kubeconfig → real client → KubeSim; tests.support.indexed.IndexedJobSimulator plays
+the Job controller, and its pods run the worker's real batch loop (tests.support
+.shardworker). Checks the exit-status contract and the --report JSON from the store's
+outcomes, `status` afterwards, and a controller process SIGKILLed mid-run then started
+again: every model done exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controller.cli import main
+from esd_worker.layout import list_markers
+from esd_worker.naming import model_key
+from esd_worker.store import Store, open_store
+from tests.support import REPO_ROOT
+from tests.support.cluster import NS, wait_for, write_kubeconfig, write_list
+from tests.support.indexed import IndexedJobSimulator
+from tests.support.kubesim import KubeSim
+from tests.support.shardworker import ShardWorker
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+@pytest.fixture
+def sim() -> Iterator[KubeSim]:
+    with KubeSim() as server:
+        yield server
+
+
+@pytest.fixture
+def kubeconfig(sim: KubeSim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url, namespace=NS)
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no size lookups: every model gets the estimate
+    return path
+
+
+@pytest.fixture
+def out(tmp_path: Path) -> Path:
+    return tmp_path / "out"
+
+
+@pytest.fixture
+def store(out: Path) -> Store:
+    return open_store(str(out))
+
+
+def run_args(models: Path, out: Path, *extra: str) -> list[str]:
+    return ["run", "--backend", "kubernetes", "--namespace", NS, "--model-list", str(models),
+            "--output-dir", str(out), "--allow-local-output", "--no-telemetry",
+            "--image", "ghcr.io/example/esd-sweep:0.1.0", "--poll-interval", "0.05",
+            "--max-parallel", "3", *extra]
+
+
+def test_exit_status_report_and_status_come_from_the_store(
+    sim: KubeSim, kubeconfig: Path, out: Path, store: Store, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    ids = [f"org/ok-{i}" for i in range(9)] + ["org/bad-missing"]
+    models = write_list(tmp_path / "models.csv", ids)
+    worker = ShardWorker(store)
+    report_file = tmp_path / "ci" / "report.json"
+    with IndexedJobSimulator(sim, namespace=NS).autopilot(worker):
+        code = main(run_args(models, out, "--report", str(report_file)))
+    assert code == 1  # one model failed for good
+    report = json.loads(report_file.read_text())
+    assert report["counts"]["done"] == 9 and report["counts"]["failed"] == 1
+    (failure,) = report["failures"].values()
+    assert failure["error"].startswith("PermanentModelError") and failure["retryable"] is False
+    section = report["report"]["kubernetes"]
+    assert section["mode"] == "sharded" and len(section["jobs"]) == 1
+    assert section["jobs"][0]["state"] == "Complete"
+    assert len((out / "summary.csv").read_text().splitlines()) == 10  # header + 9 done
+    assert sim.count("create", "jobs") == 1
+    capsys.readouterr()
+    assert main(["status", "--model-list", str(models), "--output-dir", str(out)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["done"], status["todo"], status["failed_permanent"]) == (9, 0, 1)
+
+
+def test_a_controller_killed_mid_run_and_started_again_runs_every_model_once(
+    sim: KubeSim, kubeconfig: Path, out: Path, store: Store, tmp_path: Path,
+) -> None:
+    ids = [f"org/ok-{i}" for i in range(24)]
+    models = write_list(tmp_path / "m.csv", ids)
+    indexed = IndexedJobSimulator(sim, namespace=NS)
+    worker = ShardWorker(store)
+    env = os.environ | {"KUBECONFIG": str(kubeconfig)}
+    proc = subprocess.Popen([sys.executable, "-m", "controller.cli", *run_args(models, out)],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: indexed.jobs(), timeout_s=60)
+        for _ in range(5):  # some shards finish while the first controller watches
+            indexed.tick(worker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()  # type: ignore[union-attr]
+    assert proc.returncode == -signal.SIGKILL
+    assert 0 < len(list_markers(store)) < len(ids)
+
+    report_file = tmp_path / "report.json"
+    with indexed.autopilot(worker):
+        assert main(run_args(models, out, "--report", str(report_file))) == 0
+    report = json.loads(report_file.read_text())
+    assert report["counts"]["done"] + report["counts"]["already_done"] == len(ids)
+    assert report["report"]["kubernetes"]["attached"][0]["state"] == "Complete"
+    assert set(worker.analysed) == {model_key(i) for i in ids}
+    assert set(worker.analysed.values()) == {1}  # nothing analysed twice
+    assert sim.count("create", "jobs") == 1  # the second controller had nothing to shard
