@@ -101,13 +101,23 @@ class ListPlan:
         if self.skip_failed:
             self._permanent = {key for key, record in read_failures(
                 self.store, threads=self.threads).items() if not record.retryable}
+        # One pass: a model without a marker is decided at once; one with a marker is done,
+        # unless reading its marker (verify mode) shows other parameters.
         to_verify: list[str] | None = []
         counts = self.counts
+        present = 0
         for row in self._rows(count=True):
-            if to_verify is not None and row.key in self._present:
-                to_verify.append(row.key)
-                if len(to_verify) > self.verify_limit:
-                    to_verify = None
+            key = row.key
+            if key in self._present:
+                present += 1
+                if to_verify is not None:
+                    to_verify.append(key)
+                    if len(to_verify) > self.verify_limit:
+                        to_verify = None
+            elif key in self._permanent:
+                counts.skipped_failed += 1
+            else:
+                counts.todo += 1
         if to_verify is None:
             self.verified = False
             log.info("more than %d listed models have a result: a result counts as done "
@@ -119,14 +129,14 @@ class ListPlan:
             self._stale = {key for key, marker in markers.items()
                            if marker is not None and marker.parameters != wanted}
             self._unreadable = {key for key, marker in markers.items() if marker is None}
-        for _, state in self.classify():
-            if state == DONE:
-                counts.done += 1
-            elif state == SKIPPED:
-                counts.skipped_failed += 1
-            else:
-                counts.todo += 1
-                counts.stale += state == STALE
+            for key in self._stale | self._unreadable:
+                if key in self._permanent:
+                    counts.skipped_failed += 1
+                else:
+                    counts.todo += 1
+                    counts.stale += key in self._stale
+                present -= 1
+        counts.done = present
         return self
 
     def _rows(self, *, count: bool = False) -> Iterator[ModelRow]:

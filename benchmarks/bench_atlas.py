@@ -1,0 +1,333 @@
+"""Benchmark: the sharded Kubernetes mode at hub scale (issue 13): 2M models on 1,000 GPUs.
+
+Targets: Kubernetes objects created by the controller ≤ 100; controller API requests ≤ 5/s
+averaged over the run; controller peak RSS ≤ 1 GiB; planning and sharding ≤ 120 s on the
+2-core development machine.
+
+Phases (each in a fresh process, so that peak RSS is the phase's own):
+- `plan`: write a synthetic list (not timed: --rows rows, a realistic size mix in a
+  size_bytes column: lognormal bases from 10 MB to 140 GB, ~20% adapters right after their
+  base), then time what `esd-sweep run` does before it creates a Job: ListPlan.scan (the
+  list read as a stream, one marker listing of the store) and the shards cut and written
+  to the store (controller.backends.kubernetes.sharding.write_shards), into a local
+  directory store.
+- `run`: the whole ShardedBackend.run against a simulated cluster in a CHILD process
+  (tests.support.kubesim.KubeSim + tests.support.indexed.IndexedJobSimulator, validation
+  off): --gpus GPUs (the pods' parallelism), every pod "analyses" its shard by writing each
+  model's marker into the store (a directory on tmpfs when /dev/shm exists), so the
+  controller's end (one marker listing, an outcome per model) is real. Reported: objects
+  created (from the server's counts), the controller's API requests (KubeClient.requests)
+  and their rate over the run, peak RSS, wall and CPU time.
+- `s3`: ListPlan.scan of a --s3-rows list against an S3 store (moto's server in a child
+  process, over HTTP, real boto3) holding --s3-markers markers, seeded directly into moto's
+  backend in the server process (uploading 10^5+ objects over HTTP would take longer than
+  what is measured). moto lists every key of the bucket for every 1,000-key page, so its
+  cost per page grows with the bucket: reported per page, with the page count.
+
+Run: `.venv/bin/python benchmarks/bench_atlas.py [--rows 2000000 --gpus 1000] [--phase
+plan|run|s3|all] [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MB, GB = 10**6, 10**9
+NS = "bench"
+RUN_ID = "20261123T070501Z-be4c11"
+
+
+def write_list(path: Path, rows: int, seed: int = 13) -> int:
+    """A model list of `rows` rows with sizes: bases lognormal (median ~1.5 GB, 10 MB to
+    140 GB), each followed by 0-3 adapters (10-200 MB) 20% of the time. Returns the bytes."""
+    rng = random.Random(seed)
+    total = 0
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["model_id", "base_model_relation", "source_model", "size_bytes"])
+        i = 0
+        while i < rows:
+            base = f"org{i % 997}/model-{i:07d}"
+            size = int(min(max(rng.lognormvariate(math.log(1.5 * GB), 1.4), 10 * MB), 140 * GB))
+            out.writerow([base, "", "", size])
+            total += size
+            i += 1
+            if rng.random() < 0.2:
+                for _ in range(min(rng.randint(1, 3), rows - i)):
+                    adapter = int(rng.uniform(10 * MB, 200 * MB))
+                    out.writerow([f"org{i % 997}/adapter-{i:07d}", "lora", base, adapter])
+                    total += adapter
+                    i += 1
+    return total
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "node": platform.node()}
+
+
+def sizes(row: Any) -> int:
+    return int(row.metadata["size_bytes"])
+
+
+# -- phase plan ----------------------------------------------------------------------------
+
+
+def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    from controller.backends.base import Task
+    from controller.backends.kubernetes.sharding import write_shards
+    from controller.plan import ListPlan
+    from controller.shards import default_classes
+    from esd_worker.modellist import ListFile
+    from esd_worker.settings import AnalysisSettings
+    from esd_worker.store import open_store
+
+    listing = work_dir / "models.csv"
+    total_bytes = write_list(listing, args.rows)
+    store = open_store(str(work_dir / "store"))
+    rss0 = peak_rss_mib()
+    started = time.perf_counter()
+    cpu0 = time.process_time()
+    source = ListFile(listing)
+    plan = ListPlan(source.items, store, AnalysisSettings().as_dict()).scan()
+    scanned = time.perf_counter()
+
+    class Work:
+        def __len__(self) -> int:
+            return plan.counts.todo
+
+        def __iter__(self) -> Any:
+            return (Task.for_model(row) for row in plan.todo())
+
+    classes = default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB)
+    shards = write_shards(Work(), store=store, run_id=RUN_ID, classes=classes, size=sizes,
+                          budget=args.gpus, max_models=1000)
+    ended = time.perf_counter()
+    return {
+        "rows": args.rows, "list_bytes": listing.stat().st_size, "model_bytes": total_bytes,
+        "todo": plan.counts.todo, "scan_s": round(scanned - started, 2),
+        "shard_s": round(ended - scanned, 2), "plan_and_shard_s": round(ended - started, 2),
+        "cpu_s": round(time.process_time() - cpu0, 2),
+        "classes": [{"class": c.cls.name, "models": c.models, "shards": c.shards,
+                     "parallelism": c.parallelism, "gb": round(c.bytes / GB)} for c in shards],
+        "peak_rss_mib": round(peak_rss_mib()), "rss_before_mib": round(rss0),
+    }
+
+
+# -- phase run -----------------------------------------------------------------------------
+
+
+def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
+    """The child: KubeSim + IndexedJobSimulator whose pods write their shard's markers."""
+    from esd_worker.layout import Marker, canonical_parameters, marker_key
+    from esd_worker.modellist import read_model_list
+    from esd_worker.settings import AnalysisSettings
+    from esd_worker.store import open_store
+    from tests.support.indexed import IndexedJobSimulator
+    from tests.support.kubesim import KubeSim
+    from tests.support.shardworker import shard_url
+
+    params = canonical_parameters(AnalysisSettings().as_dict())
+    store = open_store(store_dir)
+
+    def worker(job: dict[str, Any], index: int, attempt: int) -> str:
+        for row in read_model_list(f"{shard_url(job)}/{index}.csv").rows:
+            marker = Marker(model=row.ref, model_key=row.key, parameters=params)
+            store.put_bytes(marker_key(row.key), marker.to_json())
+        return "succeed"
+
+    with KubeSim(validate=False, keep_history=False, event_window=5000) as sim:
+        Path(url_file).write_text(sim.url)
+        indexed = IndexedJobSimulator(sim, namespace=NS)
+        with indexed.autopilot(worker, interval_s=0.05):
+            while not Path(stop_file).exists():
+                time.sleep(0.2)
+        counts = {f"{verb} {resource}": n for (verb, resource), n in sim.emulator.counts.items()}
+        Path(stop_file + ".counts").write_text(json.dumps(counts))
+
+
+def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    from kubernetes import client as k8s
+
+    from controller.backends.base import Task, WorkerSpec
+    from controller.backends.kubernetes.client import KubeClient
+    from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
+    from controller.backends.kubernetes.sharded import ShardedBackend
+    from controller.plan import ListPlan
+    from controller.recorder import Recorder
+    from controller.shards import default_classes
+    from esd_worker.modellist import ListFile
+    from esd_worker.settings import AnalysisSettings
+    from esd_worker.store import open_store
+
+    listing = work_dir / "models.csv"
+    write_list(listing, args.rows)
+    shm = Path("/dev/shm")
+    store_dir = Path(tempfile.mkdtemp(prefix="esd-atlas-", dir=shm if shm.is_dir() else None))
+    url_file, stop_file = str(work_dir / "url"), str(work_dir / "stop")
+    child = mp.get_context("spawn").Process(target=_cluster,
+                                            args=(url_file, str(store_dir), stop_file))
+    child.start()
+    try:
+        while not Path(url_file).exists():
+            time.sleep(0.1)
+        config = k8s.Configuration()
+        config.host = Path(url_file).read_text()
+        store = open_store(str(store_dir))
+        settings = ClusterSettings(namespace=NS, image="ghcr.io/example/esd-sweep:0.1.0",
+                                   telemetry=False, max_parallel=args.gpus,
+                                   poll_interval_s=args.poll, allow_local_output=True)
+        spec = WorkerSpec(run_id=RUN_ID, store_url=store.url)
+        rss0 = peak_rss_mib()
+        started, cpu0 = time.perf_counter(), time.process_time()
+        with KubeClient(config) as kube:
+            source = ListFile(listing)
+            plan = ListPlan(source.items, store, AnalysisSettings().as_dict()).scan()
+
+            class Work:
+                def __len__(self) -> int:
+                    return plan.counts.todo
+
+                def __iter__(self) -> Any:
+                    return (Task.for_model(row) for row in plan.todo())
+
+            backend = ShardedBackend(
+                settings, kube, spec=spec, store=store, size=sizes, poll_s=args.poll,
+                job_settings=settings.job_settings(
+                    run_id=RUN_ID, instance=sweep_instance(store.url), gpus_per_job=1,
+                    worker_args=spec.flags()),
+                classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB))
+            planned = time.perf_counter()
+            recorder = Recorder(store, RUN_ID)
+            outcomes = backend.run(Work(), recorder)
+            requests = kube.requests
+        wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu0
+    finally:
+        Path(stop_file).touch()
+        child.join(60)
+    counts = json.loads(Path(stop_file + ".counts").read_text())
+    created = sum(n for k, n in counts.items() if k.startswith("create ") and k != "create pods"
+                  and k != "create events")
+    run_s = wall - (planned - started)
+    return {
+        "rows": args.rows, "gpus": args.gpus, "poll_s": args.poll,
+        "done": len(recorder.done), "failed": len(recorder.failed), "outcomes": len(outcomes),
+        "objects_created_by_controller": created, "server_counts": counts,
+        "controller_requests": requests,
+        "requests_per_s": round(requests / wall, 3),
+        "requests_per_s_at_10s_poll_over_24h": round((requests - run_s / args.poll)
+                                                     / 86400 + 0.1, 3),
+        "wall_s": round(wall, 1), "plan_s": round(planned - started, 1),
+        "cpu_s": round(cpu, 1), "peak_rss_mib": round(peak_rss_mib()),
+        "rss_before_mib": round(rss0),
+        "jobs": backend.report()["kubernetes"]["jobs"],
+    }
+
+
+# -- phase s3 ------------------------------------------------------------------------------
+
+
+def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    from controller.plan import ListPlan
+    from esd_worker.modellist import ListFile, read_model_list
+    from esd_worker.settings import AnalysisSettings
+    from esd_worker.store import open_store
+
+    listing = work_dir / "models.csv"
+    write_list(listing, args.s3_rows)
+    keys = work_dir / "keys.txt"
+    with open(keys, "w") as f:
+        for n, row in enumerate(read_model_list(listing).rows):
+            if n >= args.s3_markers:
+                break
+            f.write(row.key + "\n")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.s3server", "--bucket", "atlas",
+         "--seed-markers", str(keys), "--seed-prefix", "out"],
+        cwd=ROOT, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+    env: dict[str, str] = {}
+    assert server.stdout is not None
+    for line in server.stdout:
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].strip().partition("=")
+            env[name] = value.strip("'\"")
+        if line.startswith("# serving"):
+            break
+    os.environ.update(env)
+    try:
+        store = open_store("s3://atlas/out")
+        started = time.perf_counter()
+        plan = ListPlan(ListFile(listing).items, store, AnalysisSettings().as_dict(),
+                        verify_limit=0).scan()
+        elapsed = time.perf_counter() - started
+    finally:
+        assert server.stdin is not None
+        server.stdin.close()
+        server.wait(30)
+    pages = math.ceil(args.s3_markers / 1000)
+    return {"rows": args.s3_rows, "markers": args.s3_markers, "done": plan.counts.done,
+            "todo": plan.counts.todo, "scan_s": round(elapsed, 1), "list_pages": pages,
+            "s_per_page": round(elapsed / max(pages, 1), 3),
+            "peak_rss_mib": round(peak_rss_mib())}
+
+
+PHASES = {"plan": phase_plan, "run": phase_run, "s3": phase_s3}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--gpus", type=int, default=1000)
+    parser.add_argument("--poll", type=float, default=2.0, help="controller poll interval, s")
+    parser.add_argument("--s3-rows", type=int, default=1_000_000)
+    parser.add_argument("--s3-markers", type=int, default=100_000)
+    parser.add_argument("--phase", choices=[*PHASES, "all"], default="all")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.phase == "all":  # each phase in its own process: its own peak RSS
+        results = {}
+        for phase in PHASES:
+            done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--phase", phase,
+                                   "--json", "/dev/stdout"], capture_output=True, text=True,
+                                  cwd=ROOT, check=False)
+            if done.returncode:
+                print(done.stderr, file=sys.stderr)
+                return done.returncode
+            results[phase] = json.loads(done.stdout)
+    else:
+        with tempfile.TemporaryDirectory(prefix="esd-atlas-") as tmp:
+            results = PHASES[args.phase](args, Path(tmp))
+    doc = {"machine": machine(), "results": results}
+    text = json.dumps(doc, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    if str(args.json) != "/dev/stdout":
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
