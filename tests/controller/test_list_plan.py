@@ -61,7 +61,7 @@ def test_counts_agree_with_the_states(tmp_path: Path, setup: Setup,
                                       expected: dict[str, int]) -> None:
     store = CountingStore(tmp_path / "out")
     setup(store)
-    items = [ROWS[0], BAD, *ROWS, ROWS[1]]  # a bad row and duplicates on the way
+    items: list[ModelRow | RowProblem] = [ROWS[0], BAD, *ROWS, ROWS[1]]  # a bad row, duplicates
     plan = ListPlan(lambda: items, store, PARAMS, **options).scan()  # type: ignore[arg-type]
     counts = {"done": 0, "todo": 0, "stale": 0, "skipped_failed": 0, **expected}
     got = plan.counts
