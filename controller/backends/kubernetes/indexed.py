@@ -124,9 +124,9 @@ def shard_failure_policy() -> dict[str, Any]:
     bucket): FailIndex ends that index at once, the others go on. A model that failed for
     good is an outcome, not a pod failure: `esd-worker --shards` records it and exits 0
     once the rest of its shard is done. Everything else (4 transient, 5 GPU out of memory,
-    137 OOMKilled, a segfault) counts against backoffLimitPerIndex: the next pod skips what is done, and
-    the worker's attempt notes find a model that kills every pod and record it as a failure
-    once it has used its starts, so the rest of the shard still completes.
+    137 OOMKilled, a segfault) counts against backoffLimitPerIndex: the next pod skips what
+    is done, and the worker's attempt notes find a model that kills every pod and record it
+    as a failure once it has used its starts, so the rest of the shard still completes.
     """
     return {
         "rules": [

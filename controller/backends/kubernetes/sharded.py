@@ -54,7 +54,8 @@ class ShardedBackend:
     def __init__(
         self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
         job_settings: JobSettings, store: Store, classes: tuple[ResourceClass, ...],
-        size: Callable[[Any], int], poll_s: float = 10.0, own_kube: bool = False,
+        size: Callable[[Any], int], size_report: Callable[[], None] = lambda: None,
+        poll_s: float = 10.0, own_kube: bool = False,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -68,6 +69,7 @@ class ShardedBackend:
         self.store = store
         self.classes = classes
         self.size = size
+        self.size_report = size_report
         self.poll_s = poll_s
         self.instance = job_settings.instance
         self._own_kube = own_kube
@@ -93,13 +95,17 @@ class ShardedBackend:
             worker_args=spec.flags(), log_format=spec.log_format)
         classes = default_classes(device="cpu" if gpus == 0 else "cuda", gpus_per_job=gpus,
                                   large_bytes=cluster.large_model_bytes)
-        sizer = Sizer(rate_per_s=cluster.hub_rate)
+        # Size lookups are for balance and the class only: about a minute of them at the
+        # sweep's hub rate, then the estimate (a size_bytes column makes them unnecessary).
+        sizer = Sizer(rate_per_s=cluster.hub_rate,
+                      lookup_limit=max(100, int(cluster.hub_rate * 60)))
         own = kube is None and not settings.dry_run
         if own:
             kube = open_client(cluster.kube_context)
         try:
             return cls(cluster, kube, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
+                       size_report=sizer.log_stats,
                        poll_s=cluster.poll_interval_s, own_kube=own)
         except BaseException:
             if own and kube is not None:
@@ -210,9 +216,11 @@ class ShardedBackend:
         return [r for r in runs if not r.finished and r.run_id != self.spec.run_id]
 
     def _shard(self, work: Work, store: Store) -> list[ClassShards]:
-        return write_shards(
+        shards = write_shards(
             work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
             budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000)
+        self.size_report()
+        return shards
 
     def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:
         """The Indexed Job of one class; pods: the run's pods at once, all classes (the
