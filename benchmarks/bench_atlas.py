@@ -38,6 +38,7 @@ import os
 import platform
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,11 +160,32 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     with KubeSim(validate=False, keep_history=False, event_window=5000) as sim:
         Path(url_file).write_text(sim.url)
         indexed = IndexedJobSimulator(sim, namespace=NS)
-        with indexed.autopilot(worker, interval_s=0.05):
-            while not Path(stop_file).exists():
+        indexed.start_autopilot(worker, interval_s=0.05)
+        try:
+            while not Path(stop_file).exists() and indexed._error is None:
                 time.sleep(0.2)
+        finally:
+            try:
+                indexed.stop_autopilot()
+            except RuntimeError as e:  # the parent sees the file and stops waiting
+                Path(stop_file + ".error").write_text(repr(e.__cause__))
+                raise
         counts = {f"{verb} {resource}": n for (verb, resource), n in sim.emulator.counts.items()}
         Path(stop_file + ".counts").write_text(json.dumps(counts))
+
+
+def _watch(child: Any, stop_file: str, backend: Any) -> None:
+    """Stop the controller when the simulated cluster dies (its error goes to stderr)."""
+    import threading
+
+    def watch() -> None:
+        while child.is_alive():
+            time.sleep(1)
+        if not Path(stop_file).exists():
+            print("the simulated cluster died", file=sys.stderr)
+            backend.request_stop()
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
@@ -221,6 +243,7 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                 classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB))
             planned = time.perf_counter()
             recorder = Recorder(store, RUN_ID)
+            _watch(child, stop_file, backend)
             outcomes = backend.run(Work(), recorder)
             requests = kube.requests
         wall = time.perf_counter() - started
@@ -228,6 +251,7 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     finally:
         Path(stop_file).touch()
         child.join(60)
+        shutil.rmtree(store_dir, ignore_errors=True)  # 2M markers: GBs of tmpfs
     counts = json.loads(Path(stop_file + ".counts").read_text())
     created = sum(n for k, n in counts.items() if k.startswith("create ") and k != "create pods"
                   and k != "create events")

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 class Recorder:
     """The backends' on_outcome callback for one run (called in the run's thread).
 
-    done / cancelled: task keys in the order they ended; failed: key → the record written
+    done / cancelled: task keys in the order they ended (done: of outcomes the recorder
+    confirmed; done_recorded counts the ones a sharded run's store vouched for, which are
+    not listed: millions of keys); failed: key → the record written
     (kept for custom commands too, which get no record in the store); durations: key →
     seconds of the last attempt; waits: seconds each task waited for a slot.
     """
@@ -36,22 +38,27 @@ class Recorder:
     cancelled: list[str] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)
     waits: list[float] = field(default_factory=list)
+    done_recorded: int = 0
+
+    @property
+    def done_count(self) -> int:
+        return len(self.done) + self.done_recorded
 
     @property
     def attempted(self) -> int:
-        return len(self.done) + len(self.failed)
+        return self.done_count + len(self.failed)
 
     def __call__(self, outcome: Outcome) -> None:
         task = outcome.task
         key, model = task.key, task.row is not None
+        if outcome.recorded:  # no wait measured: the pods of a sharded run wait as shards
+            self._tally_recorded(outcome)
+            return
         self.waits.append(outcome.wait_s)
         if outcome.status == "cancelled":
             self.cancelled.append(key)
             log.info("model=%s key=%s cancelled (no result; the next run does it)",
                      task.label, key)
-            return
-        if outcome.recorded:
-            self._tally_recorded(outcome)
             return
         error, retryable = outcome.error, outcome.retryable
         if outcome.status == "done" and model and not self.store.exists(marker_key(key)):
@@ -89,7 +96,7 @@ class Recorder:
         sharded run tallies a million at its end: the progress line showed them)."""
         key = outcome.task.key
         if outcome.status == "done":
-            self.done.append(key)
+            self.done_recorded += 1
             return
         self.failed[key] = self._record(outcome, outcome.error, outcome.retryable)
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s", outcome.task.label,

@@ -24,7 +24,7 @@ class Tally(Protocol):
     """What a run did, task by task (controller.recorder.Recorder is one)."""
 
     @property
-    def done(self) -> Sequence[str]: ...
+    def done_count(self) -> int: ...
     @property
     def failed(self) -> Mapping[str, FailureRecord]: ...
     @property
@@ -89,8 +89,8 @@ def run_report(
     extra = dict(backend_report)
     device, gpus, running = extra.pop("device", "cpu"), extra.pop("gpus", []), extra.pop(
         "running", None)
-    attempted = len(tally.done) + len(tally.failed)
-    all_counts = {**counts, "attempted": attempted, "done": len(tally.done),
+    attempted = tally.done_count + len(tally.failed)
+    all_counts = {**counts, "attempted": attempted, "done": tally.done_count,
                   "failed": len(tally.failed), "cancelled": len(tally.cancelled)}
     if running is not None:
         all_counts["running"] = running
@@ -105,7 +105,7 @@ def run_report(
         "gpus": gpus,
         "parameters": dict(parameters),
         "counts": all_counts,
-        "success_rate": round(len(tally.done) / attempted, 4) if attempted else None,
+        "success_rate": round(tally.done_count / attempted, 4) if attempted else None,
         "avg_wait_s": round(sum(tally.waits) / len(tally.waits), 3) if tally.waits else None,
         "durations_s": dict(tally.durations),
         "failures": {

@@ -89,7 +89,7 @@ def run_sweep(
     result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
                      summary_rows=summary_rows, interrupted=interrupted)
     log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
-             started.run_id, len(recorder.done), len(recorder.failed), len(recorder.cancelled),
+             started.run_id, recorder.done_count, len(recorder.failed), len(recorder.cancelled),
              counts.done, run_report_key(started.run_id),
              f", {SUMMARY_KEY} ({summary_rows} models)" if summary_rows else "")
     return result

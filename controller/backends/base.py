@@ -161,7 +161,9 @@ class Backend(Protocol):
     """Runs tasks and reports each one's end.
 
     run: run every task of `work`; call on_outcome once for each task that ended (done, failed,
-    cancelled), in the calling thread, and return those outcomes. Returns when every task
+    cancelled), in the calling thread, and return the outcomes it kept: all of them for a
+    backend that holds its tasks (local, one Job per model), the failed ones for a sharded
+    run, which never holds its millions (on_outcome got every one). Returns when every task
     has ended, or soon after request_stop.
     request_stop: safe from a signal handler; `stop_notice(n)` says, for people, what the
     n-th request does.

@@ -90,3 +90,19 @@ def test_cancelled_is_neither_done_nor_failed(store: LocalStore) -> None:
     recorder(make_outcome(Task.for_model(ROW), "cancelled"))
     assert (recorder.cancelled, recorder.done, recorder.failed) == ([ROW.key], [], {})
     assert recorder.attempted == 0 and recorder.waits == [0.25]
+
+
+@pytest.mark.parametrize("status", ["done", "failed"])
+def test_an_outcome_the_store_holds_is_tallied_and_nothing_is_written(
+    store: LocalStore, status: str,
+) -> None:
+    """A sharded run's workers wrote the marker or the record: the recorder only counts,
+    it neither checks a marker (a million reads) nor writes or clears a record."""
+    old_failure(store)  # from an earlier run: a recorded outcome leaves it alone
+    before = {key: store.get_bytes(key) for key in store.list_keys()}
+    recorder = Recorder(store, "run")
+    recorder(make_outcome(Task.for_model(ROW), status, recorded=True))
+    assert {key: store.get_bytes(key) for key in store.list_keys()} == before
+    assert recorder.done == [] and recorder.waits == [] and recorder.durations == {}
+    assert recorder.done_count == (status == "done")
+    assert list(recorder.failed) == ([ROW.key] if status == "failed" else [])

@@ -306,7 +306,8 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
             outcome = _outcome(task, "failed", where=where, retryable=True, error=(
                 "NoOutcome: the shard's pod ended without a result or a failure record "
                 "for this model (the next run tries it again)"))
-        outcomes.append(outcome)
+        if outcome.status != "done":
+            outcomes.append(outcome)
         on_outcome(outcome)
     return outcomes
 
