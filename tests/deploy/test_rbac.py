@@ -58,7 +58,11 @@ CALLS: dict[str, Callable[[KubeClient], Any]] = {
     "list_pods": lambda kube: kube.list_pods(NS, "batch.kubernetes.io/job-name=x"),
     "read_pod_log": lambda kube: kube.read_pod_log(NS, "missing-pod"),
     "list_events": lambda kube: kube.list_events(NS, "involvedObject.name=missing-pod"),
+    # GET /version: a non-resource URL every authenticated user may read (the default
+    # ClusterRole system:public-info-viewer); no Role rule can grant or refuse it.
+    "server_version": lambda kube: kube.server_version(),
 }
+NON_RESOURCE = {"server_version": "/version"}
 _NOT_API_CALLS = frozenset({"close"})
 
 
@@ -87,6 +91,7 @@ def requests_by_method(sim: KubeSim) -> dict[str, set[Perm]]:
             call(kube)
             after = dict(sim.emulator.counts)
             out[method] = {(_group_of(resource), resource, verb)
+                           if resource not in (None, "None") else ("", NON_RESOURCE[method], "get")
                            for (verb, resource), n in after.items()
                            if n > before.get((verb, resource), 0)}
     return out
@@ -130,6 +135,7 @@ def test_each_method_sends_what_its_name_says(requests_by_method: dict[str, set[
     assert requests_by_method["create_job"] == {("batch", "jobs", "create")}
     assert requests_by_method["watch_jobs"] == {("batch", "jobs", "watch")}
     assert requests_by_method["read_pod_log"] == {("", "pods/log", "get")}
+    assert requests_by_method["server_version"] == {("", "/version", "get")}
     assert all(len(perms) == 1 for perms in requests_by_method.values()), requests_by_method
 
 
@@ -141,7 +147,8 @@ def test_controller_role_is_exactly_what_it_calls(
     resources. Cluster-wide: the ClusterRoles bound equal the calls on cluster-scoped ones
     (none today: no KubeClient method reads nodes, so no ClusterRole is granted)."""
     objs = render_kustomization(KUSTOMIZATIONS[overlay])
-    called = set().union(*requests_by_method.values())
+    called = set().union(*requests_by_method.values()) - {
+        ("", url, "get") for url in NON_RESOURCE.values()}  # every user may: no rule needed
     namespaced = {p for p in called if p[1].split("/")[0] not in CLUSTER_SCOPED}
     cluster = called - namespaced
     assert granted(objs, CONTROLLER_SA, NS, namespace=NS) == namespaced
@@ -168,7 +175,7 @@ def test_worker_gets_no_api_access() -> None:
     assert sa["automountServiceAccountToken"] is False
 
 
-@pytest.mark.parametrize("method", sorted(CALLS))
+@pytest.mark.parametrize("method", sorted(set(CALLS) - set(NON_RESOURCE)))
 def test_a_denial_names_a_rule_the_role_has(sim: KubeSim, method: str,
                                             requests_by_method: dict[str, set[Perm]]) -> None:
     """When RBAC is missing a verb, the controller's message
