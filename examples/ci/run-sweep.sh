@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run one ESD sweep on a Kubernetes cluster from CI (or a terminal) and collect its outcome.
 #
-# `esd-sweep run --backend kubernetes --wait` runs here, submits one worker Job per model not
-# done yet to the cluster of the current kubeconfig context, waits for them, and writes
+# `esd-sweep run --backend kubernetes --wait` runs here, shards the models not done yet into
+# Indexed Jobs on the cluster of the current kubeconfig context, waits for them, and writes
 # report.json; summary.csv is then copied out of the result store. Re-running it only does
-# what is missing, and a run that was cut off (CI timeout) is adopted by the next one.
+# what is missing, and a run that was cut off (CI timeout) is re-attached by the next one.
 #
 # Needs: esd-sweep on PATH (pip install ".[s3,kube]" in this repository), KUBECONFIG for a
 # context allowed what manifests/base/rbac.yaml grants, the store's credentials in the

@@ -54,6 +54,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # backoffLimitPerIndex and the FailIndex action: beta and on by default from 1.29, GA in
 # 1.33. An older API server drops the fields it does not know: the Job would be created
 # without per-index limits and with a policy it cannot act on.
+KUEUE_MIN_PARALLELISM = "kueue.x-k8s.io/job-min-parallelism"
 MIN_SERVER_VERSION = (1, 29)
 _VERSION = re.compile(r"v?(\d+)\.(\d+)")
 
@@ -233,6 +234,10 @@ def build_indexed_job(
         annotations[MODELS_ANNOTATION] = str(models)
     if shard_bytes is not None:
         annotations[SHARD_BYTES_ANNOTATION] = str(shard_bytes)
+    if settings.kueue_queue:
+        # One Workload asks for every pod at once; partial admission (on by default from
+        # Kueue 0.5) lets Kueue start it with as few as one pod when quota is short.
+        annotations[KUEUE_MIN_PARALLELISM] = "1"
 
     args = shard_worker_argv(shards_url=shards_url, output_url=output_url,
                              settings=settings, batch_args=batch_args)

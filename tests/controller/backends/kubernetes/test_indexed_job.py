@@ -366,9 +366,12 @@ def test_kueue() -> None:
     queued = make_indexed(kueue_queue="gpu-queue")
     assert queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
     assert queued["spec"]["suspend"] is True
+    # Partial admission: Kueue may start the Workload with fewer pods than parallelism.
+    assert queued["metadata"]["annotations"]["kueue.x-k8s.io/job-min-parallelism"] == "1"
     plain = make_indexed()
     assert "suspend" not in plain["spec"]
     assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+    assert "kueue.x-k8s.io/job-min-parallelism" not in plain["metadata"]["annotations"]
 
 
 @pytest.mark.parametrize(("parallelism", "completions", "expected"), [
