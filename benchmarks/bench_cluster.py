@@ -12,7 +12,7 @@ How it is measured:
   --fail-every-th model instead fails with exit 3 through tests.support.kubesim.JobSimulator, with
   a pod, so the controller's failure path — pod list, log read — is included), and the GPU
   telemetry: one static dcgm-exporter-format /metrics page listing every node's GPUs.
-- This process runs only the controller: KubernetesBackend with the sweep's real _Recorder
+- This process runs only the controller: KubernetesBackend with the sweep's real Recorder
   (it confirms every marker in the store and writes failure records), i.e. everything
   `esd-sweep run` does per model after planning. Controller CPU = this process's CPU time
   (time.process_time: the controller thread, its watch thread and the telemetry scrape
@@ -157,7 +157,7 @@ def main() -> int:
     from controller.backends.kubernetes.backend import KubernetesBackend
     from controller.backends.kubernetes.client import KubeClient
     from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-    from controller.sweep import _Recorder
+    from controller.recorder import Recorder
     from esd_worker.modellist import ModelRow
     from esd_worker.store import open_store
 
@@ -182,7 +182,7 @@ def main() -> int:
         job_settings = settings.job_settings(
             run_id="bench", instance=sweep_instance(store.url), gpus_per_job=1,
             worker_args=("--fix-fingers", "xmin_mid"))
-        recorder = _Recorder(store, "bench", {r.key: r for r in rows})
+        recorder = Recorder(store, "bench")
         backend = KubernetesBackend(
             settings, kube, job_settings=job_settings, output_url=store.url,
             gpus_per_job=1, max_retries=2, max_checks=1, poll_interval_s=1.0)

@@ -21,6 +21,7 @@ from controller.backends.kubernetes.jobs import (
     CONTAINER_NAME,
     JobSettings,
     check_ref,
+    job_object,
     pod_annotations,
     pod_spec,
     sweep_labels,
@@ -261,23 +262,9 @@ def build_indexed_job(
         "podFailurePolicy": shard_failure_policy(),
         "template": {"metadata": template_meta, "spec": pod},
     }
-    if settings.ttl_after_finished_s is not None:
-        spec["ttlSecondsAfterFinished"] = settings.ttl_after_finished_s
     if active_deadline_s is not None:
         spec["activeDeadlineSeconds"] = active_deadline_s
-    if settings.kueue_queue:
-        spec["suspend"] = True  # Kueue admits it by setting suspend: false
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": settings.namespace,
-            "labels": job_labels,
-            "annotations": annotations,
-        },
-        "spec": spec,
-    }
+    return job_object(name, settings, job_labels, annotations, spec)
 
 
 def server_too_old(git_version: str) -> str | None:

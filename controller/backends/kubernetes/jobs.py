@@ -467,18 +467,21 @@ def build_job(
             "spec": pod_spec(args, settings, affinity),
         },
     }
+    return job_object(name, settings, job_labels, annotations, spec)
+
+
+def job_object(name: str, settings: JobSettings, labels: Mapping[str, str],
+               annotations: Mapping[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+    """The batch/v1 Job around `spec`, with what every Job of a sweep shares: the TTL
+    after it finishes, and suspend when Kueue admits it (by setting suspend: false)."""
     if settings.ttl_after_finished_s is not None:
         spec["ttlSecondsAfterFinished"] = settings.ttl_after_finished_s
     if settings.kueue_queue:
-        spec["suspend"] = True  # Kueue admits it by setting suspend: false
+        spec["suspend"] = True
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {
-            "name": name,
-            "namespace": settings.namespace,
-            "labels": job_labels,
-            "annotations": annotations,
-        },
+        "metadata": {"name": name, "namespace": settings.namespace, "labels": dict(labels),
+                     "annotations": dict(annotations)},
         "spec": spec,
     }

@@ -25,7 +25,6 @@ from controller.backends.kubernetes.errors import JobSpecError
 from controller.backends.kubernetes.jobs import (
     JobSettings,
     build_job,
-    jobs_to_yaml,
     pod_failure_policy,
 )
 from controller.backends.kubernetes.names import (
@@ -35,6 +34,7 @@ from controller.backends.kubernetes.names import (
     model_key_label,
     run_selector,
 )
+from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from esd_worker.naming import model_key, split_model_ref
 
 OLDEST = "1.31.0"
