@@ -10,7 +10,7 @@ import pytest
 
 from controller.backends.kubernetes.client import KubeClient
 from esd_worker.store import Store, open_store
-from tests.support.cluster import NS, RETRY, MarkerSimulator
+from tests.support.cluster import NS, RETRY, MarkerSimulator, write_kubeconfig
 from tests.support.kubesim import KubeSim
 
 
@@ -27,8 +27,24 @@ def kube(sim: KubeSim) -> Iterator[KubeClient]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
-    return open_store(str(tmp_path / "out"))
+def out(tmp_path: Path) -> Path:
+    """The result store's directory (the `store` fixture opens the same one)."""
+    return tmp_path / "out"
+
+
+@pytest.fixture
+def store(out: Path) -> Store:
+    return open_store(str(out))
+
+
+@pytest.fixture
+def kubeconfig(sim: KubeSim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """KUBECONFIG pointing at the KubeSim, as a cluster's would; offline (no hub calls)."""
+    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url, namespace=NS)
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # size lookups: every model gets the estimate
+    return path
 
 
 @pytest.fixture

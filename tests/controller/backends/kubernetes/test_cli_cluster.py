@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,37 +33,11 @@ from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
 from esd_worker.store import open_store
 from tests.support import REPO_ROOT
-from tests.support.cluster import NS, MarkerSimulator, wait_for, write_kubeconfig, write_list
+from tests.support.cluster import NS, MarkerSimulator, wait_for, write_list
 from tests.support.kubesim import K8S_VERSION, KubeSim
 
 ROOT = REPO_ROOT
 pytestmark = pytest.mark.usefixtures("restore_logging")
-
-
-@pytest.fixture
-def sim() -> Iterator[KubeSim]:
-    with KubeSim() as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(sim: KubeSim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url, namespace=NS)
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    return path
-
-
-@pytest.fixture
-def out(tmp_path: Path) -> Path:
-    return tmp_path / "out"
-
-
-@pytest.fixture
-def cluster(sim: KubeSim, out: Path) -> MarkerSimulator:
-    simulator = MarkerSimulator(sim, namespace=NS)
-    simulator.store = open_store(str(out))
-    return simulator
 
 
 def run_args(models: Path, out: Path, *extra: str) -> list[str]:

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,39 +21,14 @@ import pytest
 from controller.cli import main
 from esd_worker.layout import list_markers
 from esd_worker.naming import model_key
-from esd_worker.store import Store, open_store
+from esd_worker.store import Store
 from tests.support import REPO_ROOT
-from tests.support.cluster import NS, wait_for, write_kubeconfig, write_list
+from tests.support.cluster import NS, wait_for, write_list
 from tests.support.indexed import IndexedJobSimulator
 from tests.support.kubesim import KubeSim
 from tests.support.shardworker import ShardWorker
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
-
-
-@pytest.fixture
-def sim() -> Iterator[KubeSim]:
-    with KubeSim() as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(sim: KubeSim, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = write_kubeconfig(tmp_path / "kubeconfig", sim.url, namespace=NS)
-    monkeypatch.setenv("KUBECONFIG", str(path))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no size lookups: every model gets the estimate
-    return path
-
-
-@pytest.fixture
-def out(tmp_path: Path) -> Path:
-    return tmp_path / "out"
-
-
-@pytest.fixture
-def store(out: Path) -> Store:
-    return open_store(str(out))
 
 
 def run_args(models: Path, out: Path, *extra: str) -> list[str]:
