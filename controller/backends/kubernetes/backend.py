@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
@@ -95,26 +96,14 @@ class KubernetesBackend:
                       kube: KubeClient | None = None) -> KubernetesBackend:
         """The backend `esd-sweep run --backend kubernetes` uses: checks the output, opens
         the client from the kubeconfig (unless `kube` is given, or for a dry run)."""
-        if not settings.dry_run:
-            check_output(settings)
-        gpus = 0 if settings.device == "cpu" else settings.gpu.gpus_per_job
-        job_settings = settings.cluster.job_settings(
-            run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
-            worker_args=spec.flags(), log_format=spec.log_format)
-        own = kube is None and not settings.dry_run
-        if own:
-            kube = open_client(settings.cluster.kube_context)
-        try:
+        job_settings = sweep_job_settings(settings, spec)
+        with client_for(settings, kube) as (client, own):
             return cls(
-                settings.cluster, kube, job_settings=job_settings,
-                output_url=spec.store_url, gpus_per_job=max(gpus, 0),
+                settings.cluster, client, job_settings=job_settings,
+                output_url=spec.store_url, gpus_per_job=job_settings.gpus_per_job,
                 max_retries=spec.max_retries, adopt_complete=not spec.overwrite,
                 threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
                 poll_interval_s=settings.gpu.poll_interval_s, own_kube=own)
-        except BaseException:
-            if own and kube is not None:
-                kube.close()
-            raise
 
     # -- the Backend protocol ---------------------------------------------------------------
 
@@ -302,6 +291,33 @@ def _row(task: Task) -> ModelRow:
     if task.row is None:
         raise SweepError("--mode custom runs on the local backend only")
     return task.row
+
+
+def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings:
+    """How every Job of this run looks (checking first that pods can reach the output,
+    unless nothing will be created: --dry-run)."""
+    if not settings.dry_run:
+        check_output(settings)
+    gpus = 0 if settings.device == "cpu" else max(settings.gpu.gpus_per_job, 0)
+    return settings.cluster.job_settings(
+        run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
+        worker_args=spec.flags(), log_format=spec.log_format)
+
+
+@contextmanager
+def client_for(settings: SweepSettings,
+               kube: KubeClient | None) -> Iterator[tuple[KubeClient | None, bool]]:
+    """(the client a backend uses, whether the backend owns it): `kube` when given, none
+    for a dry run, else one from the kubeconfig, closed again if the backend fails to build."""
+    own = kube is None and not settings.dry_run
+    if own:
+        kube = open_client(settings.cluster.kube_context)
+    try:
+        yield kube, own
+    except BaseException:
+        if own and kube is not None:
+            kube.close()
+        raise
 
 
 def check_output(settings: SweepSettings) -> None:

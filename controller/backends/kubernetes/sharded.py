@@ -22,7 +22,7 @@ from controller.backends.kubernetes.errors import sweep_errors
 from controller.backends.kubernetes.indexed import build_indexed_job, server_too_old
 from controller.backends.kubernetes.jobs import JobSettings
 from controller.backends.kubernetes.names import RUN_LABEL, sharded_selector
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.settings import ClusterSettings
 from controller.backends.kubernetes.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.shardjobs import IndexedRun, ShardFailures
 from controller.backends.kubernetes.yamlout import jobs_to_yaml
@@ -84,33 +84,22 @@ class ShardedBackend:
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
                       kube: KubeClient | None = None) -> ShardedBackend:
         """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
-        from controller.backends.kubernetes.backend import check_output, open_client
+        from controller.backends.kubernetes.backend import client_for, sweep_job_settings
 
-        if not settings.dry_run:
-            check_output(settings)
         cluster = settings.cluster
-        gpus = 0 if settings.device == "cpu" else settings.gpu.gpus_per_job
-        job_settings = cluster.job_settings(
-            run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
-            worker_args=spec.flags(), log_format=spec.log_format)
+        job_settings = sweep_job_settings(settings, spec)
+        gpus = job_settings.gpus_per_job
         classes = default_classes(device="cpu" if gpus == 0 else "cuda", gpus_per_job=gpus,
                                   large_bytes=cluster.large_model_bytes)
         # Size lookups are for balance and the class only: about a minute of them at the
         # sweep's hub rate, then the estimate (a size_bytes column makes them unnecessary).
         sizer = Sizer(rate_per_s=cluster.hub_rate,
                       lookup_limit=max(100, int(cluster.hub_rate * 60)))
-        own = kube is None and not settings.dry_run
-        if own:
-            kube = open_client(cluster.kube_context)
-        try:
-            return cls(cluster, kube, spec=spec, job_settings=job_settings,
+        with client_for(settings, kube) as (client, own):
+            return cls(cluster, client, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
-                       size_report=sizer.log_stats,
-                       poll_s=cluster.poll_interval_s, own_kube=own)
-        except BaseException:
-            if own and kube is not None:
-                kube.close()
-            raise
+                       size_report=sizer.log_stats, poll_s=cluster.poll_interval_s,
+                       own_kube=own)
 
     # -- the Backend protocol ---------------------------------------------------------------
 
