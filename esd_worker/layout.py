@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,13 +140,16 @@ def refit_record_key(tag: str) -> str:
 
 def list_markers(store: Store) -> set[str]:
     """model_keys that have `<key>/result.json`, from one listing of the store."""
-    found: set[str] = set()
+    return set(iter_markers(store))
+
+
+def iter_markers(store: Store) -> Iterator[str]:
+    """The model_keys that have `<key>/result.json`, as one listing of the store goes."""
     for key in store.list_keys():
         if key.endswith(_MARKER_SUFFIX):
             model_key = key[: -len(_MARKER_SUFFIX)]
             if model_key and "/" not in model_key:
-                found.add(model_key)
-    return found
+                yield model_key
 
 
 def list_failure_keys(store: Store) -> dict[str, str]:

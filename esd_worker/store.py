@@ -116,14 +116,22 @@ class LocalStore(Store):
         if not base.is_dir():
             return
         try:
-            for dirpath, _dirs, files in os.walk(base):
-                rel = Path(dirpath).relative_to(self.root).as_posix()
-                for name in files:
-                    if name.startswith(".") and name.endswith(".tmp"):
-                        continue
-                    yield name if rel == "." else f"{rel}/{name}"
+            yield from self._walk(str(base), prefix.strip("/"))
         except OSError as e:
             raise StoreError(f"cannot list {base}: {e.strerror or e}") from e
+
+    def _walk(self, folder: str, rel: str) -> Iterator[str]:
+        """Keys under `folder` (`rel` from the root), depth first as the folder is read:
+        a store of millions of models is never listed into memory (os.walk keeps the
+        path of every sub-folder of a folder, millions of them under the root)."""
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir():
+                    if not entry.is_symlink():  # as os.walk: a linked folder is not entered
+                        yield from self._walk(entry.path, key)
+                elif not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    yield key
 
     def delete(self, key: str) -> None:
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.plan import DONE, SKIPPED, STALE, TODO, ListPlan
+from controller.plan import DONE, SKIPPED, STALE, TODO, KeySet, ListPlan
 from esd_worker.layout import marker_key
 from esd_worker.modellist import ListFile, ModelRow, RowProblem
 from esd_worker.store import Store, open_store
@@ -116,3 +116,12 @@ def test_rows_of_a_large_list_are_not_held(tmp_path: Path) -> None:
     held = [v for v in vars(plan).values() if isinstance(v, list | tuple | set) and v
             and isinstance(next(iter(v)), ModelRow)]
     assert held == []
+
+
+def test_a_key_set_answers_membership_like_a_set() -> None:
+    keys = [row.key for row in ROWS[:5]]
+    held = KeySet(keys + keys[:2])  # duplicates count once
+    assert len(held) == 5
+    assert all(key in held for key in keys)
+    assert not any(row.key in held for row in ROWS[5:])
+    assert "" not in KeySet()

@@ -27,11 +27,12 @@ from controller.backends.kubernetes.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.shardjobs import IndexedRun, ShardFailures
 from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from controller.errors import SweepError
+from controller.plan import KeySet
 from controller.progress import Progress
 from controller.settings import SweepSettings
 from controller.shards import ResourceClass, default_classes
 from controller.sizing import Sizer
-from esd_worker.layout import list_failure_keys, list_markers, shard_prefix
+from esd_worker.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.records import read_failure
 from esd_worker.store import Store, open_store
 
@@ -174,7 +175,7 @@ class ShardedBackend:
                 return []
         remaining: Work = work
         if self.attached:  # what they finished is done; the rest is sharded again
-            remaining = _NotDone(work, list_markers(self.store))
+            remaining = _NotDone(work, KeySet(iter_markers(self.store)))
         shards = self._shard(remaining, self.store)
         pods = sum(c.parallelism for c in shards)
         for c in shards:
@@ -273,7 +274,7 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
     """Each model's Outcome from the store (one listing of markers and one of failure
     records); a model of a failed index without a record of this run gets the diagnosis
     of the index's last pod; one with neither is a retryable NoOutcome."""
-    done = list_markers(store)
+    done = KeySet(iter_markers(store))
     records = list_failure_keys(store)
     outcomes: list[Outcome] = []
     for task in work:
@@ -330,7 +331,7 @@ def _show(progress: Progress, runs: list[IndexedRun]) -> None:
 class _NotDone:
     """Work without the models that have a marker now (after re-attaching)."""
 
-    def __init__(self, work: Work, done: set[str]) -> None:
+    def __init__(self, work: Work, done: KeySet) -> None:
         self.work, self.done = work, done
         self._count: int | None = None
 
