@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import os
@@ -257,7 +258,8 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                   and k != "create events")
     return {
         "rows": args.rows, "gpus": args.gpus, "poll_s": args.poll,
-        "done": len(recorder.done), "failed": len(recorder.failed), "outcomes": len(outcomes),
+        "done": recorder.done_count, "failed": len(recorder.failed),
+        "failed_outcomes_returned": len(outcomes),
         "objects_created_by_controller": created, "server_counts": counts,
         "controller_requests": requests,
         "requests_per_s": round(requests / wall, 3),
@@ -274,17 +276,16 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.plan import ListPlan
-    from esd_worker.modellist import ListFile, read_model_list
+    from esd_worker.modellist import ListFile, ModelRow, iter_model_list
     from esd_worker.settings import AnalysisSettings
     from esd_worker.store import open_store
 
     listing = work_dir / "models.csv"
     write_list(listing, args.s3_rows)
     keys = work_dir / "keys.txt"
-    with open(keys, "w") as f:
-        for n, row in enumerate(read_model_list(listing).rows):
-            if n >= args.s3_markers:
-                break
+    with open(keys, "w") as f:  # the first --s3-markers models are done
+        rows = (item for item in iter_model_list(listing) if isinstance(item, ModelRow))
+        for row in itertools.islice(rows, args.s3_markers):
             f.write(row.key + "\n")
     server = subprocess.Popen(
         [sys.executable, "-m", "tests.support.s3server", "--bucket", "atlas",
@@ -301,6 +302,7 @@ def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     os.environ.update(env)
     try:
         store = open_store("s3://atlas/out")
+        rss0 = peak_rss_mib()
         started = time.perf_counter()
         plan = ListPlan(ListFile(listing).items, store, AnalysisSettings().as_dict(),
                         verify_limit=0).scan()
@@ -310,7 +312,8 @@ def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         server.stdin.close()
         server.wait(30)
     pages = math.ceil(args.s3_markers / 1000)
-    return {"rows": args.s3_rows, "markers": args.s3_markers, "done": plan.counts.done,
+    return {"rows": args.s3_rows, "markers": args.s3_markers, "verify_limit": 0,
+            "rss_before_mib": round(rss0), "done": plan.counts.done,
             "todo": plan.counts.todo, "scan_s": round(elapsed, 1), "list_pages": pages,
             "s_per_page": round(elapsed / max(pages, 1), 3),
             "peak_rss_mib": round(peak_rss_mib())}
