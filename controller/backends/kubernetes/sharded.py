@@ -247,15 +247,14 @@ class ShardedBackend:
                 progress: Progress | None) -> bool:
         """Poll the Jobs until every one has finished; False when stopped first."""
         selector = sharded_selector(self.instance)
-        names = {r.name for r in runs}
         while True:
             items, _ = kube.list_jobs(self.settings.namespace, selector)
-            for job in items:
-                name = job["metadata"]["name"]
-                if name in names:
-                    next(r for r in runs if r.name == name).update(job, self._clock())
+            listed = {job["metadata"]["name"]: job for job in items}
             for r in runs:
-                if r.name not in {j["metadata"]["name"] for j in items} and not r.finished:
+                job = listed.get(r.name)
+                if job is not None:
+                    r.update(job, self._clock())
+                elif not r.finished:
                     r.vanish()  # deleted under us: its unfinished shards have no outcome
                 r.explain_pending(kube, self.settings, self._clock())
             if progress is not None:
