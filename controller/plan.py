@@ -11,9 +11,13 @@ that.
 from __future__ import annotations
 
 import logging
+from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from esd_worker.layout import canonical_parameters, iter_markers, read_markers
 from esd_worker.modellist import ModelRow, RowProblem, base_first
@@ -36,15 +40,31 @@ Items = Callable[[], Iterable[ModelRow | RowProblem]]
 
 
 class KeySet:
-    """A set of model keys held as their hashes: a store's 2M marker keys in ~120 MB, not
-    ~250 MB. Python's 64-bit string hash (salted per process, so only within one) makes a
-    false "present" about 2M² / 2^64 ≈ 2e-7 likely in a whole 2M-model run."""
+    """A set of model keys held as their 64-bit hashes in one sorted array: a store's 2M
+    marker keys in 16 MB (a Python set of them: ~250 MB of strings, ~130 MB of hashes).
+    Python's string hash (salted per process, so only within one) makes a false "present"
+    about 2M² / 2^64 ≈ 2e-7 likely in a whole 2M-model run. Built once, then only read."""
+
+    CHUNK = 1 << 16  # hashes gathered per chunk before they are sorted into the whole
 
     def __init__(self, keys: Iterable[str] = ()) -> None:
-        self._hashes = {hash(key) for key in keys}
+        chunks: list[np.ndarray] = []
+        chunk = array("q")
+        for key in keys:
+            chunk.append(hash(key))
+            if len(chunk) >= self.CHUNK:
+                chunks.append(np.unique(np.frombuffer(chunk, dtype=np.int64)))
+                chunk = array("q")
+        chunks.append(np.unique(np.frombuffer(chunk, dtype=np.int64)))
+        hashes = np.unique(np.concatenate(chunks)) if len(chunks) > 1 else chunks[0]
+        # bisect on an array.array reads C longs straight; on a numpy array each probe
+        # would build a numpy scalar (~10 times slower per lookup).
+        self._hashes = array("q", hashes.tobytes())
 
     def __contains__(self, key: object) -> bool:
-        return hash(key) in self._hashes
+        h = hash(key)
+        i = bisect_left(self._hashes, h)
+        return i < len(self._hashes) and self._hashes[i] == h
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -107,6 +127,8 @@ class ListPlan:
     _stale: set[str] = field(default_factory=set)
     _unreadable: set[str] = field(default_factory=set)  # a marker that does not parse: todo
     _permanent: set[str] = field(default_factory=set)
+    _dropped: array[int] = field(default_factory=lambda: array("q"))  # duplicates' positions
+    _scanned: bool = False
 
     def scan(self) -> ListPlan:
         """Read the store (one marker listing, the failure records with skip_failed) and the
@@ -155,10 +177,17 @@ class ListPlan:
         return self
 
     def _rows(self, *, count: bool = False) -> Iterator[ModelRow]:
-        """The list's valid rows without duplicates, up to limit (count: tally while at it)."""
-        seen: set[int] = set()  # hashes of (id, revision): 2M rows in ~130 MB, not 500
+        """The list's valid rows without duplicates, up to limit. count (the scan): tally,
+        find the duplicates with a set of (id, revision) hashes that lives for this pass
+        only, and note their positions; later passes skip those positions and hold
+        nothing (a set for 2M rows is ~130 MB, the controller's largest)."""
+        if not count and not self._scanned:
+            raise RuntimeError("ListPlan.scan() first")
+        seen: set[int] = set()
+        dropped = iter(self._dropped)
+        next_dropped = next(dropped, -1)
         kept = 0
-        for item in self.items():
+        for position, item in enumerate(self.items()):
             if isinstance(item, RowProblem):
                 if count:
                     self.counts.bad_rows += 1
@@ -171,14 +200,20 @@ class ListPlan:
                 if count:
                     continue  # bad rows after the limit are still reported
                 return
-            ident = hash((item.model_id, item.revision))
-            if ident in seen:
-                self.counts.duplicates += count
+            if count:
+                ident = hash((item.model_id, item.revision))
+                if ident in seen:
+                    self.counts.duplicates += 1
+                    self._dropped.append(position)
+                    continue
+                seen.add(ident)
+                self.counts.models += 1
+            elif position == next_dropped:
+                next_dropped = next(dropped, -1)
                 continue
-            seen.add(ident)
             kept += 1
-            self.counts.models += count
             yield item
+        self._scanned = self._scanned or count
 
     def classify(self) -> Iterator[tuple[ModelRow, str]]:
         """Every listed model (list order) with its state: todo, stale, done or skipped."""

@@ -125,3 +125,43 @@ def test_a_key_set_answers_membership_like_a_set() -> None:
     assert all(key in held for key in keys)
     assert not any(row.key in held for row in ROWS[5:])
     assert "" not in KeySet()
+
+
+class SmallChunks(KeySet):
+    CHUNK = 3  # several sorted chunks merged, duplicates across them
+
+
+@pytest.mark.parametrize("kind", [KeySet, SmallChunks])
+def test_a_key_set_built_from_chunks_is_the_same_set(kind: type[KeySet]) -> None:
+    keys = [f"org--m{i}" for i in range(20)]
+    held = kind(keys[:12] + keys[5:8] + keys[:2])
+    assert len(held) == 12
+    assert [key in held for key in keys] == [True] * 12 + [False] * 8
+
+
+@pytest.mark.parametrize(("refs", "limit", "expected"), [
+    (["a", "b", "a", "c", "b"], None, ["a", "b", "c"]),
+    (["a", "a", "a", "b"], None, ["a", "b"]),
+    (["a", "b@v1", "b", "b@v1"], None, ["a", "b@v1", "b"]),  # another revision is another model
+    (["a", "a", "b", "c"], 2, ["a", "b"]),  # the limit counts kept rows
+    (["a", "b", "c"], None, ["a", "b", "c"]),
+], ids=["spread", "run", "revisions", "limit", "none"])
+def test_later_passes_drop_the_duplicates_the_scan_found(
+        tmp_path: Path, refs: list[str], limit: int | None, expected: list[str]) -> None:
+    def row(ref: str) -> ModelRow:
+        return make_model_row(f"org/{ref}")
+
+    items: list[ModelRow | RowProblem] = [row(ref) for ref in refs]
+    items.insert(1, BAD)  # positions count bad rows too
+    plan = ListPlan(lambda: items, open_store(str(tmp_path / "out")), PARAMS,
+                    limit=limit).scan()
+    assert plan.counts.duplicates == len(refs) - len(set(refs))
+    for _ in range(2):  # every later pass agrees, and holds no set of what it saw
+        assert [r.ref for r in plan.rows()] == [row(ref).ref for ref in expected]
+        assert [r.ref for r, _ in plan.classify()] == [row(ref).ref for ref in expected]
+
+
+def test_the_list_is_scanned_before_it_is_classified(tmp_path: Path) -> None:
+    plan = ListPlan(lambda: ROWS, open_store(str(tmp_path / "out")), PARAMS)
+    with pytest.raises(RuntimeError, match="scan"):
+        next(plan.classify())
