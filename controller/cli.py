@@ -13,6 +13,7 @@ from typing import Any
 
 from controller import __version__
 from controller.backends.kubernetes.settings import (
+    AUTO,
     DEFAULT_NAMESPACE,
     DEFAULT_SERVICE_ACCOUNT,
     DEFAULT_TELEMETRY_PORT,
@@ -71,6 +72,12 @@ def _add_kube_flags(g: Any) -> None:
              f"{default_image()})")
     add_flag(g, "--node-selector", action="append", default=[], metavar="KEY=VALUE",
              help="only nodes with this label (repeatable)")
+    add_flag(g, "--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT",
+             help="pods tolerate this taint, e.g. a GPU pool's dedicated=gpu:NoSchedule "
+             "(repeatable; nvidia.com/gpu is tolerated already)")
+    add_flag(g, "--image-pull-secret", action="append", default=[], metavar="NAME",
+             help="Secret the pods pull the worker image with (private registry; "
+             "repeatable)")
     add_flag(g, "--priority-class", metavar="NAME", help="priorityClassName of the pods")
     add_flag(g, "--service-account", default=DEFAULT_SERVICE_ACCOUNT, metavar="NAME",
              help=f"service account of the pods (default {DEFAULT_SERVICE_ACCOUNT})")
@@ -83,10 +90,17 @@ def _add_kube_flags(g: Any) -> None:
     add_flag(g, "--hf-cache-pvc", metavar="CLAIM",
              help="PersistentVolumeClaim shared as the HF cache (default: emptyDir per pod)")
     add_flag(g, "--cpu-request", default="2", metavar="Q", help="CPU request (default 2)")
-    add_flag(g, "--memory-request", default="16Gi", metavar="Q",
-             help="memory request (default 16Gi)")
-    add_flag(g, "--job-deadline", type=int, default=6 * 3600, metavar="S",
-             help="activeDeadlineSeconds of each Job (default 21600)")
+    add_flag(g, "--memory-request", default=AUTO, metavar="Q|auto",
+             help="memory request (default auto: sized from the weights' bytes, 4Gi plus "
+             "0.4 x the model; 7Gi for models up to 8 GB)")
+    add_flag(g, "--ephemeral-storage-request", default=AUTO, metavar="Q|auto",
+             help="disk for downloads, also the cache volume's sizeLimit (default auto: "
+             "sized from the weights' bytes)")
+    add_flag(g, "--active-deadline", "--job-deadline", dest="active_deadline", type=int,
+             metavar="S", help="seconds a worker pod may run once on a node; time pending "
+             "does not count (default: 21600 with --shard-size 1, none for shard pods)")
+    add_flag(g, "--ttl-after-finished", type=int, default=24 * 3600, metavar="S",
+             help="seconds a finished worker Job is kept (default 86400)")
     add_flag(g, "--shard-size", type=int, default=0, metavar="N",
              help="models per shard at most (default 0: auto, shards balanced by bytes, up "
              "to 1000 models each); 1: one Job per model instead of Indexed Jobs")
@@ -354,6 +368,15 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
             problems.append(f"--node-selector: {item!r} is not KEY=VALUE")
         else:
             selector[key.strip()] = value.strip()
+    tolerations = []
+    for item in args.toleration:
+        taint, sep, effect = item.rpartition(":")
+        key, has_value, value = taint.partition("=")
+        if not sep or not key:
+            problems.append(f"--toleration: {item!r} is not KEY[=VALUE]:EFFECT "
+                            "(e.g. dedicated=gpu:NoSchedule)")
+        else:
+            tolerations.append((key, value if has_value else None, effect))
     token = args.hf_token_secret
     if token and ":" not in token:
         token = f"{token}:token"
@@ -362,8 +385,11 @@ def _cluster_from_args(args: argparse.Namespace, problems: list[str]) -> Cluster
         node_selector=selector, priority_class=args.priority_class,
         service_account=args.service_account or None, hf_token_secret=token,
         s3_secret=args.s3_secret, hf_cache_pvc=args.hf_cache_pvc,
+        image_pull_secrets=tuple(args.image_pull_secret), tolerations=tuple(tolerations),
         cpu_request=args.cpu_request, memory_request=args.memory_request,
-        job_deadline_s=args.job_deadline, max_active_jobs=args.max_active_jobs,
+        ephemeral_storage_request=args.ephemeral_storage_request,
+        job_deadline_s=args.active_deadline, ttl_after_finished_s=args.ttl_after_finished,
+        max_active_jobs=args.max_active_jobs,
         allow_pending=args.allow_pending, max_pending=args.max_pending,
         do_not_disrupt=args.do_not_disrupt, kueue_queue=args.kueue_queue,
         telemetry=not args.no_telemetry, telemetry_selector=args.telemetry_selector,

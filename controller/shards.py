@@ -43,34 +43,64 @@ class ResourceClass:
     ephemeral_storage: str
 
 
+SMALL_BYTES = 8 * 10**9  # the "-small" classes: models that fit a 16 GiB single-GPU node
+_BASE_MEMORY_GIB = 4  # Python, torch, a CUDA context, the HF and safetensors readers
+_MAX_MEMORY_GIB = 64
+
+
+def memory_for(size: int) -> str:
+    """The host memory a worker asks for to analyse models of up to `size` weight bytes.
+
+    The worker reads a checkpoint tensor by tensor, so host memory is bounded by the largest
+    tensor, not the model: the embedding or output matrix, at most ~20% of a real
+    checkpoint's bytes, held once as stored and once in float32 (2x a bf16 copy) while it
+    goes to the device, hence 0.4 x size on top of the process's own ~4 GiB, capped at 64Gi.
+    An 8 GB model asks for 7Gi, so it fits a 16 GiB single-GPU instance (whose allocatable
+    memory is ~14 GiB); 30 GB asks for 16Gi.
+    """
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    gib = _BASE_MEMORY_GIB + math.ceil(0.4 * size / GIB)
+    return f"{min(gib, _MAX_MEMORY_GIB)}Gi"
+
+
+def disk_for(size: int, *, copies: int = 2) -> str:
+    """The ephemeral storage a worker asks for: `copies` models of up to `size` bytes on disk
+    (the one analysed and the next one downloaded ahead, or a base and its adapter) and
+    room for configs, the HF cache's bookkeeping and logs."""
+    if size < 0 or copies < 1:
+        raise ValueError(f"size must be >= 0 and copies >= 1, got {size}, {copies}")
+    return f"{math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB}Gi"
+
+
 def default_classes(
     *, device: str, gpus_per_job: int, large_bytes: int
 ) -> tuple[ResourceClass, ...]:
     """The classes a run uses unless told otherwise, smallest first (classify's order).
 
-    Why these numbers: the worker reads a checkpoint tensor by tensor, so host memory is
-    bounded by the largest tensor, not the model. That tensor grows with the model but far
-    more slowly: 16Gi (the Jobs' request until now) is ample for models up to
-    `large_bytes` (those that fit a 24 GiB GPU), and 64Gi leaves room for the biggest
-    checkpoints' largest tensors in float32 and an adapter merged into one. Disk is what
-    grows with the whole model: it holds the model being analysed, the next one downloaded
-    ahead (prefetch) and an adapter's base, so "gpu" asks for twice `large_bytes` plus
-    headroom and "gpu-large" for 400Gi (two 140 GB checkpoints and room). device "cpu" or
-    gpus_per_job 0: one class "cpu" that takes every model; CPU pods are for small models
-    and small clusters, so it asks for what "gpu" does (pass other classes to run big
-    models on CPUs).
+    Three size bands, each asking for what its biggest model needs (memory_for, disk_for),
+    so a shard of small models fits a 16 GiB single-GPU node and only big models wait for
+    big nodes: "<kind>-small" up to SMALL_BYTES, "<kind>" up to `large_bytes` (those that
+    fit a 24 GiB GPU), "<kind>-large" beyond (64Gi of memory, at least 400Gi of disk: two
+    140 GB checkpoints and room). kind is "gpu", or "cpu" for device "cpu" or gpus_per_job
+    0 (CPU pods, no GPU request). A band is left out when `large_bytes` is below it.
     """
     if large_bytes <= 0:
         raise ValueError(f"large_bytes must be > 0, got {large_bytes}")
     if gpus_per_job < 0:
         raise ValueError(f"gpus_per_job must be >= 0, got {gpus_per_job}")
-    disk_gib = math.ceil(2 * large_bytes / GIB) + _DISK_HEADROOM_GIB
-    if device == "cpu" or gpus_per_job == 0:
-        return (ResourceClass("cpu", 0, None, "16Gi", f"{disk_gib}Gi"),)
-    return (
-        ResourceClass("gpu", gpus_per_job, large_bytes, "16Gi", f"{disk_gib}Gi"),
-        ResourceClass("gpu-large", gpus_per_job, None, "64Gi", f"{max(400, disk_gib)}Gi"),
-    )
+    cpu = device == "cpu" or gpus_per_job == 0
+    kind, gpus = ("cpu", 0) if cpu else ("gpu", gpus_per_job)
+    out = []
+    if large_bytes > SMALL_BYTES:
+        out.append(ResourceClass(f"{kind}-small", gpus, SMALL_BYTES, memory_for(SMALL_BYTES),
+                                 disk_for(SMALL_BYTES)))
+    out.append(ResourceClass(kind, gpus, large_bytes, memory_for(large_bytes),
+                             disk_for(large_bytes)))
+    large_disk = max(400, int(disk_for(large_bytes).removesuffix("Gi")))
+    out.append(ResourceClass(f"{kind}-large", gpus, None, f"{_MAX_MEMORY_GIB}Gi",
+                             f"{large_disk}Gi"))
+    return tuple(out)
 
 
 def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:

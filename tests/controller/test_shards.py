@@ -17,7 +17,10 @@ from controller.shards import (
     Shard,
     Unit,
     classify,
+    SMALL_BYTES,
     default_classes,
+    disk_for,
+    memory_for,
     shard_count,
     shard_csv,
     target_bytes,
@@ -61,34 +64,71 @@ def pack(packer: Packer, all_units: Sequence[Unit]) -> list[Shard]:
 # --- resource classes -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("device", "gpus", "names"), [
-    ("cpu", 1, ["cpu"]),
-    ("cuda", 0, ["cpu"]),
-    ("cuda", 1, ["gpu", "gpu-large"]),
-    ("auto", 2, ["gpu", "gpu-large"]),
-], ids=["cpu-device", "no-gpus", "one-gpu", "two-gpus"])
-def test_default_classes(device: str, gpus: int, names: list[str]) -> None:
-    """GPU runs get a bounded class and an unbounded one after it; CPU runs one unbounded
-    class; every class can hold two of its largest models on disk (the one being analysed and
-    the one prefetched), and the last class takes any model."""
-    large = 20 * GIB
+@pytest.mark.parametrize(("device", "gpus", "large", "names"), [
+    ("cpu", 1, 20 * GIB, ["cpu-small", "cpu", "cpu-large"]),
+    ("cuda", 0, 20 * GIB, ["cpu-small", "cpu", "cpu-large"]),
+    ("cuda", 1, 20 * GIB, ["gpu-small", "gpu", "gpu-large"]),
+    ("auto", 2, 20 * GIB, ["gpu-small", "gpu", "gpu-large"]),
+    ("cuda", 1, 5 * 10**9, ["gpu", "gpu-large"]),
+], ids=["cpu-device", "no-gpus", "one-gpu", "two-gpus", "large-below-small"])
+def test_default_classes(device: str, gpus: int, large: int, names: list[str]) -> None:
+    """Size bands smallest first, the last one unbounded; every class can hold two of its
+    largest models on disk (the one being analysed and the one prefetched); a class that
+    takes bigger models never asks for less memory or disk than the one below it."""
     classes = default_classes(device=device, gpus_per_job=gpus, large_bytes=large)
     assert [c.name for c in classes] == names
     assert classes[-1].max_bytes is None
+    assert classes[-2].max_bytes == large
     for cls in classes:
-        assert cls.gpus == (0 if names == ["cpu"] else gpus)
+        assert cls.gpus == (0 if names[0].startswith("cpu") else gpus)
         assert gib_of(cls.ephemeral_storage) * GIB >= 2 * (cls.max_bytes or large)
-    if len(classes) == 2:
-        gpu, large_cls = classes
-        assert gpu.max_bytes == large
-        assert gib_of(large_cls.memory) > gib_of(gpu.memory)
-        assert gib_of(large_cls.ephemeral_storage) >= gib_of(gpu.ephemeral_storage)
+    for low, high in zip(classes, classes[1:]):
+        assert gib_of(high.memory) >= gib_of(low.memory)
+        assert gib_of(high.ephemeral_storage) >= gib_of(low.ephemeral_storage)
 
 
 def test_default_classes_gpu_large_disk_grows_with_large_bytes() -> None:
     """A class that takes bigger models never gets less disk than the one below it."""
-    gpu, large = default_classes(device="cuda", gpus_per_job=1, large_bytes=300 * GIB)
+    *_, gpu, large = default_classes(device="cuda", gpus_per_job=1, large_bytes=300 * GIB)
     assert gib_of(large.ephemeral_storage) >= gib_of(gpu.ephemeral_storage) >= 600
+
+
+# Allocatable memory of common 16 GiB single-GPU instances (g4dn.xlarge, g5.xlarge,
+# n1-standard-4 + T4): what is left of 16 GiB after the kubelet's and system reservations.
+ALLOCATABLE_16GIB_NODE = 14
+
+
+@pytest.mark.parametrize(("size", "memory", "disk"), [
+    (0, "4Gi", "8Gi"),
+    (500 * 10**6, "5Gi", "9Gi"),           # a 250M-parameter model in bf16
+    (SMALL_BYTES, "7Gi", "23Gi"),          # the -small band's largest
+    (14 * 10**9, "10Gi", "35Gi"),          # a 7B model in bf16
+    (30 * 10**9, "16Gi", "64Gi"),          # the default --large-model-size
+    (140 * 10**9, "57Gi", "269Gi"),        # a 70B model in bf16
+    (810 * 10**9, "64Gi", "1517Gi"),       # a 405B model: memory capped
+])
+def test_requests_are_sized_from_the_weights(size: int, memory: str, disk: str) -> None:
+    """Memory grows with the largest tensor (~20% of the weights, in float32) on top of the
+    process; disk holds two models and headroom."""
+    assert memory_for(size) == memory
+    assert disk_for(size) == disk
+    assert disk_for(size, copies=1) == f"{math.ceil(size / GIB) + 8}Gi"
+
+
+def test_small_models_fit_a_16_gib_single_gpu_node() -> None:
+    """Every model up to a 7B in bf16 asks for less memory than a 16 GiB instance has."""
+    small, *_ = default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * 10**9)
+    assert gib_of(small.memory) < ALLOCATABLE_16GIB_NODE
+    assert gib_of(memory_for(14 * 10**9)) < ALLOCATABLE_16GIB_NODE
+
+
+@pytest.mark.parametrize(("size", "copies"), [(-1, 2), (1, 0)])
+def test_sizing_refuses_nonsense(size: int, copies: int) -> None:
+    with pytest.raises(ValueError):
+        disk_for(size, copies=copies)
+    if size < 0:
+        with pytest.raises(ValueError):
+            memory_for(size)
 
 
 SMALL = ResourceClass("gpu", 1, 100, "16Gi", "64Gi")

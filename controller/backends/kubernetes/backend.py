@@ -28,13 +28,14 @@ from controller.backends.kubernetes.names import per_model_selector
 from controller.backends.kubernetes.placement import Placement, ScrapeFn
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.state import ModelTable
-from controller.backends.kubernetes.submit import Submitter
+from controller.backends.kubernetes.submit import SizeFn, Submitter, model_job_settings
 from controller.backends.kubernetes.telemetry import scrape
 from controller.backends.kubernetes.watch import JobWatcher, WatchQueue
 from controller.backends.kubernetes.yamlout import jobs_to_yaml
 from controller.errors import SweepError
 from controller.progress import Progress
 from controller.settings import SweepSettings
+from controller.sizing import Sizer
 from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class KubernetesBackend:
         max_retries: int = 2, threshold_mib: float = 500.0, max_checks: int = 10,
         poll_interval_s: float = 1.0, adopt_complete: bool = True, own_kube: bool = False,
         scrape_fn: ScrapeFn = scrape, clock: Callable[[], float] = time.monotonic,
+        size: SizeFn | None = None,
     ) -> None:
         problems = settings.problems()
         if problems:
@@ -78,6 +80,7 @@ class KubernetesBackend:
         self.gpus_per_job = gpus_per_job
         self._own_kube = own_kube
         self._clock = clock
+        self._size = size
         self._stop_requests = 0
         self.placer = Placement(
             settings, kube, gpus_per_job=gpus_per_job, threshold_mib=threshold_mib,
@@ -103,7 +106,8 @@ class KubernetesBackend:
                 output_url=spec.store_url, gpus_per_job=job_settings.gpus_per_job,
                 max_retries=spec.max_retries, adopt_complete=not spec.overwrite,
                 threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
-                poll_interval_s=settings.gpu.poll_interval_s, own_kube=own)
+                poll_interval_s=settings.gpu.poll_interval_s, own_kube=own,
+                size=sweep_sizer(settings.cluster).size)
 
     # -- the Backend protocol ---------------------------------------------------------------
 
@@ -135,7 +139,8 @@ class KubernetesBackend:
                 jobs.append(build_job(
                     model_ref=row.ref, model_key=row.key, relation=row.relation,
                     source_model=row.source_model, output_url=self.output_url,
-                    settings=self.job_settings))
+                    settings=model_job_settings(self.settings, self.job_settings, row,
+                                                self._size)))
             except JobSpecError as e:
                 problems.append(f"model={row.ref}: {e}")
         if problems:
@@ -215,7 +220,7 @@ class KubernetesBackend:
                 table, events, self.kube, self.settings, self.placer,
                 job_settings=self.job_settings, output_url=self.output_url,
                 selector=self.selector, adopt_complete=self._adopt_complete,
-                stopping=self._stopping)
+                stopping=self._stopping, size=self._size)
             self._parts = (events, submitter)
         events, submitter = self._parts
         inbox: WatchQueue = queue.Queue()
@@ -302,6 +307,13 @@ def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings
     return settings.cluster.job_settings(
         run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
         worker_args=spec.flags(), log_format=spec.log_format)
+
+
+def sweep_sizer(cluster: ClusterSettings) -> Sizer:
+    """Model sizes for requests and shards: from the list's size_bytes column, local files
+    or the hub's metadata. Hub lookups are about a minute's worth at the sweep's hub rate,
+    then the estimate (a size_bytes column makes them unnecessary)."""
+    return Sizer(rate_per_s=cluster.hub_rate, lookup_limit=max(100, int(cluster.hub_rate * 60)))
 
 
 @contextmanager

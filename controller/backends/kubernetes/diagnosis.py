@@ -95,9 +95,10 @@ def diagnose_failure(
     def out(error: str, retryable: bool) -> Diagnosis:
         return Diagnosis(error + where, retryable, exit_code, signal, tail, pod_name, node)
 
-    if reason == "DeadlineExceeded":
-        return out("DeadlineExceeded: the Job ran longer than --job-deadline "
-                   f"(activeDeadlineSeconds): {message}", False)
+    pod_reason = ((pod.get("status") or {}).get("reason") if pod is not None else None)
+    if reason == "DeadlineExceeded" or pod_reason == "DeadlineExceeded":
+        return out("DeadlineExceeded: the worker ran longer than --active-deadline "
+                   f"(activeDeadlineSeconds): {message or pod_reason}", False)
     if terminated is not None and terminated.get("reason") == "OOMKilled":
         cls, retryable = classify_exit(exit_code, None)
         return out(f"{cls}: OOMKilled: the worker ran out of host memory (exit "

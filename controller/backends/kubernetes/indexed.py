@@ -195,9 +195,10 @@ def build_indexed_job(
     capped by completions); backoff_limit_per_index: counted pod failures an index absorbs
     before it fails; shards_url: the store URL of the class's shard lists; output_url: the
     result store; batch_args: the worker's many-models flags; active_deadline_s: a limit on
-    the whole Job (None: none; a sharded run may last days, so settings.active_deadline_s,
-    the per-model Jobs' deadline, is not used); models / shard_bytes: recorded as
-    annotations for people and the run report. Raises JobSpecError listing every problem.
+    the whole Job (None: none; a sharded run may last days; settings.active_deadline_s is
+    each pod's, and the sharded backend leaves it unset unless asked); models / shard_bytes:
+    recorded as annotations for people and the run report. Raises JobSpecError listing
+    every problem.
     """
     problems = list(settings.problems())
     name = ""
@@ -243,12 +244,6 @@ def build_indexed_job(
     args = shard_worker_argv(shards_url=shards_url, output_url=output_url,
                              settings=settings, batch_args=batch_args)
     pod = pod_spec(args, settings)
-    if settings.ephemeral_storage_request:
-        # A pod whose downloads outgrow its disk is evicted by the kubelet (a disruption:
-        # the index runs again elsewhere) instead of filling the node.
-        for volume in pod["volumes"]:
-            if volume["name"] == "cache" and "emptyDir" in volume:
-                volume["emptyDir"]["sizeLimit"] = settings.ephemeral_storage_request
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if settings.do_not_disrupt:
         template_meta["annotations"] = pod_annotations(settings)

@@ -40,6 +40,7 @@ from esd_worker.naming import split_model_ref
 
 CONTAINER_NAME = "worker"
 GPU_RESOURCE = "nvidia.com/gpu"
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 CACHE_DIR = "/cache"
 HF_HOME = "/cache/hf"
@@ -72,11 +73,16 @@ class JobSettings:
     Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
     quantities (defaults "2", "16Gi"); memory_limit: None = no limit;
     ephemeral_storage_request: None = none (the HF cache emptyDir lives on it).
+    ephemeral_storage_request also bounds the cache emptyDir (sizeLimit): a pod whose
+    downloads outgrow it is evicted instead of filling the node's disk.
     backoff_limit: pod failures counted before the Job fails (default 3; evictions and
-    preemptions do not count, see pod_failure_policy). active_deadline_s: seconds a Job
-    may run in all (default 6 h). ttl_after_finished_s: seconds a finished Job is kept
-    (default 24 h; None = forever).
+    preemptions do not count, see pod_failure_policy). active_deadline_s: seconds a worker
+    pod may run once it is on a node (the pod's activeDeadlineSeconds, so time pending for
+    a node, an autoscaler or Kueue does not count; default 6 h; None = no limit).
+    ttl_after_finished_s: seconds a finished Job is kept (default 24 h; None = forever).
     node_selector, priority_class, service_account, image_pull_secrets: passed to the pod.
+    tolerations: (key, value or None, effect) each: the pods tolerate these taints too (GPU
+    pools with custom taints); value None tolerates any value (operator Exists).
     hf_token_secret: "secret-name:key" holding the HF token (env HF_TOKEN, by reference).
     s3_secret: a Secret with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally
     AWS_SESSION_TOKEN (by reference; absent keys leave room for IRSA / pod identity).
@@ -101,12 +107,13 @@ class JobSettings:
     memory_limit: str | None = None
     ephemeral_storage_request: str | None = None
     backoff_limit: int = 3
-    active_deadline_s: int = 6 * 3600
+    active_deadline_s: int | None = 6 * 3600
     ttl_after_finished_s: int | None = 24 * 3600
     node_selector: Mapping[str, str] = field(default_factory=dict)
     priority_class: str | None = None
     service_account: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    tolerations: tuple[tuple[str, str | None, str], ...] = ()
     hf_token_secret: str | None = None
     s3_secret: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
@@ -164,6 +171,14 @@ class JobSettings:
         for secret in self.image_pull_secrets:
             if not is_dns_subdomain(secret):
                 out.append(f"image_pull_secrets: {secret!r} is not a DNS-1123 subdomain name")
+        for key, value, effect in self.tolerations:
+            if not is_label_key(key):
+                out.append(f"tolerations: {key!r} is not a taint key")
+            if value is not None and not is_label_value(value):
+                out.append(f"tolerations: value {value!r} of {key!r} is not a taint value")
+            if effect not in TAINT_EFFECTS:
+                out.append(f"tolerations: effect {effect!r} of {key!r} is not one of "
+                           + ", ".join(TAINT_EFFECTS))
         if self.hf_token_secret is not None:
             name, sep, key = self.hf_token_secret.partition(":")
             if not sep or not is_dns_subdomain(name) or not _SECRET_KEY.fullmatch(key):
@@ -368,6 +383,10 @@ def pod_spec(
         {"name": "cache", "persistentVolumeClaim": {"claimName": settings.hf_cache_pvc}}
         if settings.hf_cache_pvc else {"name": "cache", "emptyDir": {}}
     )
+    if settings.ephemeral_storage_request and "emptyDir" in cache:
+        # Downloads that outgrow the pod's disk get it evicted by the kubelet (a disruption:
+        # it runs again elsewhere) instead of filling the node and evicting its neighbours.
+        cache["emptyDir"]["sizeLimit"] = settings.ephemeral_storage_request
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,  # the worker never talks to the API server
@@ -382,10 +401,18 @@ def pod_spec(
         "containers": [container],
         "volumes": [{"name": "tmp", "emptyDir": {}}, cache],
     }
+    if settings.active_deadline_s is not None:
+        # The pod's deadline, not the Job's: a Job's runs from its creation (or Kueue's
+        # admission), so a pod waiting for a node or an autoscaler would use it up.
+        spec["activeDeadlineSeconds"] = settings.active_deadline_s
+    tolerations = [{"key": key, "operator": "Exists", "effect": effect} if value is None
+                   else {"key": key, "operator": "Equal", "value": value, "effect": effect}
+                   for key, value, effect in settings.tolerations]
     if settings.gpus_per_job > 0:
-        spec["tolerations"] = [
-            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
-        ]
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists",
+                               "effect": "NoSchedule"})
+    if tolerations:
+        spec["tolerations"] = tolerations
     if settings.node_selector:
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.priority_class:
@@ -460,7 +487,6 @@ def build_job(
     )
     spec: dict[str, Any] = {
         "backoffLimit": settings.backoff_limit,
-        "activeDeadlineSeconds": settings.active_deadline_s,
         "podFailurePolicy": pod_failure_policy(),
         "template": {
             "metadata": template_meta,

@@ -11,15 +11,19 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from controller import __version__
-from controller.backends.kubernetes.jobs import JobSettings
+from controller.backends.kubernetes.jobs import TAINT_EFFECTS, JobSettings
+from controller.shards import ResourceClass, disk_for, memory_for
 
 DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
 DEFAULT_TELEMETRY_SELECTOR = "app.kubernetes.io/name=esd-gpu-exporter"
 DEFAULT_TELEMETRY_PORT = 9400
+AUTO = "auto"  # --memory-request / --ephemeral-storage-request: sized from the weights
+PER_MODEL_DEADLINE_S = 6 * 3600  # --active-deadline of one-Job-per-model pods by default
+MIN_TTL_S = 60  # the controller reads a finished Job's status before the TTL removes it
 
 
 def default_image() -> str:
@@ -44,8 +48,13 @@ class ClusterSettings:
     (None: the current one, or the pod's service account in a cluster).
     image: the worker image (`esd-worker` on PATH). node_selector, priority_class,
     service_account (default esd-sweep-worker), hf_token_secret (NAME:KEY), s3_secret,
-    hf_cache_pvc, cpu_request / memory_request (Kubernetes quantities): passed to each Job.
-    job_deadline_s: activeDeadlineSeconds of each Job (default 6 h).
+    hf_cache_pvc, image_pull_secrets, tolerations ((key, value or None, effect) each),
+    cpu_request: passed to each Job. memory_request / ephemeral_storage_request: Kubernetes
+    quantities, or AUTO (the default): sized from the weights' bytes (controller.shards
+    .memory_for, disk_for) per model, or per resource class for shards.
+    job_deadline_s: activeDeadlineSeconds of each worker pod, counted once it is on a node
+    (None: 6 h for one Job per model, no limit for shard pods, which run many models).
+    ttl_after_finished_s: how long a finished worker Job is kept (default 24 h).
     max_active_jobs: unfinished Jobs of this sweep at once (default 100).
     allow_pending: submit Jobs without pinning them to a node with room when none has
     any, so a cluster autoscaler / Karpenter adds nodes; max_pending: at most this many
@@ -80,9 +89,13 @@ class ClusterSettings:
     hf_token_secret: str | None = None
     s3_secret: str | None = None
     hf_cache_pvc: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    tolerations: tuple[tuple[str, str | None, str], ...] = ()
     cpu_request: str = "2"
-    memory_request: str = "16Gi"
-    job_deadline_s: int = 6 * 3600
+    memory_request: str = AUTO
+    ephemeral_storage_request: str = AUTO
+    job_deadline_s: int | None = None
+    ttl_after_finished_s: int = 24 * 3600
     max_active_jobs: int = 100
     allow_pending: bool = False
     max_pending: int | None = None
@@ -114,8 +127,15 @@ class ClusterSettings:
             out.append(f"--max-pending: must be >= 1, got {self.max_pending}")
         if self.max_pending is not None and not self.allow_pending:
             out.append("--max-pending needs --allow-pending")
-        if self.job_deadline_s < 1:
-            out.append(f"--job-deadline: must be >= 1 s, got {self.job_deadline_s}")
+        if self.job_deadline_s is not None and self.job_deadline_s < 1:
+            out.append(f"--active-deadline: must be >= 1 s, got {self.job_deadline_s}")
+        if self.ttl_after_finished_s < MIN_TTL_S:
+            out.append(f"--ttl-after-finished: must be >= {MIN_TTL_S} s (the controller "
+                       f"reads a finished Job's status), got {self.ttl_after_finished_s}")
+        for key, _, effect in self.tolerations:
+            if effect not in TAINT_EFFECTS:
+                out.append(f"--toleration: {key}: effect {effect!r} is not one of "
+                           + ", ".join(TAINT_EFFECTS))
         if not self.pending_timeout_s > 0:
             out.append(f"--pending-timeout: must be > 0 s, got {self.pending_timeout_s}")
         if not 0 < self.telemetry_port < 65536:
@@ -138,17 +158,45 @@ class ClusterSettings:
         self, *, run_id: str, instance: str, gpus_per_job: int, worker_args: Sequence[str],
         log_format: str = "json",
     ) -> JobSettings:
-        return JobSettings(
+        """Every worker Job's settings, sized for one model of unknown size (sized_for and
+        for_class size them for real)."""
+        deadline = PER_MODEL_DEADLINE_S if self.job_deadline_s is None else self.job_deadline_s
+        job = JobSettings(
             image=self.image, namespace=self.namespace, run_id=run_id, sweep_name=instance,
             gpus_per_job=gpus_per_job, cpu_request=self.cpu_request,
-            memory_request=self.memory_request, backoff_limit=self.backoff_limit,
-            active_deadline_s=self.job_deadline_s, node_selector=dict(self.node_selector),
-            priority_class=self.priority_class, service_account=self.service_account,
-            hf_token_secret=self.hf_token_secret, s3_secret=self.s3_secret,
-            hf_cache_pvc=self.hf_cache_pvc, kueue_queue=self.kueue_queue,
-            do_not_disrupt=self.do_not_disrupt, worker_args=tuple(worker_args),
-            log_format=log_format, env=worker_passthrough_env(),
+            backoff_limit=self.backoff_limit, active_deadline_s=deadline,
+            ttl_after_finished_s=self.ttl_after_finished_s,
+            node_selector=dict(self.node_selector), priority_class=self.priority_class,
+            service_account=self.service_account, image_pull_secrets=self.image_pull_secrets,
+            tolerations=self.tolerations, hf_token_secret=self.hf_token_secret,
+            s3_secret=self.s3_secret, hf_cache_pvc=self.hf_cache_pvc,
+            kueue_queue=self.kueue_queue, do_not_disrupt=self.do_not_disrupt,
+            worker_args=tuple(worker_args), log_format=log_format,
+            env=worker_passthrough_env(),
         )
+        return self.sized_for(job, 0, copies=1)
+
+    def sized_for(self, job: JobSettings, size: int, *, copies: int) -> JobSettings:
+        """`job` asking for the memory and disk of a model of `size` weight bytes, with
+        `copies` such models on disk at once (the flags' quantities when not AUTO)."""
+        return replace(
+            job,
+            memory_request=(memory_for(size) if self.memory_request == AUTO
+                            else self.memory_request),
+            ephemeral_storage_request=(disk_for(size, copies=copies)
+                                       if self.ephemeral_storage_request == AUTO
+                                       else self.ephemeral_storage_request))
+
+    def for_class(self, job: JobSettings, cls: ResourceClass) -> JobSettings:
+        """`job` for the pods of one resource class: its GPUs and its memory and disk (the
+        flags' when not AUTO); a shard pod runs many models, so it has no deadline unless
+        --active-deadline was given."""
+        return replace(
+            job, gpus_per_job=cls.gpus, active_deadline_s=self.job_deadline_s,
+            memory_request=cls.memory if self.memory_request == AUTO else self.memory_request,
+            ephemeral_storage_request=(cls.ephemeral_storage
+                                       if self.ephemeral_storage_request == AUTO
+                                       else self.ephemeral_storage_request))
 
 
 # Non-secret settings the workers need to reach the same store and hub as the controller
@@ -193,7 +241,10 @@ _JOB_FIELD_FLAGS = {
     "hf_token_secret:": "--hf-token-secret:", "s3_secret:": "--s3-secret:",
     "hf_cache_pvc:": "--hf-cache-pvc:", "cpu_request:": "--cpu-request:",
     "memory_request:": "--memory-request:", "kueue_queue:": "--kueue-queue:",
-    "active_deadline_s:": "--job-deadline:", "gpus_per_job:": "--gpus-per-job:",
+    "active_deadline_s:": "--active-deadline:", "gpus_per_job:": "--gpus-per-job:",
+    "ephemeral_storage_request:": "--ephemeral-storage-request:",
+    "ttl_after_finished_s:": "--ttl-after-finished:", "tolerations:": "--toleration:",
+    "image_pull_secrets:": "--image-pull-secret:",
 }
 
 

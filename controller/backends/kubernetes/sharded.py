@@ -31,7 +31,6 @@ from controller.plan import KeySet
 from controller.progress import Progress
 from controller.settings import SweepSettings
 from controller.shards import ResourceClass, default_classes
-from controller.sizing import Sizer
 from esd_worker.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.records import read_failure
 from esd_worker.store import Store, open_store
@@ -85,17 +84,18 @@ class ShardedBackend:
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
                       kube: KubeClient | None = None) -> ShardedBackend:
         """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
-        from controller.backends.kubernetes.backend import client_for, sweep_job_settings
+        from controller.backends.kubernetes.backend import (
+            client_for,
+            sweep_job_settings,
+            sweep_sizer,
+        )
 
         cluster = settings.cluster
         job_settings = sweep_job_settings(settings, spec)
         gpus = job_settings.gpus_per_job
         classes = default_classes(device="cpu" if gpus == 0 else "cuda", gpus_per_job=gpus,
                                   large_bytes=cluster.large_model_bytes)
-        # Size lookups are for balance and the class only: about a minute of them at the
-        # sweep's hub rate, then the estimate (a size_bytes column makes them unnecessary).
-        sizer = Sizer(rate_per_s=cluster.hub_rate,
-                      lookup_limit=max(100, int(cluster.hub_rate * 60)))
+        sizer = sweep_sizer(cluster)
         with client_for(settings, kube) as (client, own):
             return cls(cluster, client, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
@@ -222,7 +222,8 @@ class ShardedBackend:
             run_id=self.spec.run_id, class_name=c.cls.name, completions=c.shards,
             parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
             shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
-            output_url=self.spec.store_url, settings=_for_class(self.job_settings, c.cls),
+            output_url=self.spec.store_url,
+            settings=self.settings.for_class(self.job_settings, c.cls),
             batch_args=batch, models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
 
     def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:
@@ -309,13 +310,6 @@ def _outcome(task: Task, status: str, *, where: str, recorded: bool = False, err
                    signal=signal, attempts=max(attempts, 1), duration_s=0.0, total_s=0.0,
                    wait_s=0.0, where=where, stderr_tail=tuple(tail), error=error,
                    retryable=retryable, recorded=recorded)
-
-
-def _for_class(settings: JobSettings, cls: ResourceClass) -> JobSettings:
-    from dataclasses import replace
-
-    return replace(settings, gpus_per_job=cls.gpus, memory_request=cls.memory,
-                   ephemeral_storage_request=cls.ephemeral_storage)
 
 
 def _show(progress: Progress, runs: list[IndexedRun]) -> None:

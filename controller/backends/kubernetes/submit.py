@@ -27,11 +27,29 @@ from controller.backends.kubernetes.names import (
 from controller.backends.kubernetes.placement import Placement
 from controller.backends.kubernetes.settings import ClusterSettings, result_args
 from controller.backends.kubernetes.state import ModelState, ModelTable
+from esd_worker.modellist import ModelRow, parse_ref
+
+SizeFn = Callable[[ModelRow], int]
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.client import KubeClient
 
 log = logging.getLogger(__name__)
+
+
+def model_job_settings(cluster: ClusterSettings, job: JobSettings, row: ModelRow,
+                       size: SizeFn | None) -> JobSettings:
+    """`job` with the memory and disk one model's pod asks for: sized from the bytes of its
+    weights (and an adapter's base, downloaded with it), known before any download (size:
+    controller.sizing.Sizer.size; None: unknown, the settings' defaults)."""
+    if size is None:
+        return job
+    total = size(row)
+    if row.is_adapter and row.source_model:
+        model_id, revision, problem = parse_ref(row.source_model)
+        if problem is None:
+            total += size(ModelRow(model_id, revision, "", None))
+    return cluster.sized_for(job, total, copies=1)
 
 
 class Submitter:
@@ -47,6 +65,7 @@ class Submitter:
         self, table: ModelTable, events: JobEvents, kube: KubeClient,
         settings: ClusterSettings, placement: Placement, *, job_settings: JobSettings,
         output_url: str, selector: str, adopt_complete: bool, stopping: Callable[[], bool],
+        size: SizeFn | None = None,
     ) -> None:
         self.table = table
         self.events = events
@@ -58,6 +77,7 @@ class Submitter:
         self.selector = selector
         self.adopt_complete = adopt_complete
         self.stopping = stopping
+        self.size = size
         self.created = 0
         self.adopted = 0
         self.blocked = False
@@ -71,11 +91,16 @@ class Submitter:
         return build_job(
             model_ref=row.ref, model_key=row.key, relation=row.relation,
             source_model=row.source_model, output_url=self.output_url,
-            settings=self.job_settings, attempt=attempt, affinity=affinity)
+            settings=model_job_settings(self.settings, self.job_settings, row, self.size),
+            attempt=attempt, affinity=affinity)
 
     def _args_for(self, model: ModelState) -> tuple[str, ...]:
         if not model.args:
-            job = self._build(model, 0, None)
+            row = model.row
+            job = build_job(
+                model_ref=row.ref, model_key=row.key, relation=row.relation,
+                source_model=row.source_model, output_url=self.output_url,
+                settings=self.job_settings)  # args only: no size lookup
             model.args = tuple(job["spec"]["template"]["spec"]["containers"][0]["args"])
         return model.args
 

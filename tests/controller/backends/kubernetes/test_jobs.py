@@ -261,7 +261,9 @@ def test_pod_failure_policy() -> None:
             assert values == sorted(set(values)) and 0 not in values
             assert rule["onExitCodes"]["containerName"] in names
     assert job["spec"]["backoffLimit"] == 3
-    assert job["spec"]["activeDeadlineSeconds"] == 6 * 3600
+    # The deadline is the pod's: time spent pending for a node or Kueue does not count.
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert job["spec"]["template"]["spec"]["activeDeadlineSeconds"] == 6 * 3600
     assert job["spec"]["ttlSecondsAfterFinished"] == 24 * 3600
 
 

@@ -102,7 +102,7 @@ def test_a_sharded_run_creates_one_indexed_job_and_every_model_is_done_once(
     assert spec["completions"] >= 4 and spec["backoffLimitPerIndex"] == 3
     assert job["metadata"]["labels"][MODE_LABEL] == "sharded"
     # Every model is in exactly one shard, each shard a model list in the store.
-    prefix = shard_prefix(RUN_A, "gpu")
+    prefix = shard_prefix(RUN_A, "gpu-small")
     shard_keys = sorted(store.list_keys(prefix))
     assert len(shard_keys) == spec["completions"]
     listed = [line.split(",")[0] for key in shard_keys
@@ -234,10 +234,21 @@ def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
     text = out.getvalue()
     docs = list(YAML(typ="safe", pure=True).load_all(text))
     assert [d["metadata"]["labels"]["esd-sweep/shard-class"] for d in docs] == [
-        "gpu", "gpu-large"]
+        "gpu-small", "gpu-large"]
+    # Each class's pods ask for what its biggest model needs (1 GB models fit a 16 GiB
+    # node), the cache volume is bounded by the disk request, and a shard pod, which runs
+    # many models, has no deadline.
+    sized = {"gpu-small": ("7Gi", "23Gi"), "gpu-large": ("64Gi", "400Gi")}
     for doc in docs:
-        args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert all(isinstance(a, str) for a in args)  # a YAML 1.2 reader sees strings only
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        assert all(isinstance(a, str) for a in container["args"])  # YAML 1.2 reads strings
+        memory, disk = sized[doc["metadata"]["labels"]["esd-sweep/shard-class"]]
+        assert container["resources"]["requests"]["memory"] == memory
+        assert container["resources"]["requests"]["ephemeral-storage"] == disk
+        (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+        assert cache["emptyDir"] == {"sizeLimit": disk}
+        assert "activeDeadlineSeconds" not in pod and "activeDeadlineSeconds" not in doc["spec"]
     assert list(store.list_keys()) == []
     assert sim.count("create", "jobs") == 0
 
