@@ -118,8 +118,8 @@ def _add_kube_flags(g: Any) -> None:
     add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
              help="--shard-size 1: unfinished Jobs of this sweep at once (default 100)")
     add_flag(g, "--allow-pending", action="store_true",
-             help="autoscaling clusters: submit without pinning to existing nodes when none "
-             "has room, so the autoscaler adds nodes")
+             help="autoscaling clusters: submit Jobs even when telemetry sees no node with "
+             "room, so they wait pending and the autoscaler adds nodes")
     add_flag(g, "--max-pending", type=int, metavar="N",
              help="with --allow-pending: at most N Jobs not running yet")
     add_flag(g, "--do-not-disrupt", action="store_true",

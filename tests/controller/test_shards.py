@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -11,13 +12,13 @@ import pytest
 
 from controller.shards import (
     GIB,
+    SMALL_BYTES,
     Item,
     Packer,
     ResourceClass,
     Shard,
     Unit,
     classify,
-    SMALL_BYTES,
     default_classes,
     disk_for,
     memory_for,
@@ -82,7 +83,7 @@ def test_default_classes(device: str, gpus: int, large: int, names: list[str]) -
     for cls in classes:
         assert cls.gpus == (0 if names[0].startswith("cpu") else gpus)
         assert gib_of(cls.ephemeral_storage) * GIB >= 2 * (cls.max_bytes or large)
-    for low, high in zip(classes, classes[1:]):
+    for low, high in itertools.pairwise(classes):
         assert gib_of(high.memory) >= gib_of(low.memory)
         assert gib_of(high.ephemeral_storage) >= gib_of(low.ephemeral_storage)
 

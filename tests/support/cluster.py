@@ -99,7 +99,8 @@ def make_backend(
     poll_interval_s: float = 0.02, max_checks: int = 1,
     worker_args: Sequence[str] = ("--fix-fingers", "xmin_mid"), log_format: str = "json",
     run_id: str = RUN_ID, scrape_fn: Callable[..., list[Any]] | None = None,
-    clock: Callable[[], float] | None = None, **overrides: Any,
+    clock: Callable[[], float] | None = None,
+    size: Callable[[ModelRow], int] | None = None, **overrides: Any,
 ) -> KubernetesBackend:
     """A KubernetesBackend in namespace NS writing to `store`, telemetry off unless asked;
     overrides are ClusterSettings fields."""
@@ -115,6 +116,8 @@ def make_backend(
         extra["scrape_fn"] = scrape_fn
     if clock is not None:
         extra["clock"] = clock
+    if size is not None:
+        extra["size"] = size
     return KubernetesBackend(
         settings, kube, job_settings=job_settings, output_url=store.url,
         gpus_per_job=gpus_per_job, max_retries=max_retries, max_checks=max_checks,

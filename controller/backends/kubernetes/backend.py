@@ -122,7 +122,7 @@ class KubernetesBackend:
 
     @property
     def placement(self) -> str:
-        """How Jobs were placed: "telemetry" (pinned to nodes with room) or "plain"."""
+        """How Jobs were placed: "telemetry" (preferring nodes with room) or "plain"."""
         return self.placer.mode
 
     @property
@@ -133,6 +133,7 @@ class KubernetesBackend:
         """Print the first-attempt Jobs as YAML (`kubectl apply -f -` takes it); create
         nothing. Every model's problem at once, as one SweepError."""
         jobs, problems = [], []
+        listed = {task.key: _row(task) for task in tasks}
         for task in tasks:
             row = _row(task)
             try:
@@ -140,7 +141,7 @@ class KubernetesBackend:
                     model_ref=row.ref, model_key=row.key, relation=row.relation,
                     source_model=row.source_model, output_url=self.output_url,
                     settings=model_job_settings(self.settings, self.job_settings, row,
-                                                self._size)))
+                                                self._size, listed.get)))
             except JobSpecError as e:
                 problems.append(f"model={row.ref}: {e}")
         if problems:

@@ -2,10 +2,13 @@
 
 Owns the telemetry state machine of a run: finding the exporters (fixed URLs, or pods by
 label selector), polling them every poll_interval_s, switching placement on when readings
-arrive and off (plain placement: the scheduler decides) when there are none or when every
-node went stale, and handing out nodes with room in order, with reservations held until
-the pod runs. The per-GPU rule is telemetry.NodeGpuTracker's; this module does not create
-Jobs or read Job state (controller.backends.kubernetes.backend does).
+arrive and off (plain placement: the scheduler decides) when there are none, when every
+node went stale or when Kueue admits the Jobs, and handing out nodes with room in order,
+with reservations held until the pod runs. Telemetry only ever adds a preference (a soft
+node affinity) and paces submissions: the GPU request is the hard constraint, and the
+scheduler (and Kueue) decide where a Job runs. The per-GPU rule is
+telemetry.NodeGpuTracker's; this module does not create Jobs or read Job state
+(controller.backends.kubernetes.backend does).
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ ScrapeFn = Callable[..., list[NodeGpu]]
 
 
 class Placement:
-    """GPU-telemetry placement for one run: "telemetry" (pin Jobs to nodes with room) or
-    "plain" (only request nvidia.com/gpu and let the scheduler place them).
+    """GPU-telemetry placement for one run: "telemetry" (Jobs prefer nodes whose GPUs have
+    room, and are submitted as room appears) or "plain" (only request nvidia.com/gpu and
+    let the scheduler place them).
 
     Starts "unknown"; `poll` turns it "on" once exporters give readings and "off" when
-    telemetry is disabled, there are no exporters, or none gives a reading. Once on, a
+    telemetry is disabled, Kueue admits the Jobs (its quota and the scheduler decide, and a
+    preference of ours would fight its flavor assignment), there are no exporters, or none
+    gives a reading. Once on, a
     failed poll keeps the tracker's view while some node is still fresh; when every node
     went stale it falls back to plain placement (pinning to nothing would stall the sweep).
     GPUs count as free only after `max_checks` polls under `threshold_mib` (MiB).
@@ -74,7 +80,7 @@ class Placement:
 
     @property
     def pinning(self) -> bool:
-        """Whether Jobs go to nodes picked here (telemetry on, and Jobs that want GPUs)."""
+        """Whether Jobs prefer nodes picked here (telemetry on, and Jobs that want GPUs)."""
         return self._state == "on" and self.gpus_per_job > 0
 
     @property
@@ -91,6 +97,9 @@ class Placement:
         self._next_poll = now + self.poll_interval_s
         if not self.settings.telemetry or self.gpus_per_job < 1:
             self._off("telemetry is off")
+            return
+        if self.settings.kueue_queue:
+            self._off(f"Kueue admits the Jobs (queue {self.settings.kueue_queue})")
             return
         try:
             targets = self._targets()
@@ -182,8 +191,9 @@ class Placement:
 
     @staticmethod
     def affinity(node: str) -> dict[str, Any]:
-        # The exact node name (matchFields), which the exporter reports from spec.nodeName:
-        # the kubernetes.io/hostname label differs from it under --hostname-override.
+        # A preference for the exact node name (matchFields), which the exporter reports from
+        # spec.nodeName (the kubernetes.io/hostname label differs under --hostname-override).
+        # Never a requirement: see telemetry.node_affinity.
         return node_affinity([node], key="metadata.name")
 
     def reserve(self, node: str) -> None:

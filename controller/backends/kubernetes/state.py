@@ -33,7 +33,7 @@ class ModelState:
     submitted_at: float = 0.0
     running: bool = False
     running_at: float | None = None
-    node: str | None = None  # where it was pinned (reservation held until it runs)
+    node: str | None = None  # the node it prefers (reservation held until it runs)
     pending_checked_at: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0

@@ -37,18 +37,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_job_settings(cluster: ClusterSettings, job: JobSettings, row: ModelRow,
-                       size: SizeFn | None) -> JobSettings:
+def model_job_settings(
+    cluster: ClusterSettings, job: JobSettings, row: ModelRow, size: SizeFn | None,
+    listed: Callable[[str], ModelRow | None] | None = None,
+) -> JobSettings:
     """`job` with the memory and disk one model's pod asks for: sized from the bytes of its
     weights (and an adapter's base, downloaded with it), known before any download (size:
-    controller.sizing.Sizer.size; None: unknown, the settings' defaults)."""
+    controller.sizing.Sizer.size; None: unknown, the settings' defaults). listed: the run's
+    row of a model key, if listed, so a base in the list is sized from its own row (its
+    size_bytes column)."""
     if size is None:
         return job
     total = size(row)
     if row.is_adapter and row.source_model:
         model_id, revision, problem = parse_ref(row.source_model)
         if problem is None:
-            total += size(ModelRow(model_id, revision, "", None))
+            base = ModelRow(model_id, revision, "", None)
+            total += size((listed(base.key) if listed else None) or base)
     return cluster.sized_for(job, total, copies=1)
 
 
@@ -83,6 +88,10 @@ class Submitter:
         self.blocked = False
         self._quota_said = False
 
+    def _listed(self, key: str) -> ModelRow | None:
+        model = self.table.models.get(key)
+        return model.row if model is not None else None
+
     # -- adoption ---------------------------------------------------------------------------
 
     def _build(self, model: ModelState, attempt: int,
@@ -91,7 +100,8 @@ class Submitter:
         return build_job(
             model_ref=row.ref, model_key=row.key, relation=row.relation,
             source_model=row.source_model, output_url=self.output_url,
-            settings=model_job_settings(self.settings, self.job_settings, row, self.size),
+            settings=model_job_settings(self.settings, self.job_settings, row, self.size,
+                                        self._listed),
             attempt=attempt, affinity=affinity)
 
     def _args_for(self, model: ModelState) -> tuple[str, ...]:

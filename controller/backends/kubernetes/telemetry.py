@@ -12,7 +12,7 @@ memory is read, per GPU:
   NVIDIA/dcgm-exporter#655). Other labels (pci_bus_id, device, DCGM_FI_DRIVER_VERSION,
   pod/namespace/container on Kubernetes) and every other metric are ignored.
 
-The node label must be the Kubernetes node name, since Jobs are pinned by it: our exporter
+The node label must be the Kubernetes node name, since Jobs prefer nodes by it: our exporter
 and dcgm-exporter both take it from the NODE_NAME environment variable, which their
 DaemonSets set from the downward API (spec.nodeName); without it they fall back to the
 container's hostname, i.e. the pod name. An exporter run without the label
@@ -324,7 +324,7 @@ class NodeGpuTracker:
       when it is seen again its GPUs start at 0. So a passing scrape failure costs nothing,
       and stale telemetry is never trusted, including when polls stop altogether.
     - `free_gpus(node)`: GPUs free for at least `max_checks` polls, minus the node's
-      reservations. `reserve` when a Job is pinned to the node; `release` when its pod is
+      reservations. `reserve` when a Job is sent to prefer the node; `release` when its pod is
       running there (its GPU then counts in the node's Kubernetes allocation and soon in
       its memory) or when the Job ends without running. Reservations survive staleness.
     - `nodes_with_room(n)`: fresh nodes with at least n free GPUs, most free GPUs first,
@@ -454,20 +454,28 @@ class NodeGpuTracker:
         return out
 
 
-def node_affinity(nodes: Sequence[str], *, key: str = HOSTNAME_KUBERNETES_LABEL) -> dict[str, Any]:
-    """A pod `affinity` that requires one of `nodes` (the Job builder puts it in the pod spec).
+def node_affinity(nodes: Sequence[str], *, key: str = HOSTNAME_KUBERNETES_LABEL,
+                  weight: int = 100) -> dict[str, Any]:
+    """A pod `affinity` that prefers `nodes` (the Job builder puts it in the pod spec).
 
+    Preferred, never required: telemetry sees GPU memory, not which GPUs the scheduler has
+    given to pods, and a worker still importing or downloading holds its GPU with no memory
+    in use. The scheduler filters nodes by their free nvidia.com/gpu first and only then
+    scores the preference, so a Job never waits on a node whose GPUs are all allocated.
     By default on the `kubernetes.io/hostname` node label, which the kubelet sets to the
-    node name unless it runs with --hostname-override. key="metadata.name" matches the node
-    name itself (a matchFields term, as the DaemonSet controller uses), which is exact.
+    node name unless it runs with --hostname-override; key="metadata.name" matches the node
+    name itself (a matchFields term), which is exact.
     """
     values = list(dict.fromkeys(nodes))
     if not values:
         raise ValueError("node_affinity: at least one node is needed")
+    if not 1 <= weight <= 100:
+        raise ValueError(f"node_affinity: weight must be 1..100, got {weight}")
     requirement = {"key": key, "operator": "In", "values": values}
     term = {"matchFields" if key == "metadata.name" else "matchExpressions": [requirement]}
     return {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": weight, "preference": term}]
         }
     }

@@ -52,3 +52,11 @@ def cluster(sim: KubeSim, store: Store) -> MarkerSimulator:
     simulator = MarkerSimulator(sim, namespace=NS)
     simulator.store = store
     return simulator
+
+
+@pytest.fixture(autouse=True)
+def _no_hub_size_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model sizes come from the list's size_bytes column, local files or the default here:
+    the hub is never reachable from the tests (tests/controller/test_sizing.py talks to a
+    local hub double for the lookups themselves)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

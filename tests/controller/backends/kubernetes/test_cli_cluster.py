@@ -117,6 +117,92 @@ def test_bad_kubernetes_flags_are_all_reported(tmp_path: Path,
     assert "--cpu-request" in err and "--node-selector" in err and "--max-active-jobs" in err
 
 
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--toleration", "dedicated"], "--toleration"),
+    (["--toleration", "dedicated=gpu:Sometimes"], "--toleration"),
+    (["--toleration", "bad key!=x:NoSchedule"], "--toleration"),
+    (["--image-pull-secret", "Not_A_Name"], "--image-pull-secret"),
+    (["--ttl-after-finished", "5"], "--ttl-after-finished"),
+    (["--active-deadline", "0"], "--active-deadline"),
+    (["--job-deadline", "0"], "--active-deadline"),
+    (["--memory-request", "lots"], "--memory-request"),
+    (["--ephemeral-storage-request", "big"], "--ephemeral-storage-request"),
+], ids=lambda v: v if isinstance(v, str) else "-".join(v))
+def test_bad_pod_flags_exit_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str,
+) -> None:
+    models = write_list(tmp_path / "m.csv", IDS)
+    code = main(run_args(models, tmp_path / "o", *flags))
+    err = capsys.readouterr().err
+    assert code == 2 and named in err
+    assert "Traceback" not in err
+
+
+def _read_yaml12(text: str) -> list[Any]:
+    """As the API server reads it: YAML 1.2 (ruamel.yaml's pure-Python safe loader)."""
+    import io
+
+    from ruamel.yaml import YAML
+
+    return list(YAML(typ="safe", pure=True).load_all(io.StringIO(text)))
+
+
+@pytest.mark.parametrize("shard_size", ["1", "0"], ids=["per-model", "sharded"])
+def test_pod_flags_and_sized_requests_reach_every_pod(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shard_size: str,
+) -> None:
+    """A private registry, a GPU pool's own taint, a TTL and a deadline reach the pods; the
+    memory and disk requests are sized from the weights (the size_bytes column here): a
+    7B model in bf16 fits a 16 GiB single-GPU node, an adapter's pod has room for its
+    base. Read back as YAML 1.2 and valid for the oldest and newest Kubernetes supported."""
+    models = tmp_path / "m.csv"
+    models.write_text(
+        "model_id,base_model_relation,source_model,size_bytes\n"
+        "org/small,,,1000000000\n"
+        "org/seven-b,,,14000000000\n"
+        "org/seven-b-lora,adapter,org/seven-b,50000000\n")
+    code = main(["run", "--backend", "kubernetes", "--shard-size", shard_size, "--dry-run",
+                 "--model-list", str(models), "--output-dir", str(tmp_path / "out"),
+                 "--image-pull-secret", "regcred", "--image-pull-secret", "mirror",
+                 "--toleration", "dedicated=gpu:NoSchedule",
+                 "--toleration", "nvidia.com/gpu.product:PreferNoSchedule",
+                 "--ttl-after-finished", "3600", "--active-deadline", "7200",
+                 "--node-selector", "pool=gpu"])
+    assert code == 0
+    docs = _read_yaml12(capsys.readouterr().out)
+    assert docs
+    requests = {}
+    for doc in docs:
+        for version in (K8S_VERSION, "1.37.0"):
+            kubernetes_validate.validate(doc, version, strict=True)
+        pod = doc["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"},
+            {"key": "nvidia.com/gpu.product", "operator": "Exists",
+             "effect": "PreferNoSchedule"}]
+        assert pod["nodeSelector"] == {"pool": "gpu"}
+        assert doc["spec"]["ttlSecondsAfterFinished"] == 3600
+        assert pod["activeDeadlineSeconds"] == 7200
+        assert "activeDeadlineSeconds" not in doc["spec"]
+        (container,) = pod["containers"]
+        res = container["resources"]["requests"]
+        (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+        assert cache["emptyDir"]["sizeLimit"] == res["ephemeral-storage"]
+        name = doc["metadata"]["annotations"].get("esd-sweep/model-ref") or \
+            doc["metadata"]["labels"]["esd-sweep/shard-class"]
+        requests[name] = (res["memory"], res["ephemeral-storage"])
+    if shard_size == "1":
+        assert requests == {
+            "org/small": ("5Gi", "9Gi"),
+            "org/seven-b": ("10Gi", "22Gi"),
+            "org/seven-b-lora": ("10Gi", "22Gi"),  # its base is downloaded and read too
+        }
+    else:  # one class, sized for its largest model, two on disk (one prefetched)
+        assert requests == {"gpu-small": ("7Gi", "23Gi"), "gpu": ("16Gi", "64Gi")}
+
+
 def test_dry_run_prints_valid_jobs_and_creates_nothing(
     sim: KubeSim, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

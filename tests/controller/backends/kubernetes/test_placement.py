@@ -25,6 +25,7 @@ from tests.support.cluster import (
     run_models,
 )
 from tests.support.kubesim import KubeSim
+from tests.support.scheduler import Node, schedule
 
 # -- placement -----------------------------------------------------------------------------
 
@@ -41,8 +42,8 @@ def test_jobs_go_to_nodes_whose_gpus_have_room(
     sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
 ) -> None:
     """Telemetry from the real exporter HTTP server: node-a's GPUs are busy, node-b has one
-    idle GPU. Every Job is pinned to node-b, one at a time (the reservation holds until the
-    pod runs there)."""
+    idle GPU. Every Job prefers node-b, one at a time (the reservation holds until the pod
+    runs there); none requires it."""
     busy, busy_url = _exporter("node-a", [30000.0, 41000.0])
     idle, idle_url = _exporter("node-b", [0.0, 52000.0])
     try:
@@ -58,12 +59,80 @@ def test_jobs_go_to_nodes_whose_gpus_have_room(
     assert backend.placement == "telemetry"
     assert {o.status for o in outcomes} == {"done"}
     for job in sim.objects("jobs", NS):
-        terms = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        affinity = job["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
         # The exact node name (matchFields), which the exporter reports from spec.nodeName:
         # the kubernetes.io/hostname label differs from it under --hostname-override.
-        assert terms == [{"matchFields": [
-            {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}]
+        assert affinity == {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100, "preference": {"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": ["node-b"]}]}}]}
+
+
+def test_the_scheduler_model_refuses_a_required_pin_to_a_full_node() -> None:
+    """The model below is not permissive: a pod *required* on a node whose GPUs are all
+    allocated stays pending (what hard pinning did), a preferred one goes elsewhere."""
+    nodes = [Node("node-a", gpus=2, allocated=2), Node("node-b", gpus=2, allocated=1)]
+    pod = {"containers": [{"resources": {"requests": {"nvidia.com/gpu": "1"}}}]}
+    pinned = {**pod, "affinity": {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In",
+                              "values": ["node-a"]}]}]}}}}
+    assert schedule(pinned, nodes) is None
+    assert schedule(pod, nodes) == "node-b"
+    assert schedule(pod, [Node("node-a", gpus=2, allocated=2)]) is None
+
+
+def test_placement_never_pins_a_job_to_a_node_whose_gpus_are_all_allocated(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+) -> None:
+    """node-a's two GPUs are allocated to workers still importing or downloading: their
+    memory is idle, so telemetry ranks node-a first. The Jobs only prefer it; the scheduler
+    (modelled by tests/support/scheduler.py: filter by free nvidia.com/gpu, then score the
+    preference) binds them to node-b, which has a GPU left, and nothing waits on node-a."""
+    idle_but_allocated, url_a = _exporter("node-a", [0.0, 0.0])
+    half, url_b = _exporter("node-b", [0.0, 52000.0])
+    try:
+        backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url_a, url_b),
+                               max_checks=1, wait=False)
+        run_models(backend, make_rows(1))
+    finally:
+        for server in (idle_but_allocated, half):
+            server.shutdown()
+            server.server_close()
+    assert backend.placement == "telemetry"
+    (job,) = sim.objects("jobs", NS)
+    pod = job["spec"]["template"]["spec"]
+    node_affinity = pod["affinity"]["nodeAffinity"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in node_affinity
+    preferred = node_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["preference"]["matchFields"][0]["values"] == ["node-a"]
+    nodes = [Node("node-a", gpus=2, allocated=2), Node("node-b", gpus=2, allocated=1)]
+    assert schedule(pod, nodes) == "node-b"
+    # Pending for room costs the run nothing: the deadline is the pod's, counted on a node.
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert pod["activeDeadlineSeconds"] == 6 * 3600
+
+
+def test_under_kueue_telemetry_adds_no_affinity(
+    sim: KubeSim, kube: KubeClient, store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With a Kueue queue, Kueue's quota and the scheduler decide: even with exporters
+    answering, Jobs carry no node affinity at all, and submission is not paced by them."""
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    busy, url = _exporter("node-a", [30000.0, 41000.0])
+    try:
+        backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
+                               kueue_queue="gpu-queue", wait=False)
+        run_models(backend, make_rows(3))
+    finally:
+        busy.shutdown()
+        busy.server_close()
+    assert backend.placement == "plain"
+    jobs = sim.objects("jobs", NS)
+    assert len(jobs) == 3  # every GPU looks busy, yet all three are queued for Kueue
+    for job in jobs:
+        assert job["spec"]["suspend"] is True
+        assert "affinity" not in job["spec"]["template"]["spec"]
+    assert any("Kueue admits the Jobs" in r.getMessage() for r in caplog.records)
 
 
 def test_exporter_pods_are_found_by_selector(sim: KubeSim, kube: KubeClient,

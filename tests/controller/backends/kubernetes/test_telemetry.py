@@ -395,21 +395,24 @@ def test_a_poll_of_many_nodes_is_cheap() -> None:
 # --- affinity ---------------------------------------------------------------------------------
 
 
-def test_node_affinity() -> None:
+def test_node_affinity_is_a_preference_never_a_requirement() -> None:
     assert node_affinity(["n2", "n1", "n2"]) == {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{
+            "preferredDuringSchedulingIgnoredDuringExecution": [{
+                "weight": 100,
+                "preference": {
                     "matchExpressions": [
                         {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n2", "n1"]}
                     ]
-                }]
-            }
+                }
+            }]
         }
     }
-    by_name = node_affinity(("n1",), key="metadata.name")
-    terms = by_name["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [
-        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]
+    by_name = node_affinity(("n1",), key="metadata.name", weight=50)
+    (term,) = by_name["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term == {"weight": 50, "preference": {
+        "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}}
+    with pytest.raises(ValueError, match="weight"):
+        node_affinity(["n1"], weight=0)
     with pytest.raises(ValueError, match="at least one node"):
         node_affinity([])
