@@ -41,6 +41,7 @@ from controller.backends.kubernetes.errors import (
     KubeUnavailableError,
     ResourceVersionExpired,
 )
+from controller.backends.kubernetes.names import KUEUE_GROUP, KUEUE_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +213,7 @@ class KubeClient:
         self._api = k8s.ApiClient(cfg)
         self._batch = k8s.BatchV1Api(self._api)
         self._core = k8s.CoreV1Api(self._api)
+        self._custom = k8s.CustomObjectsApi(self._api)
         self.retry = retry or RetryPolicy()
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -406,6 +408,21 @@ class KubeClient:
         op = _Op("list", "events", "", namespace)
         items, _ = self._list(op, self._core.list_namespaced_event, namespace,
                               field_selector=field_selector)
+        return items
+
+    def list_workloads(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """Kueue Workloads (kueue.x-k8s.io/v1beta2) matching the selector (e.g.
+        `kueue.x-k8s.io/job-uid=UID`); none when Kueue is not installed (404)."""
+        op = _Op("list", "workloads", KUEUE_GROUP, namespace)
+
+        def list_page(ns: str, **kwargs: Any) -> Any:
+            return self._custom.list_namespaced_custom_object(
+                KUEUE_GROUP, KUEUE_VERSION, ns, "workloads", **kwargs)
+
+        try:
+            items, _ = self._list(op, list_page, namespace, label_selector=label_selector)
+        except KubeNotFoundError:
+            return []
         return items
 
     def _list(

@@ -123,12 +123,13 @@ def diagnose_failure(
 
 def describe_pending(
     job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
-    events: Sequence[Mapping[str, Any]],
+    events: Sequence[Mapping[str, Any]], workloads: Sequence[Mapping[str, Any]] = (),
 ) -> str:
-    """One line on why a Job is not running: Kueue, Unschedulable (insufficient GPUs,
-    untolerated taint, ...), quota, image pulls, from pod conditions and events."""
+    """One line on why a Job is not running: Kueue (from its Workload's conditions),
+    Unschedulable (insufficient GPUs, untolerated taint, ...), quota, image pulls, from pod
+    conditions and events."""
     if (job.get("spec") or {}).get("suspend"):
-        return "suspended: waiting for Kueue to admit it"
+        return describe_workload(workloads)
     for pod in sorted(pods, key=pod_sort_key, reverse=True):
         status = pod.get("status") or {}
         for cond in status.get("conditions") or []:
@@ -146,6 +147,35 @@ def describe_pending(
     if not pods:
         return "no pod created yet (see the Job's events; a ResourceQuota may be full)"
     return "pending: the scheduler has not placed the pod yet"
+
+
+def describe_workload(workloads: Sequence[Mapping[str, Any]]) -> str:
+    """Why Kueue has not admitted a suspended Job, from its Workload (kueue.x-k8s.io): the
+    message of the condition that holds it back (Evicted, QuotaReserved False, Admitted
+    False: "couldn't assign flavors to pod set main: insufficient unused quota for
+    nvidia.com/gpu in flavor ..."), or what is missing when there is no Workload."""
+    if not workloads:
+        return ("suspended: waiting for Kueue, which has made no Workload for it (is Kueue "
+                "running, and does the Job's LocalQueue exist?)")
+    workload = max(workloads, key=lambda w: str((w.get("metadata") or {})
+                                                .get("creationTimestamp") or ""))
+    conditions = {str(c.get("type")): c for c in
+                  (workload.get("status") or {}).get("conditions") or []}
+
+    def said(kind: str) -> str:
+        cond = conditions[kind]
+        return f"{cond.get('reason') or kind}: {cond.get('message') or ''}".rstrip(": ")
+
+    for kind, status in (("Evicted", "True"), ("Preempted", "True"),
+                         ("QuotaReserved", "False"), ("Admitted", "False")):
+        if conditions.get(kind, {}).get("status") == status:
+            return f"Kueue: {said(kind)}"
+    if conditions.get("Admitted", {}).get("status") == "True":
+        return "Kueue admitted it: the Job is being unsuspended"
+    if conditions.get("QuotaReserved", {}).get("status") == "True":
+        return f"Kueue: quota reserved, waiting for admission checks ({said('QuotaReserved')})"
+    queue = ((workload.get("spec") or {}).get("queueName")) or "?"
+    return f"Kueue: queued in LocalQueue {queue}, not considered yet"
 
 
 def seconds_between(start: str | None, end: str | None) -> float | None:

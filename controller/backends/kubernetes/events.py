@@ -22,7 +22,7 @@ from controller.backends.kubernetes.diagnosis import (
     pod_sort_key,
     seconds_between,
 )
-from controller.backends.kubernetes.names import JOB_NAME_LABEL
+from controller.backends.kubernetes.names import JOB_NAME_LABEL, KUEUE_JOB_UID_LABEL
 from controller.backends.kubernetes.placement import Placement
 from controller.backends.kubernetes.settings import ClusterSettings
 from controller.backends.kubernetes.state import ModelState, ModelTable
@@ -164,7 +164,20 @@ class JobEvents:
             events: list[dict[str, Any]] = []
             for obj in [model.name, *(p["metadata"]["name"] for p in pods)]:
                 events += self.kube.list_events(ns, f"involvedObject.name={obj}")
-            reason = describe_pending(job, pods, events)
+            reason = describe_pending(job, pods, events,
+                                      queued_workloads(self.kube, self.settings, job))
             self.pending[model.key] = reason
             log.warning("model=%s key=%s job=%s pending for %.0fs: %s", model.row.ref,
                         model.key, model.name, now - model.submitted_at, reason)
+
+
+def queued_workloads(kube: KubeClient, settings: ClusterSettings,
+                     job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The Kueue Workloads of a Job that Kueue holds suspended (none otherwise: a Job not
+    queued, or one already admitted, has its answer in its pods)."""
+    if not settings.kueue_queue or not (job.get("spec") or {}).get("suspend"):
+        return []
+    uid = (job.get("metadata") or {}).get("uid")
+    if not uid:
+        return []
+    return kube.list_workloads(settings.namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")

@@ -25,6 +25,11 @@ OUTPUT_ANNOTATION = "esd-sweep/output"
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# Kueue's API (served from Kueue 0.15; v1beta1 is deprecated there and gone in 0.17) and the
+# label Kueue puts on the Workload it makes for a Job: the Job's uid.
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 # A sharded run's Indexed Jobs (one per resource class, controller.backends.kubernetes.indexed)
 # carry MODE_LABEL=MODE_SHARDED and their class; per-model Jobs carry no mode label.
 MODE_LABEL = "esd-sweep/mode"

@@ -21,6 +21,7 @@ from controller.backends.kubernetes.diagnosis import (
     diagnose_failure,
     job_condition,
 )
+from controller.backends.kubernetes.events import queued_workloads
 from controller.backends.kubernetes.names import (
     CLASS_LABEL,
     JOB_NAME_LABEL,
@@ -151,7 +152,8 @@ class IndexedRun:
         for obj in [self.name, *(p["metadata"]["name"] for p in pending)]:
             events += kube.list_events(ns, f"involvedObject.name={obj}")
         log.warning("job=%s: no pod running for %.0fs: %s", self.name, now - since,
-                    describe_pending(self.job, pending, events))
+                    describe_pending(self.job, pending, events,
+                                     queued_workloads(kube, settings, self.job)))
 
 
 class ShardFailures:

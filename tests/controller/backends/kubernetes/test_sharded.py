@@ -31,7 +31,7 @@ from esd_worker.store import Store
 from tests.support.cluster import IMAGE, NS, RETRY, wait_for
 from tests.support.indexed import Exit, IndexedJobSimulator
 from tests.support.indexed import Outcome as PodOutcome
-from tests.support.kubesim import KubeSim
+from tests.support.kubesim import KubeSim, condition
 from tests.support.shardworker import ShardWorker
 
 RUN_A = "20261123T070501Z-aaaaaa"
@@ -251,6 +251,29 @@ def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
         assert "activeDeadlineSeconds" not in pod and "activeDeadlineSeconds" not in doc["spec"]
     assert list(store.list_keys()) == []
     assert sim.count("create", "jobs") == 0
+
+
+def test_a_sharded_job_kueue_holds_is_explained_from_its_workload(
+    sim: KubeSim, kube: KubeClient, store: Store, indexed: IndexedJobSimulator,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Kueue keeps the Indexed Job suspended for want of quota: the controller's pending
+    line quotes the Workload's QuotaReserved message (kueue.x-k8s.io/v1beta2)."""
+    message = ("couldn't assign flavors to pod set main: insufficient unused quota for "
+               "nvidia.com/gpu in flavor h100, 3 more needed")
+    backend = backend_for(kube, store, kueue_queue="gpu-queue", pending_timeout_s=0.1)
+    thread = threading.Thread(target=run, args=(backend, rows(["a", "b"]), store),
+                              daemon=True)
+    thread.start()
+    (job,) = wait_for(lambda: indexed.jobs())
+    assert job["spec"]["suspend"] is True
+    indexed.api.queue_workload(job["metadata"]["name"], [condition(
+        "QuotaReserved", "Pending", message, status="False")], queue="gpu-queue")
+    said = wait_for(lambda: [r.getMessage() for r in caplog.records
+                             if message in r.getMessage()])
+    backend.request_stop()
+    thread.join(10)
+    assert said and f"Kueue: Pending: {message}" in said[0]
 
 
 def test_no_wait_creates_the_jobs_and_returns(
