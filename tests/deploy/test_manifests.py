@@ -1,12 +1,12 @@
 """manifests/ and examples/ci/: what a cluster user applies or runs, checked without a cluster.
 
 No cluster runs here, so the checks are what can be known without one: each kustomization
-is rendered (by `render_kustomization`, a small renderer for the kustomize subset the
-manifests use, cross-checked against the real `kubectl kustomize` wherever a kubectl is
-installed), each built-in object is validated with kubernetes-validate (strict: unknown
+is rendered by the real kustomize (`kubectl kustomize`, tests/support/kustomize.py) and read
+back as YAML 1.2, each built-in object is validated with kubernetes-validate (strict: unknown
 fields are errors) against Kubernetes 1.31 (the oldest supported: podFailurePolicy is GA
 there) and 1.37, the one CRD object (Kueue's LocalQueue) is checked field by field, and the
-controller's arguments are parsed by the real `esd-sweep` parser.
+controller's arguments are parsed by the real `esd-sweep` parser. Every combination of the
+components is checked in tests/deploy/test_kustomize.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from tests.support.kustomize import (
     expand,
     one,
     pod_spec,
+    components_of,
     render_kustomization,
     workloads,
 )
@@ -115,10 +116,11 @@ def test_every_builtin_object_is_valid_strictly(
 
 
 def test_kueue_localqueue_shape(rendered: dict[str, list[Obj]]) -> None:
-    """LocalQueue (kueue.x-k8s.io/v1beta1) has no schema here: its fields are checked
-    against Kueue's API: namespaced, spec.clusterQueue a DNS name, nothing else in spec."""
+    """LocalQueue (kueue.x-k8s.io/v1beta2: Kueue 0.15 deprecates v1beta1 and 0.17 stops
+    serving it) has no schema here: its fields are checked against Kueue's API: namespaced,
+    spec.clusterQueue a DNS name, nothing else in spec."""
     queue = one(rendered["kueue"], "LocalQueue")
-    assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta1"
+    assert queue["apiVersion"] == "kueue.x-k8s.io/v1beta2"
     assert set(queue) == {"apiVersion", "kind", "metadata", "spec"}
     assert queue["metadata"]["namespace"] == "esd-sweep"
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", queue["metadata"]["name"])
@@ -214,7 +216,8 @@ def test_cronjob_runs_the_same_controller_as_the_job(rendered: dict[str, list[Ob
 
 def test_controller_job_shape(rendered: dict[str, list[Obj]]) -> None:
     """The controller: its own service account (the worker's has no API access), the model
-    list from the ConfigMap at /config, a small backoffLimit, and exit 1/2 final."""
+    list read from the store (a ConfigMap cannot hold a big one), a small backoffLimit,
+    and exit 1/2 final."""
     objs = rendered["default"]
     job = one(objs, "Job", "esd-sweep-controller")
     pod = pod_spec(job)
@@ -228,13 +231,13 @@ def test_controller_job_shape(rendered: dict[str, list[Obj]]) -> None:
     container = pod["containers"][0]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes[mounts["/config"]]["configMap"]["name"] == "esd-sweep-models"
-    assert "emptyDir" in volumes[mounts["/tmp"]]
-    models = one(objs, "ConfigMap", "esd-sweep-models")["data"]["models.csv"]
+    assert set(mounts) == {"/tmp"} and "emptyDir" in volumes[mounts["/tmp"]]
     args, _ = controller_args(objs, "Job")
-    assert "--model-list=/config/models.csv" in args and "--wait" in args
-    lines = models.strip().splitlines()
-    assert lines[0].split(",")[0] == "model_id" and 2 <= len(lines) - 1 <= 5
+    env = container_env(container, objs, "esd-sweep")
+    assert "--model-list=$(ESD_MODEL_LIST)" in args and "--wait" in args
+    assert env["ESD_MODEL_LIST"].startswith("s3://")
+    assert not [o for o in objs if o["kind"] == "ConfigMap"
+                and o["metadata"]["name"] == "esd-sweep-models"]
 
     worker_sa = one(objs, "ServiceAccount", "esd-sweep-worker")
     assert worker_sa["automountServiceAccountToken"] is False
@@ -247,19 +250,20 @@ def test_model_list_example_loads() -> None:
     """The example models.csv is a valid model list for the controller's own loader."""
     from esd_worker.modellist import read_model_list
 
-    models = read_model_list(MANIFESTS / "base" / "models.csv")
+    models = read_model_list(MANIFESTS / "components" / "model-list-configmap" / "models.csv")
     assert [r.relation for r in models.rows] == ["base", "base", "finetune"]
     assert models.problems == ()
 
 
-@pytest.mark.parametrize("name", ["default", "kueue", "autoscaling", "dcgm-exporter"])
+@pytest.mark.parametrize("name", ["default", "kueue", "autoscaling", "dcgm-exporter", "eks",
+                                  "gke"])
 def test_gpu_exporter_daemonset(rendered: dict[str, list[Obj]], name: str) -> None:
     """What NVML needs without taking a GPU: NVIDIA runtime, all devices visible, no
     nvidia.com/gpu request; on GPU nodes only, tolerating their taint; the node name from the
-    downward API (Jobs are pinned by it). The dcgm-exporter overlay has none."""
+    downward API (Jobs prefer nodes by it). With dcgm-exporter or no-telemetry, none."""
     objs = rendered[name]
     daemonsets = [o for o in objs if o["kind"] == "DaemonSet"]
-    if name == "dcgm-exporter":
+    if {"dcgm-exporter", "no-telemetry"} & set(components_of(name)):
         assert daemonsets == []
         return
     ds = one(objs, "DaemonSet", "esd-gpu-exporter")
@@ -338,7 +342,8 @@ def test_autoscaling_overlay(rendered: dict[str, list[Obj]]) -> None:
 # -- the controller's arguments against the real CLI ----------------------------------------
 
 @pytest.mark.parametrize("kind", ["Job", "CronJob"])
-@pytest.mark.parametrize("name", ["default", "kueue", "autoscaling", "dcgm-exporter"])
+@pytest.mark.parametrize("name", ["default", "kueue", "autoscaling", "dcgm-exporter", "eks",
+                                  "gke"])
 def test_controller_args_parse_with_the_real_cli(
     rendered: dict[str, list[Obj]], name: str, kind: str,
 ) -> None:
@@ -362,8 +367,10 @@ def test_controller_args_parse_with_the_real_cli(
     cluster = settings.cluster
     assert cluster.namespace == "esd-sweep" and cluster.wait
     assert cluster.service_account == "esd-sweep-worker"
-    assert (cluster.kueue_queue is not None) == (name == "kueue")
-    assert (cluster.allow_pending and cluster.do_not_disrupt) == (name == "autoscaling")
+    components = components_of(name)
+    assert (cluster.kueue_queue is not None) == ("kueue" in components)
+    assert (cluster.allow_pending and cluster.do_not_disrupt) == ("autoscaling" in components)
+    assert cluster.telemetry == ("no-telemetry" not in components)
     job = build_job(
         model_ref="Qwen/Qwen2.5-0.5B", model_key="qwen-qwen2-5-0-5b-0123456789", relation="",
         source_model=None, output_url=settings.output,

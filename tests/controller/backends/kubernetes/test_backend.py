@@ -394,6 +394,23 @@ def test_a_job_kueue_holds_is_explained_from_its_workload(
     assert sim.count("list", "workloads") >= 1
 
 
+def test_workloads_rbac_denied_explains_and_the_sweep_goes_on(
+    sim: KubeSim, kube: KubeClient, store: Store, cluster: MarkerSimulator,
+) -> None:
+    """Without the kueue component's Role the controller cannot read Workloads: the pending
+    line says what to grant, and the sweep neither fails nor stops."""
+    row = make_rows(1)[0]
+    sim.forbid("list", "workloads", namespace=NS)
+    backend = make_backend(kube, store, kueue_queue="gpu-queue", pending_timeout_s=0.2)
+    thread = run_in_thread(backend, [row])
+    reason = wait_for(lambda: backend.pending.get(row.key))
+    assert thread.is_alive()
+    backend.request_stop()
+    thread.join(10)
+    assert "could not be read" in reason and "workloads.kueue.x-k8s.io" in reason
+    assert thread.errors == []  # type: ignore[attr-defined]
+
+
 # -- the Backend contract: building, dry runs, the report, Outcome.where ----------------------
 
 
