@@ -50,12 +50,31 @@ def workflow_step(name: str) -> Obj:
     return step
 
 
+def test_credentials_are_short_lived() -> None:
+    """No long-lived key anywhere: the job exchanges GitHub's OIDC token for AWS credentials
+    that outlast the job's time limit and nothing more, and builds its kubeconfig with them;
+    no step reads a secret."""
+    doc = workflow()
+    assert doc["permissions"] == {"contents": "read", "id-token": "write"}
+    text = (CI / "github-actions.yml").read_text()
+    assert "secrets." not in text.split("name: esd-sweep", 1)[1]
+    assert "AWS_ACCESS_KEY_ID" not in text and "AWS_SECRET_ACCESS_KEY" not in text
+    oidc = workflow_step("Short-lived AWS credentials (OIDC)")
+    assert oidc["uses"].startswith("aws-actions/configure-aws-credentials@v")
+    assert oidc["with"]["role-to-assume"] == "${{ vars.AWS_ROLE_ARN }}"
+    job = doc["jobs"]["sweep"]
+    assert job["timeout-minutes"] * 60 <= oidc["with"]["role-duration-seconds"] <= 12 * 3600
+    kubeconfig = workflow_step("Kubeconfig for the EKS cluster")
+    assert "aws eks update-kubeconfig" in kubeconfig["run"]
+    steps = job["steps"]
+    assert steps.index(oidc) < steps.index(kubeconfig) < steps.index(workflow_step("Sweep"))
+
+
 def test_workflow_triggers_and_secrets() -> None:
-    """Started by hand or on a schedule; secrets reach scripts only through env (never
+    """Started by hand or on a schedule; settings reach scripts only through env (never
     pasted into a script by ${{ }}, where a value could inject shell)."""
     doc = workflow()
     assert set(doc["on"]) == {"workflow_dispatch", "schedule"}
-    assert doc["permissions"] == {"contents": "read"}
     steps = doc["jobs"]["sweep"]["steps"]
     for step in steps:
         assert "${{" not in step.get("run", ""), step.get("name")
@@ -67,7 +86,7 @@ def test_workflow_triggers_and_secrets() -> None:
     assert {"sweep-out/report.json", "sweep-out/summary.csv"} <= set(
         uploaded["with"]["path"].split())
     model_list = ROOT / sweep["env"]["MODEL_LIST"].split("'")[1]
-    assert model_list == MANIFESTS / "base" / "models.csv"
+    assert model_list == MANIFESTS / "components" / "model-list-configmap" / "models.csv"
 
 
 def _run_blocks() -> list[tuple[str, str]]:
