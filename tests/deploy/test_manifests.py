@@ -23,12 +23,12 @@ from tests.support.kustomize import (
     MANIFESTS,
     Obj,
     _split_image,
+    components_of,
     container_env,
     controller_args,
     expand,
     one,
     pod_spec,
-    components_of,
     render_kustomization,
     workloads,
 )

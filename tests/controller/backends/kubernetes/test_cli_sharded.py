@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,12 @@ import pytest
 from controller.cli import main
 from esd_worker.layout import list_markers
 from esd_worker.naming import model_key
-from esd_worker.store import Store
+from esd_worker.store import Store, open_store
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, wait_for, write_list
 from tests.support.indexed import IndexedJobSimulator
 from tests.support.kubesim import KubeSim
+from tests.support.s3server import S3Server, serve_s3
 from tests.support.shardworker import ShardWorker
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
@@ -97,3 +99,37 @@ def test_a_controller_killed_mid_run_and_started_again_runs_every_model_once(
     assert set(worker.analysed) == {model_key(i) for i in ids}
     assert set(worker.analysed.values()) == {1}  # nothing analysed twice
     assert sim.count("create", "jobs") == 1  # the second controller had nothing to shard
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    yield from serve_s3()
+
+
+def test_the_model_list_and_the_results_in_s3(
+    sim: KubeSim, kubeconfig: Path, s3_server: S3Server,
+) -> None:
+    """The documented cluster path: the list in the store (no ConfigMap to outgrow: 1 MiB,
+    or 256 KiB through client-side apply), read by the controller from S3 through moto's
+    server, sharded into the same store, every model analysed once by the shard pods."""
+    bucket = s3_server.new_bucket()
+    ids = [f"org/ok-{i}" for i in range(12)]
+    rows = "".join(f"{i},,,{10**9}\n" for i in ids)
+    s3_server.client().put_object(
+        Bucket=bucket, Key="lists/models.csv",
+        Body=("model_id,base_model_relation,source_model,size_bytes\n" + rows).encode())
+    out_url = s3_server.url(bucket, "sweeps/atlas")
+    store = open_store(out_url)
+    worker = ShardWorker(store)
+    with IndexedJobSimulator(sim, namespace=NS).autopilot(worker):
+        code = main(["run", "--backend", "kubernetes", "--namespace", NS,
+                     "--model-list", s3_server.url(bucket, "lists/models.csv"),
+                     "--output-dir", out_url, "--no-telemetry", "--poll-interval", "0.05",
+                     "--image", "ghcr.io/example/esd-sweep:0.1.0", "--max-parallel", "3"])
+    assert code == 0
+    assert set(worker.analysed) == {model_key(i) for i in ids}
+    assert set(worker.analysed.values()) == {1}
+    assert len(list_markers(store)) == len(ids)
+    keys = s3_server.keys(bucket)
+    assert any(k.startswith("sweeps/atlas/_shards/") for k in keys)
+
