@@ -73,6 +73,14 @@ def disk_for(size: int, *, copies: int = 2) -> str:
     return f"{math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB}Gi"
 
 
+def cache_budget(disk: str | None) -> int | None:
+    """The download budget of a worker whose disk request is `disk` ("23Gi", as disk_for
+    writes it): the request less the headroom, in bytes; None for another quantity."""
+    if disk is None or not disk.endswith("Gi") or not disk[:-2].isdigit():
+        return None
+    return max(int(disk[:-2]) - _DISK_HEADROOM_GIB, 1) * GIB
+
+
 def default_classes(
     *, device: str, gpus_per_job: int, large_bytes: int
 ) -> tuple[ResourceClass, ...]:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.errors import sweep_errors
 from controller.backends.kubernetes.indexed import build_indexed_job, server_too_old
-from controller.backends.kubernetes.jobs import JobSettings
+from controller.backends.kubernetes.jobs import CACHE_DIR, JobSettings
 from controller.backends.kubernetes.names import RUN_LABEL, sharded_selector
 from controller.backends.kubernetes.settings import ClusterSettings
 from controller.backends.kubernetes.sharding import ClassShards, write_shards
@@ -30,7 +30,7 @@ from controller.errors import SweepError
 from controller.plan import KeySet
 from controller.progress import Progress
 from controller.settings import SweepSettings
-from controller.shards import ResourceClass, default_classes
+from controller.shards import ResourceClass, cache_budget, default_classes
 from esd_worker.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.records import read_failure
 from esd_worker.store import Store, open_store
@@ -217,13 +217,21 @@ class ShardedBackend:
         sweep's hub rate is shared among them)."""
         hub_rate = self.settings.hub_rate / max(pods, 1)
         batch = [*self.spec.batch_flags(), "--hub-rate", f"{hub_rate:.6g}"]
+        settings = self.settings.for_class(self.job_settings, c.cls)
+        if not self.spec.cache_dir and not settings.hf_cache_pvc:
+            # The pod's disk is bounded (the cache volume's sizeLimit): the worker downloads
+            # into a folder of its own there and deletes each model once analysed, within
+            # the disk asked for less the headroom.
+            batch += ["--cache-dir", f"{CACHE_DIR}/models"]
+            budget = cache_budget(settings.ephemeral_storage_request)
+            if budget is not None and self.spec.cache_budget is None:
+                batch += ["--cache-budget", str(budget)]
         prefix = shard_prefix(self.spec.run_id, c.cls.name).rstrip("/")
         return build_indexed_job(
             run_id=self.spec.run_id, class_name=c.cls.name, completions=c.shards,
             parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
             shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
-            output_url=self.spec.store_url,
-            settings=self.settings.for_class(self.job_settings, c.cls),
+            output_url=self.spec.store_url, settings=settings,
             batch_args=batch, models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
 
     def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:

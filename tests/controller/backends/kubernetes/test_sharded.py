@@ -249,6 +249,13 @@ def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
         (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
         assert cache["emptyDir"] == {"sizeLimit": disk}
         assert "activeDeadlineSeconds" not in pod and "activeDeadlineSeconds" not in doc["spec"]
+        # The worker owns its download folder on that volume and deletes each model once
+        # analysed, within the disk asked for less the headroom: a shard of many models
+        # never outgrows the sizeLimit.
+        args = container["args"]
+        assert args[args.index("--cache-dir") + 1] == "/cache/models"
+        budget = int(args[args.index("--cache-budget") + 1])
+        assert budget == (int(disk.removesuffix("Gi")) - 8) * 1024**3
     assert list(store.list_keys()) == []
     assert sim.count("create", "jobs") == 0
 
