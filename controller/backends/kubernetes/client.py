@@ -12,6 +12,7 @@ plain dicts (JSON as the API sends it), never client models.
 from __future__ import annotations
 
 import copy
+import functools
 import http.client
 import json
 import logging
@@ -411,19 +412,14 @@ class KubeClient:
         return items
 
     def list_workloads(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        """Kueue Workloads (kueue.x-k8s.io/v1beta2) matching the selector (e.g.
-        `kueue.x-k8s.io/job-uid=UID`); none when Kueue is not installed (404)."""
+        """Kueue Workloads (v1beta2) matching the selector; none without Kueue (404)."""
         op = _Op("list", "workloads", KUEUE_GROUP, namespace)
-
-        def list_page(ns: str, **kwargs: Any) -> Any:
-            return self._custom.list_namespaced_custom_object(
-                KUEUE_GROUP, KUEUE_VERSION, ns, "workloads", **kwargs)
-
+        pages = functools.partial(self._custom.list_namespaced_custom_object, KUEUE_GROUP,
+                                  KUEUE_VERSION, plural="workloads")
         try:
-            items, _ = self._list(op, list_page, namespace, label_selector=label_selector)
+            return self._list(op, pages, namespace, label_selector=label_selector)[0]
         except KubeNotFoundError:
             return []
-        return items
 
     def _list(
         self, op: _Op, fn: Callable[..., Any], namespace: str, *, page_size: int = 500,

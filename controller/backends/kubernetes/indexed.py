@@ -20,7 +20,6 @@ from controller.backends.kubernetes.errors import JobSpecError
 from controller.backends.kubernetes.jobs import (
     CONTAINER_NAME,
     JobSettings,
-    check_ref,
     job_object,
     pod_annotations,
     pod_spec,
@@ -36,6 +35,7 @@ from controller.backends.kubernetes.names import (
     OUTPUT_ANNOTATION,
     SHARD_BYTES_ANNOTATION,
     SHARDS_ANNOTATION,
+    check_ref,
     output_annotation,
 )
 from esd_worker.errors import EXIT_PERMANENT, EXIT_USAGE

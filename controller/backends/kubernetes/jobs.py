@@ -27,6 +27,7 @@ from controller.backends.kubernetes.names import (
     MODEL_KEY_LABEL,
     OUTPUT_ANNOTATION,
     RUN_LABEL,
+    check_ref,
     is_dns_label,
     is_dns_subdomain,
     is_label_key,
@@ -59,7 +60,6 @@ _RESERVED_ENV = frozenset({
 })
 # Names that say "this is a credential": those belong in a Secret, not in the Job object.
 _SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
-_MAX_REF = 1024
 
 
 @dataclass(frozen=True)
@@ -205,21 +205,6 @@ class JobSettings:
             out.append(f"log_format: {self.log_format!r} must be json or text")
         return out
 
-
-
-def check_ref(what: str, value: str, problems: list[str]) -> None:
-    """Append to `problems` why `value` (a model ref, a URL) cannot be one argv element."""
-    # Model ids are untrusted: they only ever become one argv element and one annotation
-    # value, but a leading '-' would read as a flag and control characters have no business
-    # in an id, a path or a log line.
-    if not isinstance(value, str) or not value.strip():
-        problems.append(f"{what}: empty")
-    elif value.startswith("-"):
-        problems.append(f"{what}: {value!r} starts with '-'")
-    elif _CONTROL.search(value):
-        problems.append(f"{what}: {value!r} contains control characters")
-    elif len(value) > _MAX_REF:
-        problems.append(f"{what}: longer than {_MAX_REF} characters")
 
 
 def sweep_labels(settings: JobSettings) -> dict[str, str]:

@@ -152,3 +152,22 @@ def output_annotation(url: str) -> str:
     if parts.port is not None:
         netloc += f":{parts.port}"
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
+_MAX_REF = 1024
+
+
+def check_ref(what: str, value: str, problems: list[str]) -> None:
+    """Append to `problems` why `value` (a model ref, a URL) cannot be one argv element."""
+    # Model ids are untrusted: they only ever become one argv element and one annotation
+    # value, but a leading '-' would read as a flag and control characters have no business
+    # in an id, a path or a log line.
+    if not isinstance(value, str) or not value.strip():
+        problems.append(f"{what}: empty")
+    elif value.startswith("-"):
+        problems.append(f"{what}: {value!r} starts with '-'")
+    elif _CONTROL_CHARS.search(value):
+        problems.append(f"{what}: {value!r} contains control characters")
+    elif len(value) > _MAX_REF:
+        problems.append(f"{what}: longer than {_MAX_REF} characters")

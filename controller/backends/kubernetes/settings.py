@@ -8,6 +8,7 @@ Pure: no Kubernetes client here.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 from collections.abc import Mapping, Sequence
@@ -260,3 +261,53 @@ def job_setting_problems(settings: ClusterSettings, gpus_per_job: int) -> list[s
                 break
         out.append(problem)
     return out
+
+
+def cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterSettings:
+    """ClusterSettings from `esd-sweep run`'s kubernetes flags (controller.cli declares
+    them); their problems go to `problems`, each naming its flag."""
+    selector: dict[str, str] = {}
+    for item in args.node_selector:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            problems.append(f"--node-selector: {item!r} is not KEY=VALUE")
+        else:
+            selector[key.strip()] = value.strip()
+    tolerations = []
+    for item in args.toleration:
+        taint, sep, effect = item.rpartition(":")
+        key, has_value, value = taint.partition("=")
+        if not sep or not key:
+            problems.append(f"--toleration: {item!r} is not KEY[=VALUE]:EFFECT "
+                            "(e.g. dedicated=gpu:NoSchedule)")
+        else:
+            tolerations.append((key, value if has_value else None, effect))
+    token = args.hf_token_secret
+    if token and ":" not in token:
+        token = f"{token}:token"
+    cluster = ClusterSettings(
+        namespace=args.namespace, kube_context=args.kube_context, image=args.image,
+        node_selector=selector, priority_class=args.priority_class,
+        service_account=args.service_account or None, hf_token_secret=token,
+        s3_secret=args.s3_secret, hf_cache_pvc=args.hf_cache_pvc,
+        image_pull_secrets=tuple(args.image_pull_secret), tolerations=tuple(tolerations),
+        cpu_request=args.cpu_request, memory_request=args.memory_request,
+        ephemeral_storage_request=args.ephemeral_storage_request,
+        job_deadline_s=args.active_deadline, ttl_after_finished_s=args.ttl_after_finished,
+        max_active_jobs=args.max_active_jobs,
+        allow_pending=args.allow_pending, max_pending=args.max_pending,
+        do_not_disrupt=args.do_not_disrupt, kueue_queue=args.kueue_queue,
+        telemetry=not args.no_telemetry, telemetry_selector=args.telemetry_selector,
+        telemetry_namespace=args.telemetry_namespace, telemetry_port=args.telemetry_port,
+        telemetry_urls=tuple(args.telemetry_url), pending_timeout_s=args.pending_timeout,
+        wait=args.wait, allow_local_output=args.allow_local_output,
+        shard_size=args.shard_size, max_parallel=args.max_parallel, hub_rate=args.hub_rate,
+        large_model_bytes=args.large_model_size, poll_interval_s=args.poll_interval,
+    )
+    if args.backend == "kubernetes":
+        problems.extend(cluster.problems())
+        gpus = 0 if args.device == "cpu" else args.gpus_per_job
+        problems.extend(job_setting_problems(cluster, gpus))
+        if args.mode == "custom":
+            problems.append("--mode custom runs on the local backend only")
+    return cluster
