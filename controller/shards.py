@@ -11,12 +11,14 @@ and one shard, so a list of millions of models is planned in constant memory.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import io
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from esd_worker.flags import parse_size
 from esd_worker.modellist import ADAPTER_RELATIONS, ModelRow, is_local_path
 
 GIB = 1024**3
@@ -68,17 +70,27 @@ def disk_for(size: int, *, copies: int = 2) -> str:
     """The ephemeral storage a worker asks for: `copies` models of up to `size` bytes on disk
     (the one analysed and the next one downloaded ahead, or a base and its adapter) and
     room for configs, the HF cache's bookkeeping and logs."""
+    return f"{_disk_gib(size, copies)}Gi"
+
+
+def _disk_gib(size: int, copies: int) -> int:
     if size < 0 or copies < 1:
         raise ValueError(f"size must be >= 0 and copies >= 1, got {size}, {copies}")
-    return f"{math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB}Gi"
+    return math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB
 
 
 def cache_budget(disk: str | None) -> int | None:
-    """The download budget of a worker whose disk request is `disk` ("23Gi", as disk_for
-    writes it): the request less the headroom, in bytes; None for another quantity."""
-    if disk is None or not disk.endswith("Gi") or not disk[:-2].isdigit():
+    """The download budget of a worker whose disk request is `disk` (a quantity: "23Gi",
+    "200G"): the request less the headroom, at least 1 GiB, in bytes; None for no request
+    or a quantity that is not a plain size (milli-units: Kubernetes' "m", which
+    parse_size, being case-blind, would read as mega)."""
+    if disk is None or disk.endswith("m"):
         return None
-    return max(int(disk[:-2]) - _DISK_HEADROOM_GIB, 1) * GIB
+    try:
+        size = parse_size(disk)
+    except argparse.ArgumentTypeError:
+        return None
+    return max(size - _DISK_HEADROOM_GIB * GIB, GIB)
 
 
 def default_classes(
@@ -105,7 +117,7 @@ def default_classes(
                                  disk_for(SMALL_BYTES)))
     out.append(ResourceClass(kind, gpus, large_bytes, memory_for(large_bytes),
                              disk_for(large_bytes)))
-    large_disk = max(400, int(disk_for(large_bytes).removesuffix("Gi")))
+    large_disk = max(400, _disk_gib(large_bytes, 2))
     out.append(ResourceClass(f"{kind}-large", gpus, None, f"{_MAX_MEMORY_GIB}Gi",
                              f"{large_disk}Gi"))
     return tuple(out)

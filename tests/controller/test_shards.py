@@ -18,6 +18,7 @@ from controller.shards import (
     ResourceClass,
     Shard,
     Unit,
+    cache_budget,
     classify,
     default_classes,
     disk_for,
@@ -121,6 +122,17 @@ def test_small_models_fit_a_16_gib_single_gpu_node() -> None:
     small, *_ = default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * 10**9)
     assert gib_of(small.memory) < ALLOCATABLE_16GIB_NODE
     assert gib_of(memory_for(14 * 10**9)) < ALLOCATABLE_16GIB_NODE
+
+
+@pytest.mark.parametrize(("disk", "budget"), [
+    ("23Gi", 15 * GIB),                 # what disk_for writes: the request less the headroom
+    ("200G", 200 * 10**9 - 8 * GIB),    # an explicit --ephemeral-storage-request
+    ("4Gi", GIB),                       # less than the headroom: still room for one download
+    ("500m", None),                     # not a plain size: the worker's own default
+    (None, None),
+])
+def test_cache_budget_from_the_disk_request(disk: str | None, budget: int | None) -> None:
+    assert cache_budget(disk) == budget
 
 
 @pytest.mark.parametrize(("size", "copies"), [(-1, 2), (1, 0)])

@@ -133,9 +133,9 @@ class KubernetesBackend:
         """Print the first-attempt Jobs as YAML (`kubectl apply -f -` takes it); create
         nothing. Every model's problem at once, as one SweepError."""
         jobs, problems = [], []
-        listed = {task.key: _row(task) for task in tasks}
-        for task in tasks:
-            row = _row(task)
+        rows = [_row(task) for task in tasks]  # one read of the list
+        listed = {row.key: row for row in rows}
+        for row in rows:
             try:
                 jobs.append(build_job(
                     model_ref=row.ref, model_key=row.key, relation=row.relation,

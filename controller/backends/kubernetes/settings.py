@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from controller import __version__
-from controller.backends.kubernetes.jobs import TAINT_EFFECTS, JobSettings
+from controller.backends.kubernetes.jobs import JobSettings
 from controller.shards import ResourceClass, disk_for, memory_for
 
 DEFAULT_NAMESPACE = "esd-sweep"
@@ -128,15 +128,9 @@ class ClusterSettings:
             out.append(f"--max-pending: must be >= 1, got {self.max_pending}")
         if self.max_pending is not None and not self.allow_pending:
             out.append("--max-pending needs --allow-pending")
-        if self.job_deadline_s is not None and self.job_deadline_s < 1:
-            out.append(f"--active-deadline: must be >= 1 s, got {self.job_deadline_s}")
         if self.ttl_after_finished_s < MIN_TTL_S:
             out.append(f"--ttl-after-finished: must be >= {MIN_TTL_S} s (the controller "
                        f"reads a finished Job's status), got {self.ttl_after_finished_s}")
-        for key, _, effect in self.tolerations:
-            if effect not in TAINT_EFFECTS:
-                out.append(f"--toleration: {key}: effect {effect!r} is not one of "
-                           + ", ".join(TAINT_EFFECTS))
         if not self.pending_timeout_s > 0:
             out.append(f"--pending-timeout: must be > 0 s, got {self.pending_timeout_s}")
         if not 0 < self.telemetry_port < 65536:
@@ -180,23 +174,21 @@ class ClusterSettings:
     def sized_for(self, job: JobSettings, size: int, *, copies: int) -> JobSettings:
         """`job` asking for the memory and disk of a model of `size` weight bytes, with
         `copies` such models on disk at once (the flags' quantities when not AUTO)."""
-        return replace(
-            job,
-            memory_request=(memory_for(size) if self.memory_request == AUTO
-                            else self.memory_request),
-            ephemeral_storage_request=(disk_for(size, copies=copies)
-                                       if self.ephemeral_storage_request == AUTO
-                                       else self.ephemeral_storage_request))
+        return self._with_requests(job, memory_for(size), disk_for(size, copies=copies))
 
     def for_class(self, job: JobSettings, cls: ResourceClass) -> JobSettings:
         """`job` for the pods of one resource class: its GPUs and its memory and disk (the
         flags' when not AUTO); a shard pod runs many models, so it has no deadline unless
         --active-deadline was given."""
+        job = replace(job, gpus_per_job=cls.gpus, active_deadline_s=self.job_deadline_s)
+        return self._with_requests(job, cls.memory, cls.ephemeral_storage)
+
+    def _with_requests(self, job: JobSettings, memory: str, disk: str) -> JobSettings:
+        """`job` with these sized memory and disk requests, each unless its flag gave a
+        quantity."""
         return replace(
-            job, gpus_per_job=cls.gpus, active_deadline_s=self.job_deadline_s,
-            memory_request=cls.memory if self.memory_request == AUTO else self.memory_request,
-            ephemeral_storage_request=(cls.ephemeral_storage
-                                       if self.ephemeral_storage_request == AUTO
+            job, memory_request=memory if self.memory_request == AUTO else self.memory_request,
+            ephemeral_storage_request=(disk if self.ephemeral_storage_request == AUTO
                                        else self.ephemeral_storage_request))
 
 

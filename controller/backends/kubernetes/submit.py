@@ -94,23 +94,22 @@ class Submitter:
 
     # -- adoption ---------------------------------------------------------------------------
 
-    def _build(self, model: ModelState, attempt: int,
-               affinity: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _build(self, model: ModelState, attempt: int, affinity: Mapping[str, Any] | None,
+               *, sized: bool = True) -> dict[str, Any]:
+        """The model's Job; sized=False: with the unsized requests (for its args only, which
+        the sizes do not change: no size lookup)."""
         row = model.row
+        settings = self.job_settings
+        if sized:
+            settings = model_job_settings(self.settings, settings, row, self.size, self._listed)
         return build_job(
             model_ref=row.ref, model_key=row.key, relation=row.relation,
-            source_model=row.source_model, output_url=self.output_url,
-            settings=model_job_settings(self.settings, self.job_settings, row, self.size,
-                                        self._listed),
+            source_model=row.source_model, output_url=self.output_url, settings=settings,
             attempt=attempt, affinity=affinity)
 
     def _args_for(self, model: ModelState) -> tuple[str, ...]:
         if not model.args:
-            row = model.row
-            job = build_job(
-                model_ref=row.ref, model_key=row.key, relation=row.relation,
-                source_model=row.source_model, output_url=self.output_url,
-                settings=self.job_settings)  # args only: no size lookup
+            job = self._build(model, 0, None, sized=False)
             model.args = tuple(job["spec"]["template"]["spec"]["containers"][0]["args"])
         return model.args
 

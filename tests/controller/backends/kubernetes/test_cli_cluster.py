@@ -135,6 +135,7 @@ def test_bad_pod_flags_exit_2_naming_the_flag(
     code = main(run_args(models, tmp_path / "o", *flags))
     err = capsys.readouterr().err
     assert code == 2 and named in err
+    assert err.count(named) == 1  # one problem, said once (not by two layers of checks)
     assert "Traceback" not in err
 
 
