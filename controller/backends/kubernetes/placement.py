@@ -45,9 +45,9 @@ class Placement:
     Starts "unknown"; `poll` turns it "on" once exporters give readings and "off" when
     telemetry is disabled, Kueue admits the Jobs (its quota and the scheduler decide, and a
     preference of ours would fight its flavor assignment), there are no exporters, or none
-    gives a reading. Once on, a
-    failed poll keeps the tracker's view while some node is still fresh; when every node
-    went stale it falls back to plain placement (pinning to nothing would stall the sweep).
+    gives a reading. Once on, a failed poll keeps the tracker's view while some node is
+    still fresh; when every node went stale it falls back to plain placement (waiting for
+    room on no node would stall the sweep).
     GPUs count as free only after `max_checks` polls under `threshold_mib` (MiB).
     scrape_fn, clock: for tests.
     """
