@@ -1,11 +1,14 @@
-"""The resume plan: which listed models are done (marker with the same parameters) and which to run.
+"""The resume plan: which listed models are done (a whole result with the same parameters) and
+which to run.
 
 Owns the split of a model list against the store, for lists of any length: `ListPlan` reads
 the list as a stream (twice: once to count, again to hand out the work), so a list of
-millions of rows is never held, only the store's marker keys. Pure but for the store reads
-it asks esd_worker.layout for (one listing of markers, the markers of listed models) and
-esd_worker.records (failure records). Does not look at what is running: the backend knows
-that.
+millions of rows is never held, only hashes of the store's keys. Pure but for the store
+reads it asks esd_worker.layout for (one listing of the store, with sizes; the markers of
+listed models) and esd_worker.records (failure records). A model is done when its marker
+has the same parameters and the files it vouches for are listed at their sealed sizes: a
+deleted or truncated table makes the model run again (one warning line each). Does not
+look at what is running: the backend knows that.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from esd_worker.layout import canonical_parameters, iter_markers, read_markers
+from esd_worker.layout import (
+    LAYERS_NAME,
+    MARKER_NAME,
+    Marker,
+    canonical_parameters,
+    iter_model_files,
+    read_markers,
+)
 from esd_worker.modellist import ModelRow, RowProblem, base_first
 from esd_worker.records import read_failures
 from esd_worker.store import Store
@@ -35,6 +45,7 @@ VERIFY_LIMIT = 100_000
 # Adapters are put right after their base within chunks of this many rows (base_first needs
 # the chunk in memory; a list ordered base-then-adapters loses nothing).
 CHUNK_ROWS = 50_000
+DAMAGE_LINES = 20  # damaged results named one line each, then only counted
 
 Items = Callable[[], Iterable[ModelRow | RowProblem]]
 
@@ -47,19 +58,17 @@ class KeySet:
 
     CHUNK = 1 << 16  # hashes gathered per chunk before they are sorted into the whole
 
-    def __init__(self, keys: Iterable[str] = ()) -> None:
-        chunks: list[np.ndarray] = []
-        chunk = array("q")
+    def __init__(self, keys: Iterable[object] = ()) -> None:
+        builder = _Hashes()
         for key in keys:
-            chunk.append(hash(key))
-            if len(chunk) >= self.CHUNK:
-                chunks.append(np.unique(np.frombuffer(chunk, dtype=np.int64)))
-                chunk = array("q")
-        chunks.append(np.unique(np.frombuffer(chunk, dtype=np.int64)))
-        hashes = np.unique(np.concatenate(chunks)) if len(chunks) > 1 else chunks[0]
-        # bisect on an array.array reads C longs straight; on a numpy array each probe
-        # would build a numpy scalar (~10 times slower per lookup).
-        self._hashes = array("q", hashes.tobytes())
+            builder.add(hash(key))
+        self._hashes = builder.sorted()
+
+    @classmethod
+    def of_hashes(cls, hashes: array[int]) -> KeySet:
+        self = cls()
+        self._hashes = hashes
+        return self
 
     def __contains__(self, key: object) -> bool:
         h = hash(key)
@@ -68,6 +77,66 @@ class KeySet:
 
     def __len__(self) -> int:
         return len(self._hashes)
+
+
+class _Hashes:
+    """Hashes gathered in chunks, each made unique as it fills, then one sorted array."""
+
+    def __init__(self) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._chunk = array("q")
+
+    def add(self, h: int) -> None:
+        self._chunk.append(h)
+        if len(self._chunk) >= KeySet.CHUNK:
+            self._chunks.append(np.unique(np.frombuffer(self._chunk, dtype=np.int64)))
+            self._chunk = array("q")
+
+    def unique(self) -> np.ndarray:
+        chunks = [*self._chunks, np.unique(np.frombuffer(self._chunk, dtype=np.int64))]
+        return np.unique(np.concatenate(chunks)) if len(chunks) > 1 else chunks[0]
+
+    def sorted(self) -> array[int]:
+        # bisect on an array.array reads C longs straight; on a numpy array each probe
+        # would build a numpy scalar (~10 times slower per lookup).
+        return array("q", self.unique().tobytes())
+
+
+@dataclass(frozen=True)
+class StoreIndex:
+    """What one listing of the store says about its models, as hashes (see KeySet).
+
+    markers: keys with a result.json; whole: those that also have their layers.csv;
+    files: (key, name, size) of every other file, to compare with a marker's seals.
+    """
+
+    markers: KeySet
+    whole: KeySet
+    files: KeySet
+
+    @classmethod
+    def of(cls, store: Store) -> StoreIndex:
+        markers, tables, files = _Hashes(), _Hashes(), _Hashes()
+        for key, name, size in iter_model_files(store):
+            if name == MARKER_NAME:
+                markers.add(hash(key))
+            else:
+                files.add(hash((key, name, size)))
+                if name == LAYERS_NAME:
+                    tables.add(hash(key))
+        marked = markers.unique()
+        whole = np.intersect1d(marked, tables.unique(), assume_unique=True)
+        return cls(KeySet.of_hashes(array("q", marked.tobytes())),
+                   KeySet.of_hashes(array("q", whole.tobytes())),
+                   KeySet.of_hashes(files.sorted()))
+
+    def damage(self, key: str, marker: Marker) -> str | None:
+        """What the listing shows wrong with the files `marker` seals (None: all there)."""
+        for name in marker.vouched_names():
+            seal = marker.files.get(name)
+            if seal is not None and (key, name, seal.size) not in self.files:
+                return f"{name} is missing or not the {seal.size} bytes its marker vouches for"
+        return None
 
 
 @dataclass(frozen=True)
@@ -96,6 +165,7 @@ class PlanCounts:
     done: int = 0
     todo: int = 0
     stale: int = 0
+    damaged: int = 0
     skipped_failed: int = 0
 
 
@@ -106,7 +176,9 @@ class ListPlan:
     items: a function that reads the list again each time it is called (rows and bad rows
     in file order: esd_worker.modellist.iter_model_list). `scan` reads it once: counts, bad
     rows (each handed to on_problem; the first 100 kept in `problems`), which markers have
-    other parameters. `classify`, `rows` and `todo` read it again.
+    other parameters, which results are damaged (counted in todo and in `damaged`).
+    `classify`, `rows` and `todo` read it again. on_done: given each marker the scan read
+    and found done (the summary reuses them rather than reading them again).
     Duplicates (same id and revision) are dropped, the first kept; `limit` applies to valid
     rows after that. overwrite / skip_failed: as `esd-sweep run` takes them.
     """
@@ -120,12 +192,15 @@ class ListPlan:
     verify_limit: int = VERIFY_LIMIT
     threads: int = 16
     on_problem: Callable[[RowProblem], None] | None = None
+    on_done: Callable[[Marker], None] | None = None
     counts: PlanCounts = field(default_factory=PlanCounts)
     problems: list[RowProblem] = field(default_factory=list)
     verified: bool = True  # False: more markers than verify_limit, presence counted as done
     _present: KeySet = field(default_factory=KeySet)
+    _markers: KeySet = field(default_factory=KeySet)
     _stale: set[str] = field(default_factory=set)
     _unreadable: set[str] = field(default_factory=set)  # a marker that does not parse: todo
+    _damaged: set[str] = field(default_factory=set)  # vouches for files not as sealed: todo
     _permanent: set[str] = field(default_factory=set)
     _dropped: array[int] = field(default_factory=lambda: array("q"))  # duplicates' positions
     _scanned: bool = False
@@ -134,7 +209,8 @@ class ListPlan:
         """Read the store (one marker listing, the failure records with skip_failed) and the
         list once; returns self."""
         if not self.overwrite:
-            self._present = KeySet(iter_markers(self.store))
+            index = StoreIndex.of(self.store)
+            self._markers, self._present = index.markers, index.whole
         if self.skip_failed:
             self._permanent = {key for key, record in read_failures(
                 self.store, threads=self.threads).items() if not record.retryable}
@@ -155,6 +231,8 @@ class ListPlan:
                 counts.skipped_failed += 1
             else:
                 counts.todo += 1
+                if key in self._markers:  # a marker without its layer table
+                    self._note_damaged(key, f"{LAYERS_NAME} is missing")
         if to_verify is None:
             self.verified = False
             log.info("more than %d listed models have a result: a result counts as done "
@@ -163,18 +241,36 @@ class ListPlan:
         elif to_verify:
             wanted = canonical_parameters(self.parameters)  # once, not per marker
             markers = read_markers(self.store, to_verify, threads=self.threads)
-            self._stale = {key for key, marker in markers.items()
-                           if marker is not None and marker.parameters != wanted}
-            self._unreadable = {key for key, marker in markers.items() if marker is None}
-            for key in self._stale | self._unreadable:
+            for key, marker in markers.items():
+                if marker is None:
+                    self._unreadable.add(key)
+                elif marker.parameters != wanted:
+                    self._stale.add(key)
+                elif (damage := index.damage(key, marker)) is not None:
+                    self._note_damaged(key, damage)
+                elif self.on_done is not None:
+                    self.on_done(marker)
+            for key in self._stale | self._unreadable | self._damaged:
+                if key not in self._present:
+                    continue  # a damaged result without a table: counted above
                 if key in self._permanent:
                     counts.skipped_failed += 1
                 else:
                     counts.todo += 1
                     counts.stale += key in self._stale
                 present -= 1
+        if counts.damaged > DAMAGE_LINES:
+            log.warning("%d damaged result(s) in all run again (the first %d named above)",
+                        counts.damaged, DAMAGE_LINES)
         counts.done = present
         return self
+
+    def _note_damaged(self, key: str, damage: str) -> None:
+        """A result whose files are not what its marker vouches for: not done, said once."""
+        self._damaged.add(key)
+        self.counts.damaged += 1
+        if self.counts.damaged <= DAMAGE_LINES:
+            log.warning("model_key=%s is not done: %s; it runs again", key, damage)
 
     def _rows(self, *, count: bool = False) -> Iterator[ModelRow]:
         """The list's valid rows without duplicates, up to limit. count (the scan): tally,
@@ -219,7 +315,8 @@ class ListPlan:
         """Every listed model (list order) with its state: todo, stale, done or skipped."""
         for row in self._rows():
             key = row.key
-            if key in self._present and key not in self._stale and key not in self._unreadable:
+            if key in self._present and not (
+                    key in self._stale or key in self._unreadable or key in self._damaged):
                 yield row, DONE
             elif key in self._permanent:
                 yield row, SKIPPED

@@ -31,7 +31,7 @@ from esd_worker.errors import (
     exit_code_for,
     failure_message,
 )
-from esd_worker.layout import attempt_key, canonical_parameters, read_marker
+from esd_worker.layout import attempt_key, canonical_parameters, check_files, read_marker
 from esd_worker.protocol import (
     DONE,
     FAILED,
@@ -49,6 +49,7 @@ from esd_worker.records import (
     utc_now,
     write_failure,
 )
+from esd_worker.redact import redact
 from esd_worker.settings import WorkerSettings
 from esd_worker.store import Store
 
@@ -201,7 +202,7 @@ class Batch:
                 code, self.fatal = EXIT_TRANSIENT, True
             elif not isinstance(e, (WorkerError, MemoryError)):
                 log.error("unexpected error analysing %s", request.model, exc_info=e)
-            message = failure_message(e, request.model)
+            message = redact(failure_message(e, request.model))  # stderr is a pod's log
             self.stderr.write(ERROR_PREFIX + message + "\n")
             tail.lines.append(ERROR_PREFIX + message)
             cls, retryable = classify_exit(code, None)
@@ -216,7 +217,11 @@ class Batch:
         if not self.settings.overwrite:
             marker = read_marker(self.store, key)
             if marker is not None and marker.parameters == self._params:
-                return "done already (same parameters)"
+                damage = check_files(self.store, marker)
+                if damage is None:
+                    return "done already (same parameters)"
+                log.warning("model_key=%s result damaged (%s): analysing it again", key,
+                            damage)
         if self.settings.skip_failed or self.settings.skip_own_failures:
             record = read_failure(self.store, key)
             if record is not None and not record.retryable and (

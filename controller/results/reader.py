@@ -2,16 +2,23 @@
 
 Shared by report, refit and compare. Owns how a results location is opened (a missing one is
 a ResultsError), which layer table a tag names, the `ModelResult` they all work on, and how
-an adapter finds its base among the results. Key names come from esd_worker.layout; this
-module writes nothing and computes no metrics.
+an adapter finds its base among the results, and that nothing damaged is read as a result:
+a table or eigenvalue file that is not what its marker seals (size, SHA-256), does not parse,
+or lacks layers the marker counts leaves its model out with one warning line (DamagedResult).
+Key names and seals come from esd_worker.layout; this module writes nothing and computes no
+metrics.
 """
 
 from __future__ import annotations
 
+import binascii
+import csv
 import json
 import logging
 import math
 import re
+import zipfile
+import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +29,9 @@ from controller.errors import ResultsError
 from esd_worker.layout import (
     EIGS_NAME,
     LAYERS_NAME,
+    DamagedResult,
     Marker,
+    check_data,
     fetch_all,
     is_tag,
     layers_name,
@@ -169,7 +178,8 @@ def iter_results(
 ) -> Iterator[ModelResult]:
     """The models of `order` with their layer table, read `chunk` at a time (concurrently), so
     that a store of any size is held in memory one chunk at a time. Models without that
-    table are left out with one warning at the end."""
+    table are left out with one warning at the end; a damaged table (see read_table) leaves
+    its model out with one warning line each."""
     missing: list[str] = []
     for start in range(0, len(order), chunk):
         keys = order[start:start + chunk]
@@ -178,11 +188,36 @@ def iter_results(
         for key, data in zip(keys, blobs, strict=True):
             if data is None:
                 missing.append(key)
-            else:
-                yield ModelResult(key, markers[key], layers_from_csv(data))
+                continue
+            try:
+                rows = read_table(markers[key], _table_of(markers[key], tag), data)
+            except DamagedResult as e:
+                warn_damaged(key, e)
+                continue
+            yield ModelResult(key, markers[key], rows)
     if missing:
         log.warning("%d model(s) without %s left out: %s", len(missing), table_name(tag),
                     ", ".join(missing[:5]))
+
+
+def read_table(marker: Marker, name: str, data: bytes) -> list[dict[str, str]]:
+    """The rows of the model's table `name`; DamagedResult when the bytes are not what the
+    marker seals, do not parse as a table, or hold another number of layers than the
+    marker's layer_count (a truncated table of a marker written without seals)."""
+    check_data(marker, name, data)
+    try:
+        rows = layers_from_csv(data)
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise DamagedResult(f"{name} is not a readable table ({type(e).__name__})") from e
+    if marker.layer_count is not None and len(rows) != marker.layer_count:
+        raise DamagedResult(f"{name} has {len(rows)} layer row(s), its marker counts "
+                            f"{marker.layer_count}")
+    return rows
+
+
+def warn_damaged(key: str, e: DamagedResult) -> None:
+    """The one line a damaged model gets when a command leaves it out."""
+    log.warning("model_key=%s left out: %s; `esd-sweep run` analyses it again", key, e)
 
 
 def _table_of(marker: Marker, tag: str | None) -> str:
@@ -220,11 +255,20 @@ def read_eigs(store: Store, result: ModelResult) -> dict[str, np.ndarray] | None
     """The model's stored eigenvalues by layer name, or None without eigs.npz.
 
     A marker that names no eigenvalue file is still looked up under eigs.npz: markers
-    written before `outputs` existed name none.
+    written before `outputs` existed name none. DamagedResult when the file the marker
+    names is missing, is not what it seals, or is not a readable .npz.
     """
     name = result.marker.eigs_name or EIGS_NAME
     data = store.get_bytes(model_file_key(result.key, name))
-    return None if data is None else eigs_from_npz(data)
+    if data is None and result.marker.eigs_name is None:
+        return None
+    check_data(result.marker, name, data)
+    assert data is not None  # check_data raised otherwise
+    try:
+        return eigs_from_npz(data)
+    except (zipfile.BadZipFile, zlib.error, binascii.Error, EOFError, OSError, KeyError,
+            ValueError) as e:  # what np.load and zipfile raise for a corrupt archive
+        raise DamagedResult(f"{name} is not a readable .npz ({type(e).__name__})") from e
 
 
 def find_base_key(

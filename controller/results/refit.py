@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
+from controller.lease import add_wait_lock_flag, output_lease
 from controller.results.reader import (
     ModelResult,
     check_tag,
@@ -45,11 +46,12 @@ from controller.results.reader import (
     read_eigs,
     read_model_markers,
     table_name,
+    warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
 from esd_worker.errors import UsageError
 from esd_worker.flags import add_fit_flags, add_flag
-from esd_worker.layout import model_file_key, refit_record_key, summary_key
+from esd_worker.layout import DamagedResult, model_file_key, refit_record_key, summary_key
 from esd_worker.powerlaw import (
     METRIC_COLUMNS,
     STATUS_FIT_FAILED,
@@ -228,11 +230,17 @@ def refit_store(settings: RefitSettings) -> RefitResult:
     summaries: list[dict[str, Any]] = []
     means: list[tuple[str, int, float | None, float | None]] = []
     skipped: list[str] = []
+    damaged: list[str] = []  # left out with a line each (reader.warn_damaged)
     counts = RefitCounts()
     # One model in memory at a time (its table and eigenvalues); its layers fitted in the pool.
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for result in iter_results(store, markers, list(markers), threads=16, chunk=16):
-            eigs = read_eigs(store, result)
+            try:
+                eigs = read_eigs(store, result)
+            except DamagedResult as e:
+                warn_damaged(result.key, e)
+                damaged.append(result.key)
+                continue
             if eigs is None:
                 skipped.append(result.key)
                 continue
@@ -249,6 +257,10 @@ def refit_store(settings: RefitSettings) -> RefitResult:
                           summaries[-1].get("alpha_mean")))
             refit_keys.append(result.key)
     if not refit_keys:
+        if damaged and not skipped:
+            raise ResultsError(f"nothing to refit in {store.url}: the eigenvalues of all "
+                               f"{len(damaged)} model(s) are damaged (named above); "
+                               "`esd-sweep run` analyses them again")
         if not skipped:
             raise no_table_error(store, None)
         raise ResultsError(
@@ -266,6 +278,7 @@ def refit_store(settings: RefitSettings) -> RefitResult:
         "table": table_name(tag),
         "models": refit_keys,
         "skipped_no_eigs": skipped,
+        "skipped_damaged": damaged,
         "rows": counts.__dict__,
         "started_at": started.isoformat(timespec="seconds"),
         "seconds": round(seconds, 3),
@@ -296,15 +309,24 @@ def add_refit_flags(parser: argparse.ArgumentParser) -> None:
              help="refit only this model (repeatable; default: every model with eigs.npz)")
     add_flag(parser, "--threads", type=int, default=0, metavar="N",
              help="layers fitted at once (default: one per CPU)")
+    add_wait_lock_flag(parser)
 
 
 def run_refit(args: argparse.Namespace) -> int:
-    """`esd-sweep refit`: errors are raised (ResultsError: exit 2; StoreError: exit 3)."""
-    result = refit_store(RefitSettings(
+    """`esd-sweep refit`: errors are raised (ResultsError: exit 2; StoreError: exit 3).
+
+    It writes into the output, so it holds the output's lease as a sweep does (exit 2 while
+    another holds it, or --wait-lock).
+    """
+    settings = RefitSettings(
         results=args.output_dir, fix_fingers=args.fix_fingers, evals_thresh=args.evals_thresh,
         bins=args.bins, min_evals=args.min_evals, tag=args.tag,
         keys=tuple(args.model_key or ()), threads=args.threads,
-    ))
+    )
+    settings.validate()  # a bad flag is said at once, not after waiting for the lease
+    with output_lease(open_results(settings.results), command="esd-sweep refit",
+                      run_id=None, wait_s=args.wait_lock):
+        result = refit_store(settings)
     print(format_refit(result))
     return 0
 

@@ -50,10 +50,11 @@ from controller.results.reader import (
     read_model_markers,
     read_refit_record,
     relation_order,
+    warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
 from esd_worker.flags import add_flag
-from esd_worker.layout import REPORT_PREFIX, is_tag
+from esd_worker.layout import REPORT_PREFIX, DamagedResult, is_tag
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,11 @@ def _model_plots(
     folder = f"{MODELS_FOLDER}{result.key}/"
     put(folder + ALPHA_PLOT, plot_alpha(result))
     mine["α per layer"] = folder + ALPHA_PLOT
-    eigs = read_eigs(store, result)
+    try:
+        eigs = read_eigs(store, result)
+    except DamagedResult as e:  # the table is whole (read_table checked it): plot without
+        warn_damaged(result.key, e)
+        eigs = None
     esd = plot_esd(result, eigs, count=esd_layers, evals_thresh=evals_thresh) if eigs else None
     if esd is not None:
         put(folder + ESD_PLOT, esd)

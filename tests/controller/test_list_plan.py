@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from controller.plan import DONE, SKIPPED, STALE, TODO, KeySet, ListPlan
-from esd_worker.layout import marker_key
+from esd_worker.layout import Marker, marker_key, model_file_key, write_model_result
 from esd_worker.modellist import ListFile, ModelRow, RowProblem
 from esd_worker.store import Store, open_store
 from tests.controller.test_plan import (
@@ -39,23 +39,48 @@ def nothing(store: Store) -> None:
 def mixed(store: Store) -> None:
     write_marker(store, ROWS[0])  # done
     write_marker(store, ROWS[1], OTHER_PARAMS)  # stale
-    store.put_bytes(marker_key(ROWS[2].key), b"{not json")  # unreadable: todo
+    store.put_bytes(marker_key(ROWS[2].key), b"{not json")  # unreadable, no table: damaged
     write_failed(store, ROWS[3], retryable=False)  # permanent
     write_failed(store, ROWS[4], retryable=True)  # retried
     write_marker(store, ROWS[5], OTHER_PARAMS)
     write_failed(store, ROWS[5], retryable=False)  # stale and permanent
 
 
+def sealed(store: Store, row: ModelRow) -> None:
+    """A result as the worker writes it: layers.csv, eigs.npz and a marker sealing both."""
+    marker = Marker(model=row.ref, model_key=row.key, parameters=dict(PARAMS),
+                    eigs_name="eigs.npz")
+    write_model_result(store, marker, layers=b"layer,alpha\nl0,3.0\nl1,4.0\n",
+                       eigs=b"E" * 64)
+
+
+def damaged(store: Store) -> None:
+    for row in ROWS[:5]:
+        sealed(store, row)
+    store.put_bytes(model_file_key(ROWS[1].key, "layers.csv"), b"layer,alpha\nl0,3.0\n")
+    store.delete(model_file_key(ROWS[2].key, "layers.csv"))
+    store.put_bytes(model_file_key(ROWS[3].key, "eigs.npz"), b"garbage")
+    # Same size, other bytes: a listing cannot tell (the reader's hash check does).
+    store.put_bytes(model_file_key(ROWS[4].key, "eigs.npz"), b"F" * 64)
+
+
 @pytest.mark.parametrize(("setup", "options", "expected"), [
     (nothing, {}, {"todo": 8}),
-    (mixed, {}, {"done": 1, "todo": 7, "stale": 2}),
-    (mixed, {"skip_failed": True}, {"done": 1, "todo": 5, "stale": 1, "skipped_failed": 2}),
+    (mixed, {}, {"done": 1, "todo": 7, "stale": 2, "damaged": 1}),
+    (mixed, {"skip_failed": True}, {"done": 1, "todo": 5, "stale": 1, "skipped_failed": 2,
+                                    "damaged": 1}),
     (mixed, {"overwrite": True}, {"todo": 8}),
     (mixed, {"overwrite": True, "skip_failed": True}, {"todo": 6, "skipped_failed": 2}),
-    # Presence only: every listed model with a marker counts done, whatever it holds.
-    (mixed, {"verify_limit": 2}, {"done": 4, "todo": 4}),
-    (mixed, {"limit": 3}, {"done": 1, "todo": 2, "stale": 1}),
-], ids=["empty", "mixed", "skip-failed", "overwrite", "overwrite-skip", "presence", "limit"])
+    # Presence only: every listed model with a marker and its layer table counts done,
+    # whatever the marker holds (the unreadable marker of m2 has no table).
+    (mixed, {"verify_limit": 2}, {"done": 3, "todo": 5, "damaged": 1}),
+    (mixed, {"limit": 3}, {"done": 1, "todo": 2, "stale": 1, "damaged": 1}),
+    # Files not at their sealed sizes (m1 truncated, m2 deleted, m3 replaced): run again.
+    (damaged, {}, {"done": 2, "todo": 6, "damaged": 3}),
+    (damaged, {"skip_failed": True}, {"done": 2, "todo": 6, "damaged": 3}),
+    (damaged, {"verify_limit": 2}, {"done": 4, "todo": 4, "damaged": 1}),
+], ids=["empty", "mixed", "skip-failed", "overwrite", "overwrite-skip", "presence", "limit",
+        "damaged", "damaged-skip-failed", "damaged-presence"])
 def test_counts_agree_with_the_states(tmp_path: Path, setup: Setup,
                                       options: dict[str, object],
                                       expected: dict[str, int]) -> None:
@@ -63,9 +88,9 @@ def test_counts_agree_with_the_states(tmp_path: Path, setup: Setup,
     setup(store)
     items: list[ModelRow | RowProblem] = [ROWS[0], BAD, *ROWS, ROWS[1]]  # a bad row, duplicates
     plan = ListPlan(lambda: items, store, PARAMS, **options).scan()  # type: ignore[arg-type]
-    counts = {"done": 0, "todo": 0, "stale": 0, "skipped_failed": 0, **expected}
+    counts = {"done": 0, "todo": 0, "stale": 0, "skipped_failed": 0, "damaged": 0, **expected}
     got = plan.counts
-    assert {"done": got.done, "todo": got.todo, "stale": got.stale,
+    assert {"done": got.done, "todo": got.todo, "stale": got.stale, "damaged": got.damaged,
             "skipped_failed": got.skipped_failed} == counts
     states = collections.Counter(state for _, state in plan.classify())
     assert states[DONE] == got.done and states[SKIPPED] == got.skipped_failed

@@ -66,6 +66,10 @@ class CountingStore(LocalStore):
         self.listings.append(prefix)
         return super().list_keys(prefix)
 
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        self.listings.append(prefix)
+        return super().list_sizes(prefix)
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> CountingStore:
@@ -180,6 +184,7 @@ def test_corrupt_marker_is_not_done_and_warned(
 
 
 def test_marker_without_parameters_is_stale(store: CountingStore) -> None:
+    store.put_bytes(f"{A.key}/layers.csv", b"model_id,layer\n")
     store.put_bytes(marker_key(A.key), Marker(model="org/a", model_key=A.key).to_json())
     plan = plan_run([A], store, PARAMS)
     assert refs(plan.stale) == ["org/a"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,13 @@ from esd_worker.errors import (
     UsageError,
 )
 from esd_worker.inbox import Inbox
-from esd_worker.layout import attempt_key, failure_key, marker_key
+from esd_worker.layout import (
+    Marker,
+    attempt_key,
+    failure_key,
+    model_file_key,
+    write_model_result,
+)
 from esd_worker.modellist import ModelRow, base_first
 from esd_worker.protocol import (
     DRAIN,
@@ -136,9 +143,9 @@ class Analyses:
         error = self.behaviour.get(settings.model)
         if error is not None:
             raise error
-        store.put_bytes(marker_key(key), json.dumps({
-            "schema": 1, "model": settings.model, "model_key": key,
-            "parameters": settings.analysis.as_dict()}).encode())
+        write_model_result(store, Marker(model=settings.model, model_key=key,
+                                         parameters=settings.analysis.as_dict()),
+                           layers=b"layer,alpha\nl0,3.0\n")
 
 
 def run_batch(store: Store, analyses: Analyses, requests: list[Request],
@@ -220,6 +227,22 @@ def test_a_done_model_clears_its_old_failure_record_and_is_skipped_next_time(
     assert analyses.calls == ["m"] and (tally.skipped, tally.exit_code) == (1, 0)
     tally, _, _ = run_batch(store, analyses, [req("m")], overwrite=True)
     assert analyses.calls == ["m", "m"] and tally.done == 1
+
+
+@pytest.mark.parametrize("damage", [
+    lambda store: store.delete(model_file_key("key-m", "layers.csv")),
+    lambda store: store.put_bytes(model_file_key("key-m", "layers.csv"), b"layer,alpha\n"),
+], ids=["table-deleted", "table-truncated"])
+def test_a_done_model_whose_files_are_damaged_is_analysed_again(
+    tmp_path: Path, damage: Callable[[Store], None], caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = LocalStore(tmp_path)
+    analyses = Analyses({})
+    run_batch(store, analyses, [req("m")])
+    damage(store)
+    tally, _, _ = run_batch(store, analyses, [req("m")])
+    assert analyses.calls == ["m", "m"] and (tally.done, tally.skipped) == (1, 0)
+    assert "key-m result damaged (layers.csv" in caplog.text
 
 
 def test_skip_failed_skips_only_permanent_failure_records(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from controller.backends.kubernetes.client import (
 from controller.backends.kubernetes.jobs import JobSettings, build_job
 from controller.backends.kubernetes.names import run_selector
 from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from esd_worker.layout import Marker, canonical_parameters, marker_key
+from esd_worker.layout import Marker, canonical_parameters, write_model_result
 from esd_worker.modellist import ModelRow
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
@@ -54,7 +54,7 @@ class MarkerSimulator(JobSimulator):
         key = annotations["esd-sweep/model-key"]
         marker = Marker(model=annotations["esd-sweep/model-ref"], model_key=key,
                         parameters=PARAMS, summary={"layers": 1})
-        self.store.put_bytes(marker_key(key), marker.to_json())
+        write_model_result(self.store, marker, layers=b"layer,alpha\nl0,3.0\n")
         return super().succeed(name, log=log)
 
 

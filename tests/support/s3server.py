@@ -336,25 +336,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def seed_markers(bucket: str, prefix: str, keys_file: Path) -> int:
-    """A marker for each model key of keys_file, written into moto's backend (no HTTP)."""
+    """A result for each model key of keys_file (its layers.csv and a marker sealing it),
+    written into moto's backend (no HTTP)."""
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    from esd_worker.layout import Marker, canonical_parameters, marker_key
+    from esd_worker.layout import (
+        LAYERS_NAME,
+        FileSeal,
+        Marker,
+        canonical_parameters,
+        marker_key,
+        model_file_key,
+    )
     from esd_worker.settings import AnalysisSettings
 
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
     params = canonical_parameters(AnalysisSettings().as_dict())
     base = f"{prefix.strip('/')}/" if prefix.strip("/") else ""
+
     count = 0
     with open(keys_file) as f:
         for line in f:
             key = line.strip()
             if key:
-                data = Marker(model=key, model_key=key, parameters=params).to_json()
-                backend.put_object(bucket, base + marker_key(key), data)
+                marker = Marker(model=key, model_key=key, parameters=params,
+                                files={LAYERS_NAME: FileSeal.of(LAYERS)})
+                backend.put_object(bucket, base + model_file_key(key, LAYERS_NAME), LAYERS)
+                backend.put_object(bucket, base + marker_key(key), marker.to_json())
                 count += 1
     return count
+
+
+LAYERS = b"layer,alpha\nl0,3.0\n"
 
 
 def make_store(server: S3Server, prefix: str = "results", *,

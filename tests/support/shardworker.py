@@ -29,7 +29,7 @@ from typing import Any
 from esd_worker.batch import Batch, BatchSettings
 from esd_worker.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
 from esd_worker.inbox import requests_from_list
-from esd_worker.layout import Marker, canonical_parameters, marker_key
+from esd_worker.layout import Marker, canonical_parameters, write_model_result
 from esd_worker.settings import AnalysisSettings, WorkerSettings
 from esd_worker.store import Store
 from tests.support.indexed import Exit, Outcome
@@ -94,6 +94,6 @@ class ShardWorker:
             raise TransientError(f"{model}: hub answered 503")
         marker = Marker(model=settings.model, model_key=key, parameters=PARAMS,
                         summary={"layers": 1})
-        store.put_bytes(marker_key(key), marker.to_json())
+        write_model_result(store, marker, layers=b"layer,alpha\nl0,3.0\n")
         with self._lock:
             self.analysed[key] += 1
