@@ -35,6 +35,7 @@ from controller.recorder import Recorder
 from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
+from esd_worker.errors import StorePathError
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
 from esd_worker.records import utc_now
@@ -66,7 +67,7 @@ def run_sweep(
     opener: builds the backend (tests inject one). out: where --dry-run prints (stdout).
     """
     started = _Started()
-    store = _open_store(settings.output)
+    store = _open_store(settings.output, writing=True)
     source = model_source(settings)
     try:
         plan = plan_models(settings, store, source.items)
@@ -102,7 +103,7 @@ def run_commands(settings: SweepSettings) -> SweepResult:
     """
     assert settings.commands is not None
     started = _Started()
-    store = _open_store(settings.output)
+    store = _open_store(settings.output, writing=True)
     try:
         tasks = read_commands(settings.commands)
     except (OSError, ValueError) as e:
@@ -187,7 +188,7 @@ def plan_models(settings: SweepSettings, store: Store,
 
 def models_status(settings: SweepSettings) -> dict[str, Any]:
     """What `esd-sweep status` prints: done / to do / failed for the list against the store."""
-    store = _open_store(settings.output)
+    store = _open_store(settings.output, writing=False)
     source = model_source(settings)
     try:
         counts = plan_models(settings, store, source.items, skip_failed=True).counts
@@ -230,11 +231,23 @@ class _Started:
         self.run_id = new_run_id()
 
 
-def _open_store(url: str) -> Store:
+def _open_store(url: str, *, writing: bool) -> Store:
+    """The result store at `url`; when `writing`, checked (Store.check) before any worker
+    starts: an output no worker could write to would fail every model, each after its
+    download."""
     try:
-        return open_store(url)
+        store = open_store(url)
     except Exception as e:  # the store's own errors are already clear; keep them one line
         raise InfrastructureError(f"cannot open the result store {url}: {e}") from e
+    if writing:
+        try:
+            store.check()
+        except StorePathError as e:
+            # A local folder that is a file, lies under one or is not ours: the user's to
+            # fix (2). A store that fails its check otherwise (S3 unreachable, no such
+            # bucket, access denied) stays infrastructure (3, controller.errors).
+            raise SweepError(f"--output-dir: {e}") from e
+    return store
 
 
 def _finish(

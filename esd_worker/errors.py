@@ -60,6 +60,12 @@ class StorePermanentError(WorkerError):
     exit_code = EXIT_PERMANENT
 
 
+class StorePathError(StorePermanentError):
+    """A local output folder that cannot be used as it is: a file where a folder should be,
+    no permission, a read-only filesystem. Every retry fails the same way until someone
+    fixes the path or its permissions (the controller checks for it before any worker)."""
+
+
 class GpuOutOfMemoryError(WorkerError):
     """The GPU ran out of memory: retry with more GPU memory or on CPU."""
 

@@ -35,6 +35,9 @@ _LORA_KEY = re.compile(
 _SAVED_MODULE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.+?)(?:\.modules_to_save\.[^.]+)?\.weight$"
 )
+# DoRA's per-column magnitudes: `<module>.lora_magnitude_vector` as peft saves them today,
+# `<module>.lora_magnitude_vector.weight` in older peft versions.
+_DORA_KEY = re.compile(r"(?:^|\.)lora_magnitude_vector(?:\.|$)")
 
 # LoRA options whose merge is not W + scale·B@A (or that change which weights exist); an
 # adapter using one is refused rather than analysed wrongly. Option → what to call it.
@@ -148,7 +151,17 @@ class LoraAdapter:
         self.modules: dict[str, LoraModule] = {}
         self.replaced: dict[str, torch.Tensor] = {}  # modules_to_save: full weights
         with Checkpoint(directory, adapter=True) as ckpt:
-            tensors = {k: ckpt.read(k) for k in ckpt.keys()}  # noqa: SIM118 - not a Mapping
+            keys = ckpt.keys()
+            dora = next((k for k in keys if _DORA_KEY.search(k)), None)
+            if dora is not None:
+                # The weights are DoRA's whatever the config says; merged as plain LoRA,
+                # their magnitudes would be dropped without a word.
+                raise UnsupportedAdapterError(
+                    f"adapter type DoRA (its weights hold {dora}, though {ADAPTER_CONFIG} "
+                    "does not set use_dora: its merge rescales whole weight columns) is not "
+                    "supported"
+                )
+            tensors = {k: ckpt.read(k) for k in keys}
         self._collect(tensors)
         if not self.modules and not self.replaced:
             raise PermanentModelError(f"adapter in {directory} holds no LoRA weights")
@@ -189,6 +202,7 @@ class LoraAdapter:
             b = p.get("lora_embedding_B" if embedding else "lora_B")
             if a is None or b is None:
                 raise PermanentModelError(f"adapter module {name} has lora_A or lora_B missing")
+            _check_ranks(name, a, b, embedding=embedding)
             r = a.shape[0]
             configured_r = _pattern_value(rank_pattern, name, self.config.get("r", r))
             if int(configured_r) != r:
@@ -237,6 +251,19 @@ class LoraAdapter:
             if layer is not None:
                 replaced[layer] = tensor
         return AdapterMatch(merges, replaced, unanalysed)
+
+
+def _check_ranks(name: str, a: torch.Tensor, b: torch.Tensor, *, embedding: bool) -> None:
+    """A bad adapter (PermanentModelError naming the module and both shapes) unless B @ A
+    exists: A is (r, in[, kh, kw]), B is (out, r[, 1, 1]), the same r and as many dims."""
+    if a.dim() >= 2 and a.dim() == b.dim() and a.shape[0] == b.shape[1]:
+        return
+    part_a, part_b = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A", "lora_B")
+    raise PermanentModelError(
+        f"bad adapter: module {name} has {part_a} of shape {tuple(a.shape)} and {part_b} of "
+        f"shape {tuple(b.shape)}: their ranks disagree ({part_a} dimension 0 must equal "
+        f"{part_b} dimension 1)"
+    )
 
 
 def _transposed(module: LoraModule, *, fan_in_fan_out: bool) -> bool:

@@ -6,6 +6,7 @@ Which keys exist, and what they hold, is esd_worker.layout's.
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import re
 import tempfile
@@ -13,11 +14,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from esd_worker.errors import StoreError, UsageError
+from esd_worker.errors import StoreError, StorePathError, UsageError, WorkerError
 
 # Lenient on purpose (older AWS buckets and S3-compatible stores allow more); the store has the
 # last word. No ':' so that `s3://host:9000/...` is caught: endpoints go in AWS_ENDPOINT_URL.
 _BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+
+# OS errors that say a local folder cannot be used as configured: the same call fails the
+# same way on every retry until a person changes a path or a permission (a file where a
+# folder should be, or the reverse; no permission; a read-only mount; a name or a link the
+# filesystem refuses). A retry costs a model's attempts and minutes of backoff for nothing,
+# so these are permanent (exit 3). Everything else stays transient (exit 4), because it can
+# clear with the configuration unchanged: ENOSPC / EDQUOT (another job frees the disk), EIO
+# and ESTALE (a flaky disk, an NFS server back), ENOENT (a folder removed under a write),
+# EINTR, EAGAIN, ENOMEM, EMFILE, ENFILE, ETIMEDOUT.
+_PERMANENT_ERRNOS = frozenset({
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+    errno.EEXIST,  # mkdir(exist_ok=True) where a file holds the folder's name
+    errno.ENAMETOOLONG, errno.ELOOP,
+})
 
 
 def normalize_key(key: str) -> str:
@@ -26,6 +41,15 @@ def normalize_key(key: str) -> str:
     if not parts or any(p in (".", "..") for p in parts):
         raise StoreError(f"invalid store key {key!r}")
     return "/".join(parts)
+
+
+def local_store_error(what: str, e: OSError) -> WorkerError:
+    """The store error for `e` met trying to `what` ("write /out/m/result.json"):
+    StorePathError when no retry can help (see _PERMANENT_ERRNOS), StoreError otherwise."""
+    if e.errno in _PERMANENT_ERRNOS:
+        return StorePathError(f"cannot {what}: {e.strerror or e}: fix the output folder "
+                              "or its permissions")
+    return StoreError(f"cannot {what}: {e.strerror or e}")
 
 
 class Store(abc.ABC):
@@ -67,7 +91,8 @@ class LocalStore(Store):
         return self.root.joinpath(*normalize_key(key).split("/"))
 
     def check(self) -> None:
-        """The root, or the nearest folder above it that exists, must be a writable folder.
+        """The root, or the nearest folder above it that exists, must be a writable folder:
+        StorePathError when it is not (a retry cannot help).
 
         Creates nothing: a run that fails before writing leaves no empty output folder.
         """
@@ -76,11 +101,12 @@ class LocalStore(Store):
             while not path.exists():
                 path = path.parent
         except OSError as e:
-            raise StoreError(f"cannot write to {self.root}: {e.strerror or e}") from e
+            raise local_store_error(f"write to {self.root}", e) from e
         if not path.is_dir():
-            raise StoreError(f"cannot write to {self.root}: {path} is not a directory")
+            raise StorePathError(f"cannot write to {self.root}: {path} is not a directory")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise StoreError(f"cannot write to {self.root}: permission denied on {path}")
+            raise StorePathError(f"cannot write to {self.root}: {path} is not writable "
+                                 "(permission denied or a read-only filesystem)")
 
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -97,7 +123,7 @@ class LocalStore(Store):
                 Path(tmp).unlink(missing_ok=True)
                 raise
         except OSError as e:
-            raise StoreError(f"cannot write {path}: {e.strerror or e}") from e
+            raise local_store_error(f"write {path}", e) from e
 
     def get_bytes(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -106,19 +132,23 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise StoreError(f"cannot read {path}: {e.strerror or e}") from e
+            raise local_store_error(f"read {path}", e) from e
 
     def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        path = self._path(key)
+        try:  # is_file() is False for a missing path, but raises for a folder we may not enter
+            return path.is_file()
+        except OSError as e:
+            raise local_store_error(f"look up {path}", e) from e
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         base = self.root / prefix if prefix else self.root
-        if not base.is_dir():
-            return
         try:
+            if not base.is_dir():
+                return
             yield from self._walk(str(base), prefix.strip("/"))
         except OSError as e:
-            raise StoreError(f"cannot list {base}: {e.strerror or e}") from e
+            raise local_store_error(f"list {base}", e) from e
 
     def _walk(self, folder: str, rel: str) -> Iterator[str]:
         """Keys under `folder` (`rel` from the root), depth first as the folder is read:
@@ -137,7 +167,7 @@ class LocalStore(Store):
         try:
             self._path(key).unlink(missing_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot delete {key}: {e.strerror or e}") from e
+            raise local_store_error(f"delete {key}", e) from e
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

@@ -255,9 +255,7 @@ def _load_bin(path: Path) -> dict[str, Any]:
             # Legacy (pre-zip) files cannot be memory-mapped.
             state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
-        raise PermanentModelError(
-            f"corrupt or unsafe weights file {path.name}: {_load_error(e)}"
-        ) from e
+        raise PermanentModelError(_load_error(path.name, e)) from e
     except OSError as e:
         raise PermanentModelError(f"cannot read weights file {path.name}: {e}") from e
     if not isinstance(state, dict):
@@ -267,11 +265,24 @@ def _load_bin(path: Path) -> dict[str, Any]:
     return state
 
 
-def _load_error(e: BaseException) -> str:
-    """torch.load's reason, without its advice to retry with weights_only=False (which would
-    run code from the file: never here)."""
-    text = " ".join(str(e).split())
-    found = re.search(r"WeightsUnpickler error: (.*?)(?: Check the documentation|$)", text)
-    if found:
-        return f"not loadable with weights_only=True ({found.group(1).rstrip('. ')})"
-    return text[:300]
+# torch.load's reason comes wrapped in advice: load with weights_only=False, or allowlist
+# the class or function the file names. Either would run code from a file nobody vetted:
+# never to be suggested here, so every sentence of it goes.
+_ADVICE = re.compile(
+    r"weights.only|trust|safe_globals|allowlist|file an issue|two options|^\(\d\)",
+    re.IGNORECASE,
+)
+_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
+
+
+def _load_error(name: str, e: BaseException) -> str:
+    """The one line for a .bin file torch.load refused: the code it holds, or the reason."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split())  # no terminal colours
+    code = _GLOBAL.search(text)
+    if code:
+        return (f"unsafe weights file {name}: it holds code ({code.group(1)}), which is not "
+                "loaded: only tensors are read from weights files")
+    text = text.split(" Check the documentation", 1)[0].split("WeightsUnpickler error:", 1)[-1]
+    sentences = re.split(r"(?<=[.!?:])\s+", text)
+    reason = " ".join(s for s in sentences if s and not _ADVICE.search(s)).strip(" .")
+    return f"corrupt or unsafe weights file {name}: {reason[:300] or 'not a plain state dict'}"

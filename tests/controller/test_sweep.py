@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -352,3 +352,65 @@ def test_local_dry_run_prints_the_worker_commands_and_runs_nothing(tmp_path: Pat
     assert all(argv[argv.index("--device") + 1] == "cpu" for argv in lines)
     written = {k for k in store.list_keys() if not k.startswith("logs/")}
     assert written == {marker_key(done.key)}
+
+
+def _output_under_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "file").write_text("a file")
+    return tmp_path / "file" / "results"
+
+
+def _output_is_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "results").write_text("a file")
+    return tmp_path / "results"
+
+
+def _read_only_output(tmp_path: Path) -> Path:
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        pytest.skip("root may write to a read-only folder")
+    out = tmp_path / "results"
+    out.mkdir()
+    out.chmod(0o500)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("make_output", "mode", "fragment"),
+    [
+        pytest.param(_output_under_a_file, "list", "is not a directory",
+                     id="under-a-file"),
+        pytest.param(_output_is_a_file, "list", "is not a directory", id="is-a-file"),
+        pytest.param(_output_under_a_file, "custom", "is not a directory",
+                     id="under-a-file-custom-commands"),
+        pytest.param(_read_only_output, "list", "not writable", id="read-only"),
+    ],
+)
+def test_an_output_no_worker_could_write_is_a_usage_error(
+    tmp_path: Path, make_output: Callable[[Path], Path], mode: str, fragment: str
+) -> None:
+    """An output folder that is a file, lies under one or is read-only would fail every
+    worker the same way: the controller checks it first and stops with exit 2 and one
+    line naming --output-dir, before any worker starts. The log goes elsewhere
+    (--log-dir): under the output, the log itself would be what fails."""
+    out = make_output(tmp_path)
+    log_dir = tmp_path / "logs"
+    if mode == "list":
+        models = write_model_list(tmp_path / "models.csv", [("org/model", "", "")])
+        extra = ["--model-list", str(models)]
+    else:
+        commands = tmp_path / "commands.txt"
+        commands.write_text(f"{sys.executable} -c pass\n")
+        extra = ["--mode", "custom", "--commands", str(commands)]
+    argv = [sys.executable, "-m", "controller.cli", "run", *extra, "--output-dir", str(out),
+            "--device", "cpu", "--log-dir", str(log_dir)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    finally:
+        if out.is_dir():
+            out.chmod(0o700)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("esd-sweep: error")]
+    assert len(errors) == 1, done.stderr
+    assert "--output-dir" in errors[0] and str(out) in errors[0] and fragment in errors[0]
+    assert not (log_dir / "workers").exists()  # no worker was started

@@ -4,6 +4,7 @@ gives the spectra of peft's own `merge_and_unload()`, and unsupported adapters a
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,3 +372,92 @@ def test_lora_bias_in_a_bin_adapter_is_not_taken_for_lora_b(
     (adapter / "adapter_model.safetensors").unlink()
     result = run_analysis(adapter, tmp_path / "out", precision="float64")
     assert_matches_peft(result, peft_merged_weights(gpt2_dir, adapter))
+
+
+# --- bad and disguised adapters ------------------------------------------------------------
+
+Q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+EMBED = "base_model.model.model.embed_tokens"
+
+
+def _edit_weights(adapter: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """The adapter with its adapter_model.safetensors changed by `edit` (in place)."""
+    from safetensors.torch import load_file, save_file
+
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path))
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("target", "key", "shape", "message"),
+    [
+        pytest.param("q_proj", f"{Q0}.lora_B.weight", (32, 3),
+                     "lora_A of shape (4, 32) and lora_B of shape (32, 3)", id="lora-B-rank-3"),
+        pytest.param("q_proj", f"{Q0}.lora_B.weight", (32,),
+                     "lora_A of shape (4, 32) and lora_B of shape (32,)", id="lora-B-a-vector"),
+        pytest.param("embed_tokens", f"{EMBED}.lora_embedding_B", (32, 2),
+                     "lora_embedding_A of shape (4, 64) and lora_embedding_B of shape (32, 2)",
+                     id="embedding-B-rank-2"),
+    ],
+)
+def test_ranks_that_disagree_are_a_bad_adapter(
+    llama_dir: Path, tmp_path: Path, target: str, key: str, shape: tuple[int, ...],
+    message: str,
+) -> None:
+    """lora_A (r, in) and lora_B (out, r) must share r for B @ A to exist (r=4 here, as the
+    config says). A mismatch is the adapter's fault: a permanent error naming the module
+    and both shapes, not a crash in the merge (nor, for an embedding left out of the
+    analysis, silence)."""
+    adapter = make_lora_adapter(llama_dir, tmp_path / "bad", target_modules=(target,))
+    _edit_weights(adapter, lambda t: t.__setitem__(key, torch.randn(shape)))
+    module = key.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
+    with pytest.raises(PermanentModelError) as info:
+        run_analysis(adapter, tmp_path / "out")
+    assert f"bad adapter: module {module} has {message}" in str(info.value)
+    assert "ranks disagree" in str(info.value)
+
+
+def _drop_use_dora(config: dict[str, Any]) -> None:
+    del config["use_dora"]
+
+
+def _use_dora_false(config: dict[str, Any]) -> None:
+    config["use_dora"] = False
+
+
+@pytest.mark.parametrize(
+    ("edit_config", "key_suffix"),
+    [
+        pytest.param(_drop_use_dora, "", id="config-without-use_dora"),
+        pytest.param(_use_dora_false, ".weight", id="use_dora-false-older-peft-key"),
+    ],
+)
+def test_dora_weights_are_refused_whatever_the_config_says(
+    llama_dir: Path, tmp_path: Path, edit_config: Callable[[dict[str, Any]], None],
+    key_suffix: str,
+) -> None:
+    """A DoRA adapter (made with peft) whose adapter_config.json lost use_dora still holds
+    lora_magnitude_vector weights (peft saves `<module>.lora_magnitude_vector`, older
+    versions `….weight`): merged as plain LoRA the magnitudes would be dropped silently,
+    so it is refused as DoRA is."""
+    import peft
+
+    adapter = make_peft_adapter(llama_dir, tmp_path / "dora", peft.LoraConfig(
+        r=2, target_modules=["q_proj"], use_dora=True))
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    edit_config(config)
+    config_path.write_text(json.dumps(config))
+
+    def rename(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.endswith("lora_magnitude_vector")]:
+            tensors[key + key_suffix] = tensors.pop(key)
+
+    _edit_weights(adapter, rename)
+    with pytest.raises(UnsupportedAdapterError,
+                       match=r"adapter type DoRA \(its weights hold .*lora_magnitude_vector"
+                             r".*does not set use_dora.*is not supported"):
+        run_analysis(adapter, tmp_path / "out")

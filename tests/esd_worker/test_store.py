@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from esd_worker.errors import EXIT_TRANSIENT, EXIT_USAGE, StoreError, UsageError
-from esd_worker.store import LocalStore, Store, normalize_key, open_store, parse_s3_url
+from esd_worker.errors import (
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    EXIT_USAGE,
+    StoreError,
+    StorePathError,
+    UsageError,
+)
+from esd_worker.store import (
+    LocalStore,
+    Store,
+    local_store_error,
+    normalize_key,
+    open_store,
+    parse_s3_url,
+)
 
 # --- LocalStore -----------------------------------------------------------------------------
 
@@ -111,19 +128,102 @@ def test_normalize_key(key: str, expected: str) -> None:
     assert normalize_key(key) == expected
 
 
-def test_unwritable_root_is_a_store_error(tmp_path: Path) -> None:
-    """A root that cannot be a directory (a file is in the way): StoreError, exit 4.
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
-    A file in the path rather than chmod, so the test holds when run as root too.
-    """
+
+def _file_in_the_way(store: LocalStore) -> None:
+    """`<root>/m` a file where the key m/result.json needs a folder."""
+    store.root.mkdir(parents=True)
+    (store.root / "m").write_text("a file")
+
+
+def _folder_in_the_way(store: LocalStore) -> None:
+    """`<root>/m/result.json` a folder where the key needs a file."""
+    (store.root / "m" / "result.json").mkdir(parents=True)
+
+
+@pytest.mark.parametrize(
+    ("setup", "call"),
+    [
+        pytest.param(_file_in_the_way, lambda s: s.put_bytes("m/result.json", b"{}"),
+                     id="write-where-a-file-holds-the-folder-name"),
+        pytest.param(_folder_in_the_way, lambda s: s.put_bytes("m/result.json", b"{}"),
+                     id="write-where-a-folder-holds-the-file-name"),
+        pytest.param(_folder_in_the_way, lambda s: s.get_bytes("m/result.json"),
+                     id="read-a-folder"),
+        pytest.param(_file_in_the_way, lambda s: s.get_bytes("m/result.json"),
+                     id="read-below-a-file"),
+    ],
+)
+def test_paths_no_retry_can_fix_are_permanent(
+    store: LocalStore, setup: Callable[[LocalStore], None], call: Callable[[LocalStore], object]
+) -> None:
+    """A file where a folder should be, or the reverse, fails every retry the same way:
+    StorePathError, exit 3 (not 4, which made the controller retry a hopeless model).
+    Made from files, not permissions, so these hold when the tests run as root."""
+    setup(store)
+    with pytest.raises(StorePathError, match="fix the output folder") as info:
+        call(store)
+    assert info.value.exit_code == EXIT_PERMANENT
+
+
+def test_root_under_a_file_is_permanent(tmp_path: Path) -> None:
+    """The check (before any work) and a write both say so; works as root too."""
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     store = LocalStore(blocker / "results")
-    with pytest.raises(StoreError, match="cannot write") as info:
+    with pytest.raises(StorePathError, match="cannot write") as info:
         store.put_bytes("m/result.json", b"{}")
-    assert info.value.exit_code == EXIT_TRANSIENT
-    with pytest.raises(StoreError, match=r"cannot write to .*: .*/file is not a directory"):
+    assert info.value.exit_code == EXIT_PERMANENT
+    with pytest.raises(StorePathError, match=r"cannot write to .*: .*/file is not a directory"):
         store.check()
+
+
+@pytest.mark.skipif(AS_ROOT, reason="root may write to a read-only folder")
+def test_read_only_folder_is_permanent(tmp_path: Path) -> None:
+    """No write permission: the check, a write and a look-up below it are permanent."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    store = LocalStore(locked / "results")
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(StorePathError, match="not writable"):
+            store.check()
+        with pytest.raises(StorePathError, match="Permission denied"):
+            store.put_bytes("m/result.json", b"{}")
+        locked.chmod(0o000)
+        with pytest.raises(StorePathError, match="Permission denied"):
+            store.exists("m/result.json")
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    ("code", "permanent"),
+    [
+        pytest.param(errno.EACCES, True, id="EACCES"),
+        pytest.param(errno.EPERM, True, id="EPERM"),
+        pytest.param(errno.EROFS, True, id="EROFS"),
+        pytest.param(errno.ENOTDIR, True, id="ENOTDIR"),
+        pytest.param(errno.EISDIR, True, id="EISDIR"),
+        pytest.param(errno.EEXIST, True, id="EEXIST"),
+        pytest.param(errno.ENAMETOOLONG, True, id="ENAMETOOLONG"),
+        pytest.param(errno.ENOSPC, False, id="ENOSPC"),
+        pytest.param(errno.EDQUOT, False, id="EDQUOT"),
+        pytest.param(errno.EIO, False, id="EIO"),
+        pytest.param(errno.ESTALE, False, id="ESTALE"),
+        pytest.param(errno.ENOENT, False, id="ENOENT"),
+        pytest.param(None, False, id="no-errno"),
+    ],
+)
+def test_local_store_errors_by_errno(code: int | None, permanent: bool) -> None:
+    """Permanent (3) only where no retry can help: a path or a permission to fix. A full
+    disk, an I/O error or a stale NFS handle can clear by itself: transient (4), retried."""
+    error = OSError(code, os.strerror(code)) if code is not None else OSError("odd")
+    got = local_store_error("write /out/m/result.json", error)
+    assert type(got) is (StorePathError if permanent else StoreError)
+    assert got.exit_code == (EXIT_PERMANENT if permanent else EXIT_TRANSIENT)
+    assert str(got).startswith("cannot write /out/m/result.json: ")
 
 
 def test_check_accepts_a_root_to_be_made_and_creates_nothing(tmp_path: Path) -> None:

@@ -3,16 +3,18 @@ stderr, never a traceback; the flags reach the analysis."""
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from esd_worker import cli
-from esd_worker.errors import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.errors import EXIT_PERMANENT, EXIT_USAGE
 from esd_worker.naming import model_key
 from tests.support.builders import (
     CliResult,
@@ -156,6 +158,61 @@ def test_bad_checkpoints(
     assert_one_clear_line(run, EXIT_PERMANENT, fragment)
 
 
+class _Calls:
+    """Pickles as the call `function(*args)`: what a malicious weights file holds."""
+
+    def __init__(self, function: Callable[..., object], *args: object) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[object, ...]]:
+        return self.function, self.args
+
+
+@pytest.mark.parametrize(
+    ("function", "named"),
+    [
+        pytest.param(os.system, f"{os.system.__module__}.system", id="os.system"),
+        pytest.param(builtins.exec, "exec", id="builtins.exec"),
+    ],
+)
+def test_weights_file_that_holds_code(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, function: Callable[..., object],
+    named: str,
+) -> None:
+    """A pytorch_model.bin whose pickle calls a function: refused (exit 3) with the real
+    reason, the function it names, and no advice to load it with weights_only=False or to
+    allowlist the function (torch's own message gives both); the code never ran."""
+    ran = tmp_path / "code-ran"
+    command = f"touch {ran}" if function is os.system else f"open({str(ran)!r}, 'w')"
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.save({"a.0.p.weight": torch.zeros(4, 4), "extra": _Calls(function, command)},
+               model / "pytorch_model.bin")
+    run = run_main(capsys, "--model", str(model), "--output", str(tmp_path / "out"))
+    line = assert_one_clear_line(run, EXIT_PERMANENT, "unsafe weights file pytorch_model.bin",
+                                 f"holds code ({named}), which is not loaded")
+    for advice in ("weights_only", "trust", "safe_globals", "allowlist"):
+        assert advice not in line
+    assert not ran.exists()
+
+
+def test_lora_ranks_that_disagree(
+    capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
+) -> None:
+    """lora_B of rank 3 against lora_A of rank 4: a bad adapter (exit 3, one line naming the
+    module and both shapes), not an internal error with a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = make_lora_adapter(llama_dir, tmp_path / "bad", target_modules=("q_proj",))
+    weights = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"] = torch.ones(32, 3)
+    save_file(tensors, str(weights))
+    run = run_main(capsys, "--model", str(adapter), "--output", str(tmp_path / "out"))
+    assert_one_clear_line(run, EXIT_PERMANENT, "model.layers.1.self_attn.q_proj",
+                          "(4, 32)", "(32, 3)", "ranks disagree")
+
+
 @pytest.mark.parametrize("kind", ["IA3", "LOHA"])
 def test_unknown_adapter_type(
     capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path, kind: str
@@ -186,18 +243,18 @@ def test_adapter_without_base(
     assert ok.code == 0, ok.stderr
 
 
-# --- transient (exit 4) --------------------------------------------------------------------
+# --- an unusable output folder (exit 3: permanent, no retry can fix it) ------------------
 
 
 def test_output_under_a_regular_file(
     capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path
 ) -> None:
-    """The output cannot be created (a path under a regular file; works as root too): exit 4
-    before any layer is analysed."""
+    """The output cannot be created (a path under a regular file; works as root too): exit 3,
+    not 4 (a retry fails the same way), before any layer is analysed."""
     blocker = tmp_path / "file"
     blocker.write_text("I am a file")
     run = run_main(capsys, "--model", str(llama_dir), "--output", str(blocker / "results"))
-    assert_one_clear_line(run, EXIT_TRANSIENT, str(blocker))
+    assert_one_clear_line(run, EXIT_PERMANENT, str(blocker), "is not a directory")
     assert "analysed" not in run.stderr
 
 
@@ -213,7 +270,7 @@ def test_read_only_output_dir(
         run = run_main(capsys, "--model", str(llama_dir), "--output", str(out))
     finally:
         out.chmod(0o700)
-    assert_one_clear_line(run, EXIT_TRANSIENT)
+    assert_one_clear_line(run, EXIT_PERMANENT, str(out), "not writable")
 
 
 # --- success and logging -------------------------------------------------------------------
