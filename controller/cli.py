@@ -37,6 +37,7 @@ from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, p
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.modellist import RELATIONS
+from esd_worker.redact import redact, redact_data
 from esd_worker.settings import DEVICES
 from esd_worker.store import open_store
 
@@ -376,16 +377,16 @@ def _run(args: argparse.Namespace) -> int:
         print(format_summary_table(open_store(settings.output)))
     counts = result.report["counts"]
     running = f", {counts['running']} Job(s) still running" if counts.get("running") else ""
-    print(
+    print(redact(
         f"run {result.run_id}: {counts['done']} done, {counts['failed']} failed, "
         f"{counts['already_done']} already done, {counts['bad_rows']} bad row(s){running}; "
         f"report: {result.report['output']}/{run_report_key(result.run_id)}"
-    )
+    ))
     return result.exit_code
 
 
 def _status(args: argparse.Namespace) -> int:
-    print(json.dumps(models_status(settings_from_args(args)), indent=2))
+    print(json.dumps(redact_data(models_status(settings_from_args(args))), indent=2))
     return 0
 
 
@@ -402,13 +403,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     code, message = _dispatch(args)
     if message:
-        print(f"esd-sweep: error: {message}", file=sys.stderr)
+        print(f"esd-sweep: error: {redact(message)}", file=sys.stderr)
     report_file = getattr(args, "report", None)
     if args.command == "run" and report_file is not None:
         try:
             write_report_file(report_file, getattr(args, "result", None), code, message)
         except OSError as e:
-            print(f"esd-sweep: error: cannot write --report {report_file}: {e}",
+            print(redact(f"esd-sweep: error: cannot write --report {report_file}: {e}"),
                   file=sys.stderr)
             return code or EXIT_USAGE
     return code
@@ -434,6 +435,7 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
 
     Always: exit_code, ok, error, run_id (None when no run started), counts and failures
     (empty without a run); with a run: summary / run_report (store URLs) and the report.
+    Every string is redacted (esd_worker.redact); the file follows the umask.
     """
     doc: dict[str, Any] = {"exit_code": code, "ok": code == 0, "error": error or None,
                            "run_id": None, "counts": {}, "failures": {}, "summary": None,
@@ -452,7 +454,8 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
         })
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
+    text = json.dumps(redact_data(doc), indent=2, default=lambda v: redact(str(v)))
+    tmp.write_text(text + "\n", encoding="utf-8")
     tmp.replace(path)
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from controller.backends.base import Outcome
 from esd_worker.layout import marker_key
-from esd_worker.records import FailureRecord, clear_failure, redact, utc_now, write_failure
+from esd_worker.records import FailureRecord, clear_failure, utc_now, write_failure
+from esd_worker.redact import redact
 from esd_worker.store import Store
 
 log = logging.getLogger(__name__)

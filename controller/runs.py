@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.records import FailureRecord
+from esd_worker.redact import redact, redact_data
 from esd_worker.store import Store
 
 
@@ -59,10 +60,12 @@ def _json_safe(value: Any) -> Any:
 def write_run_report(store: Store, run_id: str, report: Mapping[str, Any]) -> str:
     """Write the run report to `runs/<run_id>.json`; returns that key.
 
-    NaN and inf become null; values JSON cannot hold (datetimes, paths) become strings.
+    NaN and inf become null; values JSON cannot hold (datetimes, paths) become strings;
+    every string is redacted (esd_worker.redact).
     """
     key = run_report_key(run_id)
-    text = json.dumps(_json_safe(report), indent=2, allow_nan=False, default=str)
+    text = json.dumps(redact_data(_json_safe(report)), indent=2, allow_nan=False,
+                      default=lambda value: redact(str(value)))
     store.put_bytes(key, (text + "\n").encode("utf-8"))
     return key
 

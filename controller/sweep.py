@@ -35,7 +35,7 @@ from controller.recorder import Recorder
 from controller.results.summary import write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
-from esd_worker.errors import StorePathError
+from esd_worker.errors import StorePathError, UsageError
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
 from esd_worker.records import utc_now
@@ -237,6 +237,8 @@ def _open_store(url: str, *, writing: bool) -> Store:
     download."""
     try:
         store = open_store(url)
+    except UsageError as e:  # a URL to fix (2), credentials in it too; never echoes them
+        raise SweepError(f"--output-dir: {e}") from e
     except Exception as e:  # the store's own errors are already clear; keep them one line
         raise InfrastructureError(f"cannot open the result store {url}: {e}") from e
     if writing:

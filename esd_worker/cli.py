@@ -33,6 +33,7 @@ from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, p
 from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.ratelimit import TokenBucket
+from esd_worker.redact import redact
 from esd_worker.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
 from esd_worker.settings import DEVICES, WorkerSettings
 from esd_worker.store import open_store
@@ -64,7 +65,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (the usage is in --help)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(EXIT_USAGE,
+                  redact(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,8 +152,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def _fail(error: BaseException, model: str) -> None:
-    """The one line a person (or the controller's failure record) reads."""
-    print(ERROR_PREFIX + failure_message(error, model), file=sys.stderr, flush=True)
+    """The one line a person (or the controller's failure record) reads, redacted."""
+    print(ERROR_PREFIX + redact(failure_message(error, model)), file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,13 +1,26 @@
-"""Log setup for both commands: plain lines for people, JSON lines for clusters (stderr)."""
+"""Log setup for both commands: plain lines for people, JSON lines for clusters (stderr), and
+the log files of a run.
+
+Owns how a log line leaves the process: every handler redacts it (esd_worker.redact), files
+included, and log files are created owner-only (0600: even redacted, a log names private
+repos and paths). What counts as a secret is esd_worker.redact's.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
-from typing import Any, TextIO
+from types import TracebackType
+from typing import IO, Any, Literal, TextIO, cast
+
+from esd_worker.redact import redact
 
 LOG_FORMATS = ("text", "json")
 _QUIET = ("urllib3", "httpx", "httpcore", "filelock", "huggingface_hub", "botocore", "boto3",
@@ -23,17 +36,38 @@ class JsonFormatter(logging.Formatter):
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": redact(record.getMessage()),
         }
         if record.exc_info:
-            entry["exc"] = self.formatException(record.exc_info)
+            entry["exc"] = redact(self.formatException(record.exc_info))
         return json.dumps(entry)
+
+
+class RedactingFormatter(logging.Formatter):
+    """Plain lines with secrets redacted, the traceback included."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 def _formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         return JsonFormatter()
-    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    return RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+
+
+def open_private(path: Path, mode: Literal["ab", "a+b"] = "ab") -> IO[bytes]:
+    """A log file opened for appending, readable and writable by its owner only (0600),
+    whatever the umask; a file an older version left readable to others is tightened.
+    OSError when it cannot be opened."""
+    return cast(IO[bytes], open(path, mode, opener=_owner_only))
+
+
+def _owner_only(path: str, flags: int) -> int:
+    fd = os.open(path, flags, 0o600)
+    with contextlib.suppress(OSError):  # another user's file we may write: its mode is theirs
+        os.fchmod(fd, 0o600)
+    return fd
 
 
 def setup_logging(
@@ -43,15 +77,17 @@ def setup_logging(
     stream: TextIO | None = None,
     log_file: Path | None = None,
 ) -> None:
-    """Log to stderr (and to `log_file` when given, always with timestamps)."""
+    """Log to stderr (and to `log_file` when given, always with timestamps, 0600), every
+    line redacted; uncaught exceptions print redacted too."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(_formatter(fmt))
     handlers: list[logging.Handler] = [handler]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
+        open_private(log_file).close()  # created 0600 first: the handler appends to it
         file_handler = logging.FileHandler(log_file, encoding="utf-8")
         file_handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+            RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
             if fmt == "text" else JsonFormatter()
         )
         handlers.append(file_handler)
@@ -61,3 +97,30 @@ def setup_logging(
     # Third-party chatter (HTTP requests, file locks) only when asked for.
     for name in _QUIET:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    # Only Python's own hooks are replaced (a test runner's stay).
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _print_uncaught
+    if threading.excepthook is threading.__excepthook__:
+        threading.excepthook = _print_uncaught_in_thread
+
+
+def _print_uncaught(kind: type[BaseException], error: BaseException,
+                    tb: TracebackType | None) -> None:
+    """sys.excepthook: the traceback as Python prints it, redacted (an error message may
+    hold a URL with its password)."""
+    _write_stderr(redact("".join(traceback.format_exception(kind, error, tb))))
+
+
+def _print_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:  # as Python's own hook: a thread's exit is no error
+        return
+    name = args.thread.name if args.thread is not None else threading.get_ident()
+    text = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+    _write_stderr(f"Exception in thread {name}:\n" + redact(text))
+
+
+def _write_stderr(text: str) -> None:
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write(text)
+            sys.stderr.flush()

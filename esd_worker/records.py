@@ -1,57 +1,26 @@
 """Failure records (`_failures/<model_key>.json`): what failed, how, and whether a retry may help.
 
-Owns the record format and secret redaction of stderr lines. Where records live is
-esd_worker.layout's; what an exit code means is esd_worker.errors'. Does not decide when to
-retry: the backend does, from `retryable`.
+Owns the record format; what counts as a secret is esd_worker.redact's (a record is
+redacted as it is encoded). Where records live is esd_worker.layout's; what an exit code
+means is esd_worker.errors'. Does not decide when to retry: the backend does, from
+`retryable`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from esd_worker.layout import failure_key, fetch_all, list_failure_keys
+from esd_worker.redact import redact
 from esd_worker.store import Store
 
 log = logging.getLogger(__name__)
 
 RECORD_SCHEMA = 1
-
-_REDACTED = "[REDACTED]"
-# Order matters: whole header values first, then bare tokens that may stand anywhere.
-_SECRET_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
-    # Authorization: Bearer xyz / 'Authorization': 'token xyz' / authorization=Basic xyz
-    (
-        re.compile(
-            r"""(?i)(\bauthorization['"]?\s*[:=]\s*['"]?)(?:(?:bearer|token|basic)\s+)?[^\s'",;]+"""
-        ),
-        r"\1" + _REDACTED,
-    ),
-    (re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=\-]+"), r"\1" + _REDACTED),
-    # aws_secret_access_key = xyz, AWS_SECRET_ACCESS_KEY="xyz", aws_session_token: xyz
-    (
-        re.compile(
-            r"""(?i)(\baws_(?:secret_access_key|session_token|security_token)['"]?\s*[:=]\s*['"]?)"""
-            r"""[^\s'",;]+"""
-        ),
-        r"\1" + _REDACTED,
-    ),
-    # HF tokens (hf_..., api_org_...), AWS access key ids
-    (re.compile(r"\bhf_[A-Za-z0-9]{8,}"), "hf_" + _REDACTED),
-    (re.compile(r"\bapi_org_[A-Za-z0-9]{8,}"), "api_org_" + _REDACTED),
-    (re.compile(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b"), r"\1" + _REDACTED),
-)
-
-
-def redact(text: str) -> str:
-    """text with HF tokens, AWS keys and Authorization/Bearer values replaced by [REDACTED]."""
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text
 
 
 def utc_now(now: datetime | None = None) -> str:
@@ -83,12 +52,13 @@ class FailureRecord:
     time: str
 
     def to_json(self) -> bytes:
-        """JSON of the record; stderr lines are redacted here, so nothing stored holds a secret."""
+        """JSON of the record; the error and stderr lines are redacted here, so nothing stored
+        holds a secret."""
         doc = {
             "schema": RECORD_SCHEMA,
             "model": self.model,
             "model_key": self.model_key,
-            "error": self.error,
+            "error": redact(self.error),
             "exit_code": self.exit_code,
             "signal": self.signal,
             "retryable": self.retryable,

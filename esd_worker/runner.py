@@ -51,6 +51,7 @@ from esd_worker.errors import (
 )
 from esd_worker.inbox import Inbox, requests_from_list
 from esd_worker.protocol import Request, event_line
+from esd_worker.redact import redact
 from esd_worker.settings import WorkerSettings
 from esd_worker.store import Store
 
@@ -129,7 +130,7 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve)
 
     def emit(line: str) -> None:
-        protocol.write(line)
+        protocol.write(redact(line))  # a result's error may quote a URL or a config value
         protocol.flush()
 
     batch = Batch(

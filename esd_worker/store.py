@@ -80,6 +80,28 @@ class Store(abc.ABC):
         """Fail fast, before hours of work, when the store cannot be written as configured."""
 
 
+def _read_umask() -> int:
+    """The process umask. Linux shows it in /proc/self/status; elsewhere the only way is to
+    set it and set it back, and os.umask is process-wide: a file another thread creates
+    meanwhile gets the mask set here, hence the strictest (077), once, at import."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates 0600 whatever the umask: results follow the umask instead, as the files
+# of any other tool (0644 under 022, 0640 under 027), so a shared results folder or a web
+# server can read them. Logs, which may hold secrets, are esd_worker.logs' (0600).
+_FILE_MODE = 0o666 & ~_read_umask()
+
+
 class LocalStore(Store):
     """A directory on this machine (or a shared filesystem)."""
 
@@ -115,6 +137,7 @@ class LocalStore(Store):
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), _FILE_MODE)
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
@@ -173,8 +196,9 @@ class LocalStore(Store):
 def parse_s3_url(url: str) -> tuple[str, str]:
     """Bucket and key prefix of `s3://bucket[/prefix]`; UsageError naming what is wrong."""
     parsed = urlparse(url)
-    if "@" in parsed.netloc:
-        # Never echo it: the part before '@' may be a secret.
+    if "@" in parsed.netloc or ("@" in url and ":" in parsed.netloc):
+        # Never echo it: the part before '@' may be a secret (one with a '/' in it, as AWS
+        # secret keys have, ends the netloc early: s3://KEY:SEC/RET@bucket).
         raise UsageError("credentials in an s3:// URL are not supported: use the AWS "
                          "credential chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / IRSA)")
     bucket = parsed.netloc

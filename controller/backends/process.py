@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from esd_worker.errors import EXIT_MEANINGS, classify_exit, signal_name
+from esd_worker.logs import open_private
+from esd_worker.redact import redact
 
 STDERR_TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
@@ -78,7 +80,7 @@ class Attempt:
         header = (
             f"\n=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} "
             f"attempt {number} key={key} gpus={','.join(map(str, gpus)) or 'cpu'} ===\n"
-            f"$ {shlex.join(argv)}\n"
+            f"$ {redact(shlex.join(argv))}\n"
         )
         self.output.write(header.encode("utf-8", "replace"))
         self.output.flush()
@@ -90,7 +92,7 @@ class Attempt:
                 start_new_session=True, preexec_fn=die_with_parent(),
             )
         except (OSError, ValueError) as e:
-            self.output.write(f"could not start: {e}\n".encode("utf-8", "replace"))
+            self.output.write(f"could not start: {redact(str(e))}\n".encode("utf-8", "replace"))
             self.output.close()
             raise
 
@@ -154,14 +156,15 @@ def worker_env(gpus: tuple[int, ...], threads: int | None,
 
 
 def open_log(key: str, log_dir: Path | None) -> tuple[IO[bytes], Path | None]:
-    """The attempt's output file: <log_dir>/workers/<key>.log (appended), or a temp file."""
+    """The attempt's output file: <log_dir>/workers/<key>.log (appended, 0600: a command's
+    output is written there as it is, unredacted), or a temp file."""
     if log_dir is None:
         return tempfile.TemporaryFile(), None
     directory = log_dir / "workers"
     path = directory / f"{safe_name(key)}.log"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return open(path, "a+b"), path  # closed when the attempt is reaped
+        return open_private(path, "a+b"), path  # closed when the attempt is reaped
     except OSError as e:
         raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
 

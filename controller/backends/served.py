@@ -5,8 +5,9 @@ Owns the controller's side of esd_worker.protocol: request lines on the worker's
 events read from its stdout by a thread, and its stderr split by the worker's model
 begin/end lines into `<log_dir>/workers/<model_key>.log` (one header per attempt) and a
 tail per model (a crashed model's failure record). Lines outside any model (start-up)
-go to `<log_dir>/workers/_worker-<slot>.log`. Does not decide what to send or what an
-exit means (controller.backends.slots).
+go to `<log_dir>/workers/_worker-<slot>.log`. Every line is redacted (esd_worker.redact)
+before it is kept or written, and the logs are 0600. Does not decide what to send or what
+an exit means (controller.backends.slots).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from controller.backends.process import (
     wait_or_kill,
     worker_env,
 )
+from esd_worker.logs import open_private
 from esd_worker.protocol import DRAIN, MODEL_BEGIN, MODEL_END, Request, parse_event
+from esd_worker.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,7 @@ class ServedWorker:
         worker_log = self._open(f"_worker-{slot}")  # raises LogDirError first: nothing started
         if worker_log is not None:
             self._write(worker_log, f"=== {_now()} worker slot={slot} gpus="
-                        f"{','.join(map(str, gpus)) or 'cpu'} ===\n$ {shlex.join(argv)}\n")
+                        f"{','.join(map(str, gpus)) or 'cpu'} ===\n$ {redact(shlex.join(argv))}\n")
         self.proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=worker_env(gpus, threads, env), start_new_session=True,
@@ -189,6 +192,7 @@ class ServedWorker:
                     out.close()
                 current, out = None, worker_log
                 continue
+            line = redact(line)  # the worker's own logs are; a library's print may not be
             with self._lock:
                 tail = self._tails.get(current) if current else self._worker_tail
                 if tail is not None:
@@ -220,7 +224,7 @@ class ServedWorker:
         path = directory / f"{safe_name(name)}.log"
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            out = open(path, "ab")  # noqa: SIM115 - closed by the reader thread
+            out = open_private(path)  # closed by the reader thread
         except OSError as e:
             raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
         self._logs[name] = path
