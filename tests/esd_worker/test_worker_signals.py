@@ -54,7 +54,7 @@ def test_a_failed_rerun_leaves_no_stale_marker(tmp_path: Path) -> None:
     """A rerun with other parameters that fails after rewriting layers.csv (here eigs.npz
     cannot be written) must not leave the old marker vouching for the new table: the
     model is not done, so the next run redoes it."""
-    from esd_worker.errors import StoreError
+    from esd_worker.errors import StorePathError
     from tests.support.builders import run_analysis
 
     model = make_gpt2(tmp_path / "gpt2")
@@ -62,7 +62,7 @@ def test_a_failed_rerun_leaves_no_stale_marker(tmp_path: Path) -> None:
     first = run_analysis(model, out)
     key = first.marker["model_key"]
     (out / key / "eigs.npz").unlink()
-    (out / key / "eigs.npz").mkdir()  # the next eigs.npz write fails
-    with pytest.raises(StoreError):
+    (out / key / "eigs.npz").mkdir()  # the next eigs.npz write fails (a folder in the way)
+    with pytest.raises(StorePathError):
         run_analysis(model, out, fix_fingers="DKS")
     assert not (out / key / "result.json").exists()
