@@ -2,7 +2,9 @@
 
 Per-model statistics come from the marker's summary (written by the worker) or, for markers
 without one, from esd_worker.results.summarize_layers over the model's layer table; this
-module computes no statistics of its own. Does not own the run report
+module computes no statistics of its own. A run rebuilds summary.csv without reading again
+the markers its plan already read (`KnownMarkers`): only the markers of models analysed since
+are fetched. Does not own the run report
 (runs/<run_id>.json: controller.runs) nor where summary.csv lies (esd_worker.layout).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -76,21 +79,61 @@ def summary_row(row: ModelRow, marker: Marker, store: Store) -> dict[str, Any]:
     (empty when neither is there). Identity columns come from the model list, falling back
     to the marker.
     """
-    stats = _stats(row, marker, store)
+    return _with_row(row, _marker_part(marker, _stats(row, marker, store)))
+
+
+def _marker_part(marker: Marker, stats: Mapping[str, Any]) -> dict[str, Any]:
+    """What a summary row takes from the marker (the rest comes from the model list)."""
     base = marker.base_model
-    source = row.source_model or (base.model if base is not None else None)
     return {
-        "model_id": row.model_id,
-        "revision": row.revision,
-        "model_key": marker.model_key or row.key,
-        "relation": row.relation or marker.relation or "",
-        "source_model": source,
+        "model_key": marker.model_key,
+        "relation": marker.relation or "",
+        "base_model": base.model if base is not None else None,
         **{col: stats.get(col) for col in STAT_COLUMNS},
         "device": _device_text(marker.device),
         # As stored, not Marker.total_s: an int stays an int in the CSV.
         "total_s": marker.timings.get("total_s"),
         "finished_at": marker.finished_at,
     }
+
+
+def _with_row(row: ModelRow, part: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "model_id": row.model_id,
+        "revision": row.revision,
+        "model_key": part["model_key"] or row.key,
+        "relation": row.relation or part["relation"],
+        "source_model": row.source_model or part["base_model"],
+        **{col: part.get(col) for col in STAT_COLUMNS},
+        "device": part["device"],
+        "total_s": part["total_s"],
+        "finished_at": part["finished_at"],
+    }
+
+
+class KnownMarkers:
+    """The summary parts of markers already read (by the run's plan), so that summary.csv is
+    rebuilt without reading them again. Held as compact JSON, ~0.5 kB a model: a plan reads
+    at most controller.plan.VERIFY_LIMIT markers. Only markers with their own summary are
+    kept (older ones need their layer table read)."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, bytes] = {}
+
+    def add(self, marker: Marker) -> None:
+        if marker.summary is not None:
+            part = _marker_part(marker, marker.summary)
+            self._parts[marker.model_key] = json.dumps(part, separators=(",", ":")).encode()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        data = self._parts.get(key)
+        return None if data is None else dict(json.loads(data))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parts
+
+    def __len__(self) -> int:
+        return len(self._parts)
 
 
 def summary_rows(
@@ -132,30 +175,41 @@ def summary_to_csv(rows: Sequence[Mapping[str, Any]]) -> bytes:
     return table_to_csv(SUMMARY_COLUMNS, rows, lambda value, _column: _cell(value))
 
 
+# Up to this many models to look up, their markers are fetched directly (a missing one is
+# not done); beyond, one listing of the store first says which exist (S3: 1000 keys a request).
+DIRECT_LOOKUPS = 10_000
+
+
 def write_summary(
     store: Store,
     models: Iterable[ModelRow],
     *,
     threads: int = 16,
     parameters: Mapping[str, Any] | None = None,
+    known: KnownMarkers | None = None,
 ) -> int:
     """Write summary.csv for the done models of `models`, in list order; returns the row count.
 
     A model counts when its marker exists (and, when `parameters` is given, holds those
-    parameters). Markers are found by one listing, then read concurrently.
+    parameters). known: markers the caller read and found done (with those parameters),
+    not read again; the others are read concurrently, found by one listing when many.
     """
-    present = list_markers(store)
-    wanted: list[ModelRow] = []
+    known = known or KnownMarkers()
+    listed: list[ModelRow] = []
     seen: set[str] = set()
     for model in models:  # the first row of a key wins
-        if model.key in present and model.key not in seen:
+        if model.key not in seen:
             seen.add(model.key)
-            wanted.append(model)
-    markers = read_markers(store, [m.key for m in wanted], threads=threads)
+            listed.append(model)
+    unknown = [m.key for m in listed if m.key not in known]
+    if len(unknown) > DIRECT_LOOKUPS:
+        present = list_markers(store)
+        unknown = [key for key in unknown if key in present]
+    markers = read_markers(store, unknown, threads=threads)
     # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
     expected = None if parameters is None else canonical_parameters(parameters)
     done: list[tuple[ModelRow, Marker]] = []
-    for model in wanted:
+    for model in listed:
         marker = markers.get(model.key)
         if marker is not None and (expected is None or marker.parameters == expected):
             done.append((model, marker))
@@ -163,11 +217,18 @@ def write_summary(
     def one(item: tuple[ModelRow, Marker]) -> dict[str, Any]:
         return summary_row(item[0], item[1], store)
 
+    fresh: dict[str, dict[str, Any]] = {}
     if done:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(done)))) as pool:
-            rows = list(pool.map(one, done))
-    else:
-        rows = []
+            fresh = {item[0].key: row for item, row in zip(done, pool.map(one, done),
+                                                          strict=True)}
+    rows = []
+    for model in listed:
+        part = known.get(model.key)
+        if part is not None:
+            rows.append(_with_row(model, part))
+        elif model.key in fresh:
+            rows.append(fresh[model.key])
     store.put_bytes(summary_key(), summary_to_csv(rows))
     return len(rows)
 

@@ -308,3 +308,43 @@ def test_format_summary_table(store: LocalStore) -> None:
 )
 def test_format_summary_table_cells(cell: str, text: str) -> None:
     assert _short(cell) == text
+
+
+# --- a run's summary: markers the plan read are not read again -------------------------------
+
+
+class CountingStore(LocalStore):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gets: list[str] = []
+
+    def get_bytes(self, key: str) -> bytes | None:
+        self.gets.append(key)
+        return super().get_bytes(key)
+
+
+def test_a_run_summary_reads_only_the_markers_its_plan_did_not(tmp_path: Path) -> None:
+    """As controller.sweep does: the plan hands its done markers to KnownMarkers, then
+    the models analysed during the run (b here) are read; summary.csv is the same as one
+    built from scratch, and no marker is read twice."""
+    from controller.plan import ListPlan
+    from controller.results.summary import KnownMarkers
+
+    store = CountingStore(tmp_path / "results")
+    a, b, c = (make_model_row(r, "finetune", "org/base") for r in ("org/a", "org/b", "org/c"))
+    put_model(store, a, make_marker(a, relation="base"))
+    put_model(store, c, without_summary(make_marker(c)))  # older marker: its table is read
+    known = KnownMarkers()
+    plan = ListPlan(lambda: [a, b, c], store, PARAMS, on_done=known.add).scan()
+    assert plan.counts.done == 2 and plan.counts.todo == 1 and a.key in known
+    put_model(store, b)  # analysed during the run
+    store.gets.clear()
+    assert write_summary(store, plan.rows(), parameters=PARAMS, known=known) == 3
+    incremental = read_summary(store)
+    assert sorted(store.gets) == sorted([f"{b.key}/result.json", f"{c.key}/result.json",
+                                         f"{c.key}/layers.csv", "summary.csv"])
+    assert write_summary(store, [a, b, c], parameters=PARAMS) == 3
+    assert incremental == read_summary(store)
+    assert [r["model_key"] for r in incremental] == [a.key, b.key, c.key]
+    assert incremental[0]["relation"] == "finetune"  # the list's relation wins
+    assert incremental[0]["source_model"] == "org/base"
