@@ -4,6 +4,7 @@ marker-last writing."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -18,10 +19,14 @@ from esd_worker.layout import (
     EIGS_NAME,
     MARKER_SCHEMA,
     BaseModelRef,
+    DamagedResult,
+    FileSeal,
     LayoutError,
     Marker,
     MarkerError,
     canonical_parameters,
+    check_data,
+    check_files,
     failure_key,
     is_tag,
     layers_name,
@@ -237,3 +242,83 @@ def test_a_failed_write_leaves_no_marker(tmp_path: Path) -> None:
 @pytest.fixture
 def store(tmp_path: Path) -> LocalStore:
     return LocalStore(tmp_path / "store")
+
+
+# --- seals: the marker vouches for the files it names ------------------------------------------
+
+
+def sealed_result(store: LocalStore) -> Marker:
+    marker = Marker(model="org/m", model_key="m", eigs_name=EIGS_NAME)
+    return write_model_result(store, marker, layers=b"layer,alpha\nl0,3.0\n", eigs=b"E" * 10)
+
+
+def test_write_model_result_seals_the_files_it_writes(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    written = sealed_result(store)
+    assert written.files == {
+        "layers.csv": FileSeal(19, hashlib.sha256(b"layer,alpha\nl0,3.0\n").hexdigest()),
+        "eigs.npz": FileSeal(10, hashlib.sha256(b"E" * 10).hexdigest()),
+    }
+    stored = read_marker(store, "m")
+    assert stored is not None and stored.files == written.files
+    assert json.loads(store.get_bytes("m/result.json") or b"")["files"]["eigs.npz"] == {
+        "size": 10, "sha256": FileSeal.of(b"E" * 10).sha256}
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (None, None),
+    (lambda s: s.delete("m/layers.csv"), "layers.csv is missing"),
+    (lambda s: s.delete("m/eigs.npz"), "eigs.npz is missing"),
+    (lambda s: s.put_bytes("m/layers.csv", b"layer,alpha\n"), "layers.csv has 12 bytes, its "
+                                                               "marker says 19"),
+    (lambda s: s.put_bytes("m/eigs.npz", b"F" * 10), None),  # same size: only a read tells
+    (lambda s: s.put_bytes("m/layers.extra.csv", b"x"), None),  # a refit table: not sealed
+], ids=["whole", "table-deleted", "eigs-deleted", "table-truncated", "eigs-same-size",
+        "refit-table"])
+def test_check_files_compares_the_listed_sizes_with_the_seals(
+    tmp_path: Path, change: Callable[[LocalStore], None] | None, problem: str | None,
+) -> None:
+    store = LocalStore(tmp_path)
+    marker = sealed_result(store)
+    if change is not None:
+        change(store)
+    assert check_files(store, marker) == problem
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (b"E" * 10, None),
+    (None, "eigs.npz is missing"),
+    (b"E" * 9, "eigs.npz has 9 bytes, its marker says 10"),
+    (b"E" * 9 + b"F", "eigs.npz is corrupt"),
+], ids=["whole", "missing", "short", "corrupt"])
+def test_check_data_verifies_size_and_hash(tmp_path: Path, data: bytes | None,
+                                           problem: str | None) -> None:
+    marker = sealed_result(LocalStore(tmp_path))
+    if problem is None:
+        assert check_data(marker, "eigs.npz", data) == data
+    else:
+        with pytest.raises(DamagedResult, match=problem):
+            check_data(marker, "eigs.npz", data)
+
+
+def test_markers_without_seals_are_taken_as_they_are(tmp_path: Path) -> None:
+    """Markers written before seals: a file is checked for presence only."""
+    store = LocalStore(tmp_path)
+    store.put_bytes("m/layers.csv", b"anything")
+    marker = Marker(model="org/m", model_key="m")
+    assert check_files(store, marker) is None
+    assert check_data(marker, "layers.csv", b"anything else") == b"anything else"
+    store.delete("m/layers.csv")
+    assert check_files(store, marker) == "layers.csv is missing"
+
+
+@pytest.mark.parametrize("files", [
+    {"layers.csv": {"size": 3}},
+    {"layers.csv": {"size": -1, "sha256": "0" * 64}},
+    {"layers.csv": {"size": 3, "sha256": "xyz"}},
+    {"layers.csv": [3, "0" * 64]},
+])
+def test_a_marker_with_bad_seals_is_refused(files: dict[str, Any]) -> None:
+    doc = {**Marker(model="org/m", model_key="m").to_dict(), "files": files}
+    with pytest.raises(MarkerError, match="files"):
+        Marker.from_dict(doc)

@@ -102,6 +102,16 @@ def test_list_keys_is_by_folder_and_leaves_out_other_prefixes(s3_server: S3Serve
     assert list(store.list_keys("missing")) == []
 
 
+
+def test_list_sizes_gives_each_key_with_its_size_from_the_listing(s3_server: S3Server) -> None:
+    store = make_store(s3_server, "run")
+    store.put_bytes("a/layers.csv", b"x" * 17)
+    store.put_bytes("a/result.json", b"")
+    assert sorted(store.list_sizes()) == [("a/layers.csv", 17), ("a/result.json", 0)]
+    store.put_bytes("ab/layers.csv", b"y")
+    assert sorted(store.list_sizes("a")) == [("a/layers.csv", 17), ("a/result.json", 0)]
+
+
 def test_list_keys_pages_through_listobjectsv2(s3_server: S3Server) -> None:
     """120 keys in pages of 50: exactly 3 ListObjectsV2 requests, not one per key.
 
