@@ -30,13 +30,14 @@ from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
 from controller.results.summary import format_summary_table
+from controller.runlog import HeldLog
 from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
-from esd_worker.modellist import RELATIONS
+from esd_worker.modellist import RELATIONS, make_single
 from esd_worker.redact import redact, redact_data
 from esd_worker.settings import DEVICES
 from esd_worker.store import open_store
@@ -286,6 +287,11 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         problems.append("--mode custom needs --commands FILE")
     if not custom and bool(args.model_list) == bool(args.single_model):
         problems.append("give exactly one of --model-list FILE and --single-model ID")
+    elif not custom and args.single_model:
+        # A bad --single-model is a flag to fix (2), not a model that failed (1).
+        single = make_single(args.single_model, relation=args.relation,
+                             source_model=args.source_model)
+        problems.extend(str(problem) for problem in single.problems)
     if args.limit is not None and args.limit < 1:
         problems.append(f"--limit: must be >= 1, got {args.limit}")
     gpu = GpuSettings()
@@ -369,7 +375,13 @@ def _default_log_dir(output: str) -> Path | None:
 
 def _run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    result = run_commands(settings) if settings.commands is not None else run_sweep(settings)
+    log: HeldLog | None = getattr(args, "log", None)
+    if settings.commands is not None:
+        if log is not None:
+            log.open()
+        result = run_commands(settings)
+    else:  # the log file opens once the plan is accepted (--strict may refuse it)
+        result = run_sweep(settings, on_plan=lambda plan: log.open() if log else None)
     args.result = result
     if result.report.get("dry_run"):
         return result.exit_code
@@ -392,15 +404,12 @@ def _status(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log_file = None
+    setup_logging(verbose=args.verbose, fmt=args.log_format)
     if args.command == "run":
         log_dir = args.log_dir or _default_log_dir(args.output_dir)
-        log_file = log_dir / "esd-sweep.log" if log_dir is not None else None
-    try:
-        setup_logging(verbose=args.verbose, fmt=args.log_format, log_file=log_file)
-    except OSError as e:
-        print(f"esd-sweep: error: cannot write the log in {log_file}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        # Held until the run starts (_run): a run refused before that writes nothing.
+        args.log = None if log_dir is None else HeldLog(
+            log_dir / "esd-sweep.log", verbose=args.verbose, fmt=args.log_format)
     code, message = _dispatch(args)
     if message:
         print(f"esd-sweep: error: {redact(message)}", file=sys.stderr)

@@ -32,6 +32,7 @@ from esd_worker.errors import (
 from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
 from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
+from esd_worker.naming import normalize_model_ref
 from esd_worker.ratelimit import TokenBucket
 from esd_worker.redact import redact
 from esd_worker.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
@@ -135,11 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    # A local --model is keyed and recorded by its absolute path, as a list's row is: `./m`
+    # run in two folders is two models, `/m/` and `/m` one.
     return WorkerSettings(
-        model=args.model or "(batch)",
+        model=normalize_model_ref(args.model) if args.model else "(batch)",
         output=args.output,
         analysis=analysis_from_args(args),
-        base_model=args.base_model or None,
+        base_model=normalize_model_ref(args.base_model) if args.base_model else None,
         relation=args.relation or "",
         device=args.device,
         save_eigs=not args.no_eigs,

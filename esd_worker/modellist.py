@@ -1,25 +1,26 @@
 """The model list: read and validate the CSV (or one --single-model), one problem per bad row.
 
 Owns the CSV layouts users have (both old tools' column orders), id and revision syntax,
-relations, duplicates and --limit. Does not resolve models on the hub: the worker does that.
+relations, duplicates and --limit. The file's text and its CSV records (quotes that do not
+balance included) are esd_worker.listcsv's; local paths are spelled as
+esd_worker.naming.local_path spells them. Does not resolve models on the hub: the worker
+does that.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import re
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO
 
 from esd_worker.errors import ModelListError
-from esd_worker.naming import model_key
+from esd_worker.listcsv import csv_records, open_text, read_url
+from esd_worker.naming import is_local_path, local_path, model_key
 
 RELATIONS: tuple[str, ...] = (
     "",
@@ -42,8 +43,6 @@ _ID_COLUMNS = ("model_id", "full_name")  # model_id wins when both are present
 _RELATION_COLUMN = "base_model_relation"
 _SOURCE_COLUMN = "source_model"
 
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
-
 # huggingface_hub.utils.validate_repo_id, written out so the controller needs no hub client:
 # each part 1-96 ASCII [A-Za-z0-9_.-] chars, starting and ending with [A-Za-z0-9_]
 # (REPO_ID_REGEX's \b...\b), at most one '/', no '--' or '..', no '.git' suffix.
@@ -59,10 +58,12 @@ _REV_MAX = 255
 class ModelRow:
     """One model to analyse.
 
-    model_id: HF repo id (`org/name`) or a local path as written; revision: branch, tag or
-    commit (None when not given; always None for local paths). relation: lower-case
-    base_model_relation ("" when unknown). source_model: base of an adapter (id[@rev] or
-    path; None when empty). line: 1-based line of the row in the CSV (0 for --single-model).
+    model_id: HF repo id (`org/name`) or a local path, absolute and normalised
+    (esd_worker.naming.local_path: `./m` run in /data is `/data/m`); revision: branch, tag
+    or commit (None when not given; always None for local paths). relation: lower-case
+    base_model_relation ("" when unknown). source_model: base of an adapter (id[@rev], or a
+    path spelled as model_id is; None when empty). line: 1-based line of the row in the CSV
+    (0 for --single-model).
     metadata: the list's other columns, by header name; not part of equality or hashing.
     """
 
@@ -111,11 +112,6 @@ class ModelList:
     duplicates: int
 
 
-def is_local_path(ref: str) -> bool:
-    """True for references the list treats as paths: they start with /, ./, ../ or ~."""
-    return ref.startswith(_LOCAL_PREFIXES) or ref in (".", "..")
-
-
 def repo_id_problem(repo_id: str) -> str | None:
     """Why repo_id is not valid HF repo id syntax, or None when it is."""
     if not repo_id:
@@ -156,14 +152,15 @@ def revision_problem(revision: str) -> str | None:
 def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
     """(model_id, revision, problem) for `org/name[@rev]` or a local path.
 
-    Local paths are taken as written (a directory name may contain '@'); only the last
-    '@' of a hub reference separates the revision, as in esd_worker.naming.split_model_ref.
+    A local path is made absolute and normalised (esd_worker.naming.local_path), '@' and
+    all: a directory name may contain one. Only the last '@' of a hub reference separates
+    the revision, as in esd_worker.naming.split_model_ref.
     """
     ref = ref.strip()
     if not ref:
         return "", None, "empty model id"
     if is_local_path(ref):
-        return ref, None, None
+        return local_path(ref), None, None
     model_id, revision = ref, None
     if "@" in ref:
         model_id, _, revision = ref.rpartition("@")
@@ -235,6 +232,9 @@ def _build_row(
             why = _source_problem(source_model)
             if why:
                 return None, why
+            if is_local_path(source_model):
+                # Spelled as a listed base's model_id is: base_first finds the base.
+                source_model = local_path(source_model)
     elif relation in ADAPTER_RELATIONS and is_local_path(model_id):
         # Hub adapters are fine: the worker reads their adapter_config.json at run time.
         why = _adapter_base_problem(model_id)
@@ -253,23 +253,6 @@ def _is_skipped(cells: list[str]) -> bool:
     if not cells or all(not c.strip() for c in cells):
         return True
     return cells[0].lstrip().startswith("#")
-
-
-def _read_url(url: str) -> bytes:
-    """The bytes of a list kept in a store: the store is the URL's folder, the key its name.
-
-    The store's own errors (no credentials, no bucket) pass through: they are not the
-    list's fault, and say what to fix.
-    """
-    from esd_worker.store import open_store
-
-    folder, _, name = url.rstrip("/").rpartition("/")
-    if not name or folder.endswith(":/"):
-        raise ModelListError(f"model list URL {url} names no file")
-    data = open_store(folder).get_bytes(name)
-    if data is None:
-        raise ModelListError(f"model list not found: {url}")
-    return data
 
 
 def _finish(
@@ -367,26 +350,24 @@ def iter_model_list(path: str | Path, *, source: str | None = None,
     ModelListError when the file as a whole cannot be used. source: the name problems
     give (default: path)."""
     source = source or str(path)
-    with _open_text(path) as text:
-        reader = csv.reader(text)
+    with open_text(path) as text:
         header: _Header | None = None
         data_rows = 0
-        prev_line = 0
-        try:
-            for cells in reader:
-                # A record starts on the line after the previous one ended (quoted cells may
-                # span lines), so problems point at the line people see in an editor.
-                line, prev_line = prev_line + 1, reader.line_num
-                if _is_skipped(cells):
-                    continue
+        for line, cells in csv_records(text):
+            if isinstance(cells, str):  # quotes that do not balance: the record's problem
                 if header is None:
-                    header = _parse_header(cells, f"{source}:{line}")
-                    continue
+                    raise ModelListError(f"{source}:{line}: {cells}")
                 data_rows += 1
-                row, why = _parse_row(header, cells, line)
-                yield row if row is not None else RowProblem(source, line, why or "invalid row")
-        except csv.Error as e:
-            raise ModelListError(f"{source}:{reader.line_num}: not valid CSV: {e}") from e
+                yield RowProblem(source, line, cells)
+                continue
+            if _is_skipped(cells):
+                continue
+            if header is None:
+                header = _parse_header(cells, f"{source}:{line}")
+                continue
+            data_rows += 1
+            row, why = _parse_row(header, cells, line)
+            yield row if row is not None else RowProblem(source, line, why or "invalid row")
         if header is None:
             raise ModelListError(f"model list {source} is empty (no header row)")
         if not data_rows:
@@ -408,7 +389,7 @@ class ListFile:
             return iter_model_list(self.path)
         if self._copy is None:
             copy = tempfile.NamedTemporaryFile(prefix="esd-list-", suffix=".csv")  # noqa: SIM115
-            copy.write(_read_url(source))
+            copy.write(read_url(source))
             copy.flush()
             self._copy = copy
         return iter_model_list(self._copy.name, source=source)
@@ -417,41 +398,6 @@ class ListFile:
         if self._copy is not None:
             self._copy.close()
             self._copy = None
-
-
-@contextmanager
-def _open_text(path: str | Path) -> Iterator[TextIO]:
-    """The list as a text stream: a local file read as it goes, or a store URL copied to a
-    temporary file (deleted afterwards)."""
-    source = str(path)
-    if "://" in source:
-        with tempfile.TemporaryFile() as tmp:
-            tmp.write(_read_url(source))
-            tmp.seek(0)
-            with _decoded(tmp, source) as text:
-                yield text
-        return
-    try:
-        raw = open(path, "rb")  # noqa: SIM115 (closed below, after decoding errors are mapped)
-    except FileNotFoundError as e:
-        raise ModelListError(f"model list not found: {path}") from e
-    except IsADirectoryError as e:
-        raise ModelListError(f"model list is a directory, not a CSV file: {path}") from e
-    except OSError as e:
-        raise ModelListError(f"cannot read model list {path}: {e.strerror or e}") from e
-    with raw, _decoded(raw, source) as text:
-        yield text
-
-
-@contextmanager
-def _decoded(raw: IO[bytes], source: str) -> Iterator[TextIO]:
-    text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")
-    try:
-        yield text
-    except UnicodeDecodeError as e:
-        raise ModelListError(f"model list {source} is not UTF-8 text: {e}") from e
-    finally:
-        text.detach()
 
 
 def make_single(ref: str, *, relation: str = "", source_model: str | None = None) -> ModelList:

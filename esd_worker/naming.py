@@ -1,8 +1,14 @@
-"""Model ids, revisions and the stable `model_key` derived from them (no I/O)."""
+"""Model ids, revisions, local paths and the stable `model_key` derived from them.
+
+Owns what a reference is: a hub id (`org/name[@rev]`, kept exactly as written) or a local
+path (made absolute here, and only here). No I/O: a path is made absolute against the
+working directory and the home directory, never looked up on disk.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
 _SLUG_BAD = re.compile(r"[^a-z0-9]+")
@@ -10,6 +16,32 @@ _PATH_SEP = re.compile(r"[/\\]+")
 _KEY_SLUG_MAX = 80
 _REVISION_SLUG_MAX = 12
 KEY_MAX = _KEY_SLUG_MAX + 1 + 10  # slug, "-", 10 hex digits of the hash
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+
+
+def is_local_path(ref: str) -> bool:
+    """True for references taken as paths: they start with /, ./, ../ or ~, or are . or ..
+    (anything else is a hub id, even where a directory of that name exists)."""
+    return ref.startswith(_LOCAL_PREFIXES) or ref in (".", "..")
+
+
+def local_path(path: str) -> str:
+    """`path` absolute and normalised, as the one spelling of a local model: `~` expanded,
+    relative to the working directory, `.`, `..`, repeated and trailing `/` folded (so
+    `/m`, `/m/`, `//m` and `./m` run from `/` are all `/m`). Symlinks are kept: a link
+    names its model as the user wrote it, and resolving it would make the key depend on
+    where the link points today."""
+    normal = os.path.abspath(os.path.expanduser(path))
+    # POSIX lets a leading '//' mean something else, so normpath keeps it; on Linux it
+    # is '/', and one directory must not have two keys.
+    return "/" + normal.lstrip("/") if normal.startswith("//") else normal
+
+
+def normalize_model_ref(ref: str) -> str:
+    """A model reference in its one spelling: a local path through `local_path`, a hub id
+    (`org/name`, `org/name@rev`) stripped of surrounding whitespace and otherwise as is."""
+    ref = ref.strip()
+    return local_path(ref) if is_local_path(ref) else ref
 
 
 def split_model_ref(ref: str) -> tuple[str, str | None]:

@@ -13,6 +13,7 @@ from esd_worker.modellist import (
     ModelListError,
     ModelRow,
     RowProblem,
+    base_first,
     make_single,
     parse_ref,
     read_model_list,
@@ -172,15 +173,82 @@ def test_multiline_quoted_metadata_keeps_line_numbers(tmp_path: Path) -> None:
          "6c0e6080953db56375760c0471a8c5f2929baf11"),
         ("org/name@release_2024-01", "org/name", "release_2024-01"),
         ("  org/name@main  ", "org/name", "main"),
-        ("./models/tiny@v2", "./models/tiny@v2", None),  # local paths are taken as written
-        ("/abs/dir", "/abs/dir", None),
-        ("~/models/x", "~/models/x", None),
-        ("../up/x", "../up/x", None),
     ],
     ids=lambda v: str(v),
 )
 def test_parse_ref(ref: str, model_id: str, revision: str | None) -> None:
     assert parse_ref(ref) == (model_id, revision, None)
+
+
+# --- local paths ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def in_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Read lists in <tmp>/work, HOME at <tmp>/home."""
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("ref", "model_id"),
+    [
+        pytest.param("./models/tiny@v2", "{tmp}/work/models/tiny@v2", id="at-is-part-of-a-path"),
+        pytest.param("/abs/dir/", "/abs/dir", id="absolute"),
+        pytest.param("//abs//dir", "/abs/dir", id="double-slashes"),
+        pytest.param("~/models/x", "{tmp}/home/models/x", id="home"),
+        pytest.param("../up/x", "{tmp}/up/x", id="parent"),
+    ],
+)
+def test_parse_ref_makes_local_paths_absolute(in_work_dir: Path, ref: str, model_id: str) -> None:
+    """A path is keyed by the directory it names, wherever the list is read
+    (esd_worker.naming.local_path), with no revision even when a name has an '@'."""
+    assert parse_ref(ref) == (model_id.format(tmp=in_work_dir), None, None)
+
+
+def test_spellings_of_one_directory_are_one_model(in_work_dir: Path) -> None:
+    """`/w/m`, `/w/m/`, `//w/m` and `./m` read in /w are one model (the first row kept, the
+    others duplicates), recorded by its absolute path."""
+    m = in_work_dir / "work" / "m"
+    path = write_list(in_work_dir, f"model_id\n{m}\n{m}/\n/{m}\n./m\n")
+    result = read_model_list(path)
+    assert [(r.model_id, r.line) for r in result.rows] == [(str(m), 2)]
+    assert result.rows[0].key == model_key(str(m))
+    assert result.duplicates == 3
+
+
+def test_a_relative_path_is_the_directory_it_was_read_in(
+    in_work_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`./m` read in two directories is two models: another directory's `./m` is not done
+    because this one is."""
+    path = write_list(in_work_dir, "model_id\n./m\n")
+    first = read_model_list(path).rows[0]
+    monkeypatch.chdir(in_work_dir)
+    second = read_model_list(path).rows[0]
+    assert (first.model_id, second.model_id) == (str(in_work_dir / "work" / "m"),
+                                                 str(in_work_dir / "m"))
+    assert first.key != second.key
+
+
+def test_a_local_base_is_named_as_its_row_is(in_work_dir: Path) -> None:
+    """source_model `./base/` is the listed `./base`: the adapter runs right after it
+    (base_first), and the worker is given the same absolute path."""
+    (in_work_dir / "work" / "base").mkdir()
+    path = write_list(in_work_dir, HEADER + "./lora,adapter,./base/\norg/x,,\n./base,,\n")
+    rows = read_model_list(path).rows
+    base = str(in_work_dir / "work" / "base")
+    assert rows[0].source_model == base
+    assert [r.model_id for r in base_first(rows)] == [
+        "org/x", base, str(in_work_dir / "work" / "lora"),
+    ]
+
+
+def test_make_single_makes_a_local_path_absolute(in_work_dir: Path) -> None:
+    (row,) = make_single("./m/").rows
+    assert row.model_id == row.ref == str(in_work_dir / "work" / "m")
 
 
 def test_revisions_give_distinct_keys_and_refs(tmp_path: Path) -> None:
@@ -299,6 +367,8 @@ def test_negative_limit_rejected(tmp_path: Path) -> None:
                      id="no-id-column"),
         pytest.param("model_id,base_model_relation\n# none yet\n", "has a header but no models",
                      id="header-only"),
+        pytest.param('model_id,"notes\norg/a,x\n', ":1: unbalanced quote",
+                     id="header-quote-never-closed"),
     ],
 )
 def test_file_level_errors(tmp_path: Path, text: str, expected: str) -> None:

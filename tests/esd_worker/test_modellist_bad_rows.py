@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,51 @@ def test_many_bad_rows_each_reported(tmp_path: Path) -> None:
     result = read_model_list(path)
     assert [r.model_id for r in result.rows] == ["org/ok"]
     assert [p.line for p in result.problems] == [2, 3, 5]
+
+
+# --- quotes that do not balance -------------------------------------------------------------
+
+NOTES = "model_id,base_model_relation,notes\n"
+MANY = [f"org/m{i},,\n" for i in range(12_000)]  # more than csv's field limit holds
+
+
+def field_limit_line(opened: str, lines: list[str], first: int) -> int:
+    """The line on which a cell that opens with `opened` on line `first` and takes in
+    `lines` grows past csv's field limit (where the csv module gives up on it)."""
+    size = len(opened)
+    for number, line in enumerate(lines, start=first + 1):
+        size += len(line)
+        if size > csv.field_size_limit():
+            return number
+    raise AssertionError("the lines fit in one field")
+
+
+@pytest.mark.parametrize(
+    ("body", "last", "ids"),
+    [
+        pytest.param('org/q,,"never closed\norg/b,,\norg/c,,\n', 5, ["org/b", "org/c"],
+                     id="notes-quote-to-the-end"),
+        pytest.param('"org/q,,\norg/b,,\norg/c,,\n', 5, ["org/b", "org/c"],
+                     id="id-quote-to-the-end"),
+        pytest.param('org/q,,"opened\norg/b,,\norg/c,,"closed" later\norg/d,,\n', 5,
+                     ["org/b", "org/c", "org/d"], id="closed-rows-later-with-text-after"),
+        pytest.param('org/q,,"never closed\n' + "".join(MANY),
+                     field_limit_line("never closed\n", MANY, 3),
+                     [f"org/m{i}" for i in range(12_000)], id="past-the-field-limit"),
+    ],
+)
+def test_a_quote_that_swallows_rows_is_a_bad_row(
+    tmp_path: Path, body: str, last: int, ids: list[str]
+) -> None:
+    """A quote that opens a cell and does not close where the cell ends would make the
+    rows after it one cell: that row is one bad row with its line and the lines it took,
+    and the rows it took are read as rows (the list's other rows still run)."""
+    path = write_list(tmp_path, NOTES + "org/a,,first\n" + body)
+    result = read_model_list(path)
+    assert [r.model_id for r in result.rows] == ["org/a", *ids]
+    (problem,) = result.problems
+    assert problem.line == 3
+    assert problem.message.startswith(
+        f"unbalanced quote: the quoted cell opened on this line runs on to line {last} (")
+    assert f"lines 4-{last} are read as rows" in problem.message
+    assert [r.line for r in result.rows[1:3]] == [4, 5]

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 
-from esd_worker.naming import KEY_MAX, model_key, split_model_ref
+from esd_worker.naming import (
+    KEY_MAX,
+    is_local_path,
+    local_path,
+    model_key,
+    normalize_model_ref,
+    split_model_ref,
+)
 
 KEY_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 
@@ -90,3 +99,72 @@ def test_long_ids_are_cut() -> None:
     key = model_key("o" * 200 + "/" + "n" * 200, "r" * 50)
     assert len(key) <= KEY_MAX
     assert KEY_RE.match(key)
+
+
+# --- local paths: one spelling, so one key per directory ------------------------------------
+
+
+@pytest.fixture
+def in_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in <tmp>/work with HOME at <tmp>/home: relative paths and `~` have one meaning."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        pytest.param("/m", "/m", id="absolute"),
+        pytest.param("/m/", "/m", id="trailing-slash"),
+        pytest.param("//m", "/m", id="double-leading-slash"),
+        pytest.param("///m//", "/m", id="many-slashes"),
+        pytest.param("/a/./b/../c", "/a/c", id="dot-and-dotdot"),
+        pytest.param("./m", "{tmp}/work/m", id="dot-relative"),
+        pytest.param("m/", "{tmp}/work/m", id="bare-relative"),
+        pytest.param("../m", "{tmp}/m", id="parent"),
+        pytest.param(".", "{tmp}/work", id="dot"),
+        pytest.param("..", "{tmp}", id="dotdot"),
+        pytest.param("~/m/", "{tmp}/home/m", id="home"),
+        pytest.param("./tiny@v2", "{tmp}/work/tiny@v2", id="at-in-a-directory-name"),
+    ],
+)
+def test_local_path_is_absolute_and_normalised(in_work_dir: Path, path: str,
+                                               expected: str) -> None:
+    """os.path.abspath's folding (against the working directory and HOME), and `//` read as
+    `/` as Linux reads it: every spelling of one directory gives the same string."""
+    assert local_path(path) == expected.format(tmp=in_work_dir)
+
+
+def test_local_path_keeps_symlinks(in_work_dir: Path) -> None:
+    """A link is named as written, not by its target: where it points may change, and the
+    key of what was analysed under that name must not."""
+    target = in_work_dir / "target"
+    target.mkdir()
+    os.symlink(target, in_work_dir / "work" / "link")
+    assert local_path("./link/") == str(in_work_dir / "work" / "link")
+
+
+@pytest.mark.parametrize(
+    "ref",
+    ["org/name", "org/name@main", "gpt2", "org/name@refs/pr/1", "Org/Name.v2@abc1234"],
+)
+def test_hub_ids_are_kept_exactly(in_work_dir: Path, ref: str) -> None:
+    """Hub ids are not paths: never made absolute, never case-folded (keys of stores
+    already written depend on them)."""
+    assert not is_local_path(ref)
+    assert normalize_model_ref(ref) == ref
+    assert normalize_model_ref(f"  {ref}\n") == ref
+
+
+def test_spellings_of_one_directory_share_a_key(in_work_dir: Path) -> None:
+    """`/w/m`, `/w/m/`, `//w/m` and `./m` run in `/w` are one model: one key, so a rerun finds it
+    done; `./m` run elsewhere is another directory and another key."""
+    work = in_work_dir / "work"
+    spellings = [str(work / "m"), f"{work}/m/", f"/{work}/m", "./m", "./m/../m"]
+    keys = {model_key(normalize_model_ref(ref)) for ref in spellings}
+    assert keys == {model_key(str(work / "m"))}
+    os.chdir(in_work_dir)
+    assert model_key(normalize_model_ref("./m")) != model_key(str(work / "m"))

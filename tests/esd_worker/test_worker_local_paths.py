@@ -1,0 +1,54 @@
+"""`esd-worker --model DIR`: a local model is keyed and recorded by its absolute path, as a
+model list's row is, so the worker alone and the controller agree on what is done."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from esd_worker import cli
+from esd_worker.modellist import make_single
+from esd_worker.naming import model_key
+from tests.support.builders import make_tensor_model, read_result
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+
+@pytest.fixture
+def work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """<tmp>/work holding a two-layer model `m`, and the working directory."""
+    work = tmp_path / "work"
+    gen = torch.Generator().manual_seed(0)
+    make_tensor_model(work / "m", {f"blocks.{i}.proj.weight": torch.randn(24, 16, generator=gen)
+                                   for i in range(2)})
+    monkeypatch.chdir(work)
+    return work
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        pytest.param("./m", id="relative"),
+        pytest.param("./m/", id="relative-trailing-slash"),
+        pytest.param("{work}/m/", id="absolute-trailing-slash"),
+        pytest.param("/{work}/m", id="double-leading-slash"),
+    ],
+)
+def test_every_spelling_of_a_directory_is_one_model(
+    capsys: pytest.CaptureFixture[str], work_dir: Path, tmp_path: Path, spelling: str
+) -> None:
+    """The result is under the key of the absolute path, the one the controller computes
+    for the same row, and the marker names the directory (not `./m`, which says nothing of
+    where it was run)."""
+    out = tmp_path / "out"
+    code = cli.main(["--device", "cpu", "--model", spelling.format(work=work_dir),
+                     "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    absolute = str(work_dir / "m")
+    (row,) = make_single(spelling.format(work=work_dir)).rows
+    assert row.key == model_key(absolute)
+    marker = read_result(out, row.key).marker
+    assert (marker["model"], marker["model_id"], marker["model_key"]) == (
+        absolute, absolute, row.key)
