@@ -50,6 +50,29 @@ class RedactingFormatter(logging.Formatter):
         return redact(super().format(record))
 
 
+class LogFile(logging.FileHandler):
+    """A run's log file that, when it can no longer be written (disk full, quota, file too
+    large), says so once on stderr and stops, rather than a traceback for every later line;
+    the run goes on, logging to stderr."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        _write_stderr(redact(f"log file {self.baseFilename} cannot be written "
+                             f"({error.strerror or error}): logging to stderr only\n"))
+        with contextlib.suppress(OSError, ValueError):
+            self.close()
+
+
 def _formatter(fmt: str) -> logging.Formatter:
     if fmt == "json":
         return JsonFormatter()
@@ -85,7 +108,7 @@ def setup_logging(
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         open_private(log_file).close()  # created 0600 first: the handler appends to it
-        file_handler = logging.FileHandler(log_file, encoding="utf-8")
+        file_handler = LogFile(log_file, encoding="utf-8")
         file_handler.setFormatter(
             RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
             if fmt == "text" else JsonFormatter()

@@ -36,6 +36,7 @@ from esd_worker.layout import (
     is_tag,
     layers_name,
     list_markers,
+    marker_key,
     model_file_key,
     read_markers,
     refit_record_key,
@@ -217,7 +218,8 @@ def read_table(marker: Marker, name: str, data: bytes) -> list[dict[str, str]]:
 
 def warn_damaged(key: str, e: DamagedResult) -> None:
     """The one line a damaged model gets when a command leaves it out."""
-    log.warning("model_key=%s left out: %s; `esd-sweep run` analyses it again", key, e)
+    log.warning("model_key=%s left out: %s; delete %s and `esd-sweep run` analyses it again",
+                key, e, marker_key(key))
 
 
 def _table_of(marker: Marker, tag: str | None) -> str:

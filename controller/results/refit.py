@@ -259,8 +259,7 @@ def refit_store(settings: RefitSettings) -> RefitResult:
     if not refit_keys:
         if damaged and not skipped:
             raise ResultsError(f"nothing to refit in {store.url}: the eigenvalues of all "
-                               f"{len(damaged)} model(s) are damaged (named above); "
-                               "`esd-sweep run` analyses them again")
+                               f"{len(damaged)} model(s) are damaged (named above)")
         if not skipped:
             raise no_table_error(store, None)
         raise ResultsError(
