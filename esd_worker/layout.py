@@ -14,28 +14,41 @@ Owns the contract users script against (docs/design.md, "Store layout"):
       runs/<run_id>.json              what one `esd-sweep run` did
       refits/<tag>.json               what one refit did
       report/                         `esd-sweep report`
+      _lease.json                     who is writing the output now (controller.lease)
 
-A model is done iff its marker exists and holds the same analysis parameters. The marker is
-a frozen, typed `Marker`; `write_model_result` is the one writer of a model's files and
-enforces marker-last. Does not own how bytes reach a store (esd_worker.store) nor what the
-layer table holds (esd_worker.results). No torch here: the controller imports it.
+A model is done iff its marker exists, holds the same analysis parameters and the files it
+vouches for are whole: the marker seals each file it names with its size and SHA-256
+(`FileSeal`), so a deleted or truncated table shows in a store listing (sizes, `check_files`)
+and a corrupt one when it is read (`check_data`). What the marker holds is
+esd_worker.marker's; `write_model_result` is the one writer of a model's files and enforces
+marker-last. Does not own how bytes reach a store (esd_worker.store) nor what the layer
+table holds (esd_worker.results). No torch here: the controller imports it.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
+# The marker itself (fields, JSON, seals) is esd_worker.marker's; its names are part of the
+# layout's contract, so they are importable from here too.
+from esd_worker.marker import LAYERS_NAME as LAYERS_NAME
+from esd_worker.marker import MARKER_SCHEMA as MARKER_SCHEMA
+from esd_worker.marker import BaseModelRef as BaseModelRef
+from esd_worker.marker import DamagedResult as DamagedResult
+from esd_worker.marker import FileSeal as FileSeal
+from esd_worker.marker import Marker as Marker
+from esd_worker.marker import MarkerError as MarkerError
+from esd_worker.marker import canonical_parameters as canonical_parameters
+from esd_worker.marker import check_data as check_data
+from esd_worker.marker import check_listed as check_listed
 from esd_worker.store import Store
 
 log = logging.getLogger(__name__)
 
-LAYERS_NAME = "layers.csv"
 EIGS_NAME = "eigs.npz"
 MARKER_NAME = "result.json"
 FAILURES_PREFIX = "_failures/"
@@ -45,7 +58,9 @@ SUMMARY_KEY = "summary.csv"
 RUNS_PREFIX = "runs/"
 REFITS_PREFIX = "refits/"
 REPORT_PREFIX = "report/"
-MARKER_SCHEMA = 1
+# The sweep writing this output now (controller.lease): top level, so that no listing of
+# model folders (`<model_key>/result.json`) or of _failures/ takes it for one.
+LEASE_KEY = "_lease.json"
 
 _MARKER_SUFFIX = "/" + MARKER_NAME
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
@@ -54,10 +69,6 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*")
 
 class LayoutError(ValueError):
     """A key part (model key, tag, run id) that has no place in the layout."""
-
-
-class MarkerError(ValueError):
-    """Bytes that are not a marker this version can read; the message says why."""
 
 
 # -- keys --------------------------------------------------------------------------------------
@@ -152,6 +163,15 @@ def iter_markers(store: Store) -> Iterator[str]:
                 yield model_key
 
 
+def iter_model_files(store: Store) -> Iterator[tuple[str, str, int]]:
+    """(model_key, file name, size) of every file directly in a folder of the store, as one
+    listing goes: the markers, and the sizes of the files they vouch for, in one pass."""
+    for key, size in store.list_sizes():
+        model_key, sep, name = key.partition("/")
+        if sep and model_key and name and "/" not in name:
+            yield model_key, name, size
+
+
 def list_failure_keys(store: Store) -> dict[str, str]:
     """model_key → store key of every failure record, from one listing of _failures/."""
     keys: dict[str, str] = {}
@@ -160,177 +180,6 @@ def list_failure_keys(store: Store) -> dict[str, str]:
         if name.endswith(".json") and "/" not in name and len(name) > len(".json"):
             keys[name[: -len(".json")]] = key
     return keys
-
-
-# -- the marker --------------------------------------------------------------------------------
-
-
-def canonical_parameters(parameters: Mapping[str, Any]) -> dict[str, Any]:
-    """parameters as they read back from result.json (tuples become lists, and so on)."""
-    return dict(json.loads(json.dumps(dict(parameters))))
-
-
-@dataclass(frozen=True)
-class BaseModelRef:
-    """An adapter's base as its worker resolved it."""
-
-    model: str
-    resolved_revision: str | None = None
-    source: str | None = None
-
-
-@dataclass(frozen=True)
-class Marker:
-    """`<model_key>/result.json`: a model is done, with these parameters, and how it went.
-
-    model: the reference the worker was given (id[@rev] or a local path); model_key: its
-    folder. parameters: the analysis settings (esd_worker.settings.AnalysisSettings.as_dict).
-    summary: the across-layer statistics (esd_worker.results.summarize_layers), None in
-    markers written before it existed. layers_name / eigs_name: the files beside it
-    (eigs_name None: no eigenvalues stored). timings: seconds per phase (total_s, ...).
-    device, versions, adapter: informational, as the worker recorded them.
-    """
-
-    model: str
-    model_key: str
-    parameters: Mapping[str, Any] = field(default_factory=dict)
-    schema: int = MARKER_SCHEMA
-    model_id: str | None = None
-    revision: str | None = None
-    resolved_revision: str | None = None
-    source: str | None = None
-    relation: str = ""
-    base_model: BaseModelRef | None = None
-    adapter: Mapping[str, Any] | None = None
-    layer_discovery: str | None = None
-    architecture: str | None = None
-    discovery_note: str | None = None
-    layer_count: int | None = None
-    status_counts: Mapping[str, int] = field(default_factory=dict)
-    summary: Mapping[str, Any] | None = None
-    layers_name: str = LAYERS_NAME
-    eigs_name: str | None = None
-    timings: Mapping[str, Any] = field(default_factory=dict)
-    device: Mapping[str, Any] | None = None
-    versions: Mapping[str, Any] = field(default_factory=dict)
-    started_at: str | None = None
-    finished_at: str | None = None
-
-    @property
-    def total_s(self) -> float | None:
-        value = self.timings.get("total_s")
-        return float(value) if isinstance(value, int | float) else None
-
-    def to_dict(self) -> dict[str, Any]:
-        base = self.base_model
-        return {
-            "schema": self.schema,
-            "model": self.model,
-            "model_id": self.model_id,
-            "revision": self.revision,
-            "resolved_revision": self.resolved_revision,
-            "source": self.source,
-            "model_key": self.model_key,
-            "relation": self.relation,
-            "base_model": None if base is None else {
-                "model": base.model, "resolved_revision": base.resolved_revision,
-                "source": base.source,
-            },
-            "adapter": None if self.adapter is None else dict(self.adapter),
-            "parameters": dict(self.parameters),
-            "layer_discovery": self.layer_discovery,
-            "architecture": self.architecture,
-            "discovery_note": self.discovery_note,
-            "layer_count": self.layer_count,
-            "status_counts": dict(self.status_counts),
-            "summary": None if self.summary is None else dict(self.summary),
-            "outputs": {"layers": self.layers_name, "eigs": self.eigs_name},
-            "timings": dict(self.timings),
-            "device": None if self.device is None else dict(self.device),
-            "versions": dict(self.versions),
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-        }
-
-    def to_json(self) -> bytes:
-        """Sorted keys, two-space indent; NaN is refused (JSON has none)."""
-        text = json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
-        return (text + "\n").encode("utf-8")
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Marker:
-        """Parse a stored marker; MarkerError naming the problem when it is not one.
-
-        The schema must be one this version knows (1..MARKER_SCHEMA): a newer marker is
-        refused rather than half understood. Keys this version does not know are ignored.
-        """
-        try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise MarkerError(f"not JSON: {e}") from e
-        if not isinstance(doc, dict):
-            raise MarkerError("not a JSON object")
-        return cls.from_dict(doc)
-
-    @classmethod
-    def from_dict(cls, doc: Mapping[str, Any]) -> Marker:
-        schema = doc.get("schema")
-        if isinstance(schema, bool) or not isinstance(schema, int):
-            raise MarkerError(f"schema must be an integer, got {schema!r}")
-        if not 1 <= schema <= MARKER_SCHEMA:
-            raise MarkerError(f"schema {schema} is not one this version reads (1.."
-                              f"{MARKER_SCHEMA}): written by a newer esd-sweep?")
-        outputs = _get(doc, "outputs", Mapping, {})
-        base = _get(doc, "base_model", Mapping, None)
-        return cls(
-            schema=schema,
-            model=_need(doc, "model", str),
-            model_key=_need(doc, "model_key", str),
-            parameters=dict(_get(doc, "parameters", Mapping, {})),
-            model_id=_get(doc, "model_id", str, None),
-            revision=_get(doc, "revision", str, None),
-            resolved_revision=_get(doc, "resolved_revision", str, None),
-            source=_get(doc, "source", str, None),
-            relation=_get(doc, "relation", str, None) or "",
-            base_model=None if base is None else BaseModelRef(
-                model=_need(base, "model", str, where="base_model."),
-                resolved_revision=_get(base, "resolved_revision", str, None),
-                source=_get(base, "source", str, None),
-            ),
-            adapter=_get(doc, "adapter", Mapping, None),
-            layer_discovery=_get(doc, "layer_discovery", str, None),
-            architecture=_get(doc, "architecture", str, None),
-            discovery_note=_get(doc, "discovery_note", str, None),
-            layer_count=_get(doc, "layer_count", int, None),
-            status_counts=dict(_get(doc, "status_counts", Mapping, {})),
-            summary=_get(doc, "summary", Mapping, None),
-            layers_name=_get(outputs, "layers", str, None) or LAYERS_NAME,
-            eigs_name=_get(outputs, "eigs", str, None),
-            timings=dict(_get(doc, "timings", Mapping, {})),
-            device=_get(doc, "device", Mapping, None),
-            versions=dict(_get(doc, "versions", Mapping, {})),
-            started_at=_get(doc, "started_at", str, None),
-            finished_at=_get(doc, "finished_at", str, None),
-        )
-
-
-def _need(doc: Mapping[str, Any], name: str, kind: type, *, where: str = "") -> Any:
-    if name not in doc:
-        raise MarkerError(f"lacks {(where + name)!r}")
-    value = _get(doc, name, kind, None, where=where)
-    if value is None:
-        raise MarkerError(f"{where}{name} must not be null")
-    return value
-
-
-def _get(doc: Mapping[str, Any], name: str, kind: type, default: Any, *, where: str = "") -> Any:
-    value = doc.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass: keep them apart.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MarkerError(f"{where}{name} must be {kind.__name__}, got {value!r}")
-    return value
 
 
 # -- reading and writing a model's files ---------------------------------------------------------
@@ -380,6 +229,17 @@ def read_markers(
     return {key: parse_marker(key, data) for key, data in zip(unique, blobs, strict=True)}
 
 
+# -- whether a model's files are whole ---------------------------------------------------------
+
+
+def check_files(store: Store, marker: Marker) -> str | None:
+    """check_listed against one listing of the model's folder (one request on S3)."""
+    prefix = f"{check_model_key(marker.model_key)}/"
+    sizes = {key[len(prefix):]: size for key, size in store.list_sizes(prefix)
+             if key.startswith(prefix)}
+    return check_listed(marker, sizes)
+
+
 def write_model_result(
     store: Store,
     marker: Marker,
@@ -392,11 +252,16 @@ def write_model_result(
 
     An older marker (other parameters) must not vouch for the files about to change, so it
     is deleted first: if the writer dies between the files, the model is simply not done.
+    The marker written seals the files (size and SHA-256 of the bytes written).
     finish: called once the data files are written, returns the marker to write (the
     worker stamps the write time and finished_at there). Returns the marker written.
     """
     if (eigs is None) != (marker.eigs_name is None):
         raise ValueError("eigs and marker.eigs_name go together: both or neither")
+    seals = {marker.layers_name: FileSeal.of(layers)}
+    if eigs is not None and marker.eigs_name is not None:
+        seals[marker.eigs_name] = FileSeal.of(eigs)
+    marker = dataclasses.replace(marker, files=seals)
     key = marker.model_key
     store.delete(marker_key(key))
     store.put_bytes(model_file_key(key, marker.layers_name), layers)
@@ -404,7 +269,7 @@ def write_model_result(
         store.put_bytes(model_file_key(key, marker.eigs_name), eigs)
     if finish is not None:
         marker = finish(marker)
-        if marker.model_key != key:
-            raise ValueError("finish() must not change the model key")
+        if marker.model_key != key or marker.files != seals:
+            raise ValueError("finish() must not change the model key or the seals")
     store.put_bytes(marker_key(key), marker.to_json())
     return marker
