@@ -18,8 +18,6 @@ from esd_worker.store import LocalStore, Store
 from tests.controller.test_sweep import make_tiny_gpt2, write_model_list
 from tests.support import REPO_ROOT
 
-pytestmark = pytest.mark.slow
-
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 

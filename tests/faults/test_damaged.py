@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import all_whole, esd_sweep, run_args, status
+
+pytestmark = pytest.mark.slow
 
 
 def flip_a_byte(path: Path) -> None:

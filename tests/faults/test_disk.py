@@ -12,9 +12,13 @@ import json
 import resource
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import all_whole, esd_sweep, run_args, status
 
 LIMIT = 4096  # bytes: above layers.csv and result.json of a tiny GPT-2, below its eigs.npz
+
+pytestmark = pytest.mark.slow
 
 
 def limit_file_size() -> None:

@@ -9,8 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.faults.conftest import ENV, all_whole, esd_sweep, esd_sweep_argv, run_args
 from tests.support import REPO_ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def _done_lines(log_dir: Path) -> dict[str, int]:
