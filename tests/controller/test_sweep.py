@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.layout import Marker, marker_key
+from esd_worker.layout import Marker, marker_key, write_model_result
 from esd_worker.modellist import ModelRow
 from esd_worker.naming import model_key
 from esd_worker.settings import AnalysisSettings
@@ -294,8 +294,9 @@ def test_local_dry_run_prints_the_worker_commands_and_runs_nothing(tmp_path: Pat
     out = tmp_path / "out"
     done = ModelRow("org/done", None, "", None)
     store = LocalStore(out)
-    store.put_bytes(marker_key(done.key), Marker(
-        model=done.ref, model_key=done.key, parameters=AnalysisSettings().as_dict()).to_json())
+    write_model_result(store, Marker(model=done.ref, model_key=done.key,
+                                     parameters=AnalysisSettings().as_dict()),
+                       layers=b"layer,alpha\nl0,3.0\n")
     odd = tmp_path / "it's a model; $(touch pwned)"
     odd.mkdir()
     models = write_model_list(tmp_path / "m.csv", [("org/done", "", ""), (str(odd), "", ""),
@@ -307,7 +308,7 @@ def test_local_dry_run_prints_the_worker_commands_and_runs_nothing(tmp_path: Pat
     assert lines[1][lines[1].index("--base-model") + 1] == "org/base@v1"
     assert all(argv[argv.index("--device") + 1] == "cpu" for argv in lines)
     written = {k for k in store.list_keys() if not k.startswith("logs/")}
-    assert written == {marker_key(done.key)}
+    assert written == {marker_key(done.key), f"{done.key}/layers.csv"}
 
 
 def _output_under_a_file(tmp_path: Path) -> Path:
