@@ -26,6 +26,7 @@ from controller.backends.local import LocalSettings
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
+from controller.lease import add_wait_lock_flag
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(--backend local) or on Kubernetes (--backend kubernetes: Indexed Jobs over shards "
         "of the list, or one Job per model with --shard-size 1). "
         "Exit status: 0 all done, 1 some models failed, 2 usage or configuration error, "
+        "or the output in use by another sweep (see --wait-lock), "
         "3 infrastructure error (store or cluster unreachable, RBAC), 130 interrupted.",
     )
     inputs = run.add_argument_group("input")
@@ -200,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(running, "--dry-run", action="store_true",
              help="print what would start and start nothing: Kubernetes Jobs as YAML "
              "(kubectl apply -f -), or the local worker command lines")
+    add_wait_lock_flag(running)
     failed = running.add_mutually_exclusive_group()
     add_flag(failed, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record (not found, gated, corrupt)")
@@ -363,6 +366,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         cache_budget=getattr(args, "cache_budget", None),
         cache_dir=getattr(args, "cache_dir", None),
         summary=not getattr(args, "no_summary", False),
+        wait_lock_s=getattr(args, "wait_lock", None),
     )
 
 

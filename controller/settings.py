@@ -32,6 +32,8 @@ class SweepSettings:
     and their own download directory (esd-worker --prefetch, --cache-budget, --cache-dir).
     summary: rebuild summary.csv at the end (it reads every done model's marker: a list of
     millions may leave it to a later `esd-sweep report`).
+    wait_lock_s: when another sweep holds the output (controller.lease), seconds to wait for
+    it (math.inf: as long as it takes); None: exit 2 at once.
     """
 
     output: str
@@ -62,3 +64,4 @@ class SweepSettings:
     cache_budget: int | None = None
     cache_dir: str | None = None
     summary: bool = True
+    wait_lock_s: float | None = None

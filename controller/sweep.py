@@ -29,6 +29,7 @@ from controller.errors import (
     InfrastructureError,
     SweepError,
 )
+from controller.lease import output_lease
 from controller.plan import ListPlan
 from controller.progress import Progress
 from controller.recorder import Recorder
@@ -68,6 +69,16 @@ def run_sweep(
     """
     started = _Started()
     store = _open_store(settings.output, writing=True)
+    with output_lease(store, command="esd-sweep run", run_id=started.run_id,
+                      wait_s=settings.wait_lock_s, take=not settings.dry_run):
+        started.restart()
+        return _sweep(settings, store, started, on_plan=on_plan, opener=opener, out=out)
+
+
+def _sweep(settings: SweepSettings, store: Store, started: _Started, *,
+           on_plan: Callable[[ListPlan], None] | None, opener: BackendOpener,
+           out: TextIO | None) -> SweepResult:
+    """run_sweep once the output is this sweep's (controller.lease)."""
     source = model_source(settings)
     try:
         plan = plan_models(settings, store, source.items)
@@ -104,6 +115,15 @@ def run_commands(settings: SweepSettings) -> SweepResult:
     assert settings.commands is not None
     started = _Started()
     store = _open_store(settings.output, writing=True)
+    with output_lease(store, command="esd-sweep run", run_id=started.run_id,
+                      wait_s=settings.wait_lock_s):
+        started.restart()
+        return _run_commands(settings, store, started)
+
+
+def _run_commands(settings: SweepSettings, store: Store, started: _Started) -> SweepResult:
+    """run_commands once the output is this sweep's (controller.lease)."""
+    assert settings.commands is not None
     try:
         tasks = read_commands(settings.commands)
     except (OSError, ValueError) as e:
@@ -229,6 +249,12 @@ class _Started:
         self.clock = time.perf_counter()
         self.at = utc_now()
         self.run_id = new_run_id()
+
+    def restart(self) -> None:
+        """The run starts now, once the output is its own (--wait-lock may have waited);
+        its id, in the lease record already, stays."""
+        self.clock = time.perf_counter()
+        self.at = utc_now()
 
 
 def _open_store(url: str, *, writing: bool) -> Store:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from datetime import datetime
-from typing import Any, NoReturn
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, NamedTuple, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
@@ -237,6 +238,90 @@ class S3Store(Store):
             self._client.delete_object(Bucket=self.bucket, Key=name)
         except _BOTO_ERRORS as e:
             self._fail(e, f"delete {name}")
+
+    # Conditional access (controller.lease): the store, not a read-then-write, decides who
+    # wins when two writers race. AWS S3 takes If-None-Match / If-Match on PUT and If-Match
+    # on DELETE (which also needs s3:GetObject), and so does moto's server, the tests' double;
+    # a store that ignores them writes unconditionally, and then nothing is decided.
+
+    def get_versioned(self, key: str) -> Versioned | None:
+        """The value of key with its ETag and age, or None when the key does not exist.
+
+        Age: seconds since the object was last written, by the store's own clock (the
+        reply's Date less the object's Last-Modified; this machine's clock only when the
+        reply has no Date), so that machines with skewed clocks agree on it. Both are HTTP
+        dates: whole seconds.
+        """
+        name = self._object_key(key)
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=name)
+            data = bytes(response["Body"].read())
+        except ClientError as e:
+            if _error_code(e) == "NoSuchKey":
+                return None
+            self._fail(e, f"read {name}")
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"read {name}")
+        return Versioned(data, str(response["ETag"]), _age_s(response))
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
+        """Write key only while it is absent (etag None) or still the version `etag`: the new
+        ETag, or None when the store refused because another writer got there first."""
+        name = self._object_key(key)
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        try:
+            response = self._client.put_object(Bucket=self.bucket, Key=name, Body=data,
+                                               **condition)
+        except ClientError as e:
+            if _refused(e, etag):
+                return None
+            self._fail(e, f"write {name}")
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"write {name}")
+        return str(response["ETag"])
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete key only while it is the version `etag`; False when it is not (another
+        writer replaced or deleted it)."""
+        name = self._object_key(key)
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=name, IfMatch=etag)
+        except ClientError as e:
+            if _refused(e, etag):
+                return False
+            self._fail(e, f"delete {name}")
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"delete {name}")
+        return True
+
+
+class Versioned(NamedTuple):
+    """A value read with its version (S3Store.get_versioned)."""
+
+    data: bytes
+    etag: str
+    age_s: float
+
+
+# 412: the condition failed; 409: a concurrent conditional write to the same key was in
+# flight (S3 asks to retry, which for us means: read again, someone else is writing).
+_CONDITION_FAILED = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412", "409"})
+
+
+def _refused(e: ClientError, etag: str | None) -> bool:
+    """Whether a conditional write was refused; If-Match on a missing key is a 404."""
+    code = _error_code(e)
+    return code in _CONDITION_FAILED or (etag is not None and code in _NOT_FOUND)
+
+
+def _age_s(response: dict[str, Any]) -> float:
+    written = response["LastModified"]
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        now = parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+    except (TypeError, ValueError):
+        now = datetime.now(timezone.utc)
+    return max(0.0, (now - written).total_seconds())
 
 
 def _error_code(e: ClientError) -> str:

@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from controller.lease import LEASE_TTL_S
 from tests.support.kustomize import (
     _BINDINGS,
     KUSTOMIZATIONS,
@@ -366,6 +367,9 @@ def test_controller_args_parse_with_the_real_cli(
     assert settings.output.startswith("s3://")
     cluster = settings.cluster
     assert cluster.namespace == "esd-sweep" and cluster.wait
+    # A pod that replaces a crashed controller finds its lease on the output until it
+    # expires: it must wait past that, since exit 2 fails the Job (podFailurePolicy).
+    assert settings.wait_lock_s is not None and settings.wait_lock_s > 2 * LEASE_TTL_S
     assert cluster.service_account == "esd-sweep-worker"
     components = components_of(name)
     assert (cluster.kueue_queue is not None) == ("kueue" in components)
