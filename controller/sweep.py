@@ -33,11 +33,11 @@ from controller.lease import output_lease
 from controller.plan import ListPlan
 from controller.progress import Progress
 from controller.recorder import Recorder
-from controller.results.summary import write_summary
+from controller.results.summary import KnownMarkers, write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.errors import StorePathError, UsageError
-from esd_worker.layout import SUMMARY_KEY, run_report_key
+from esd_worker.layout import SUMMARY_KEY, Marker, run_report_key
 from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
 from esd_worker.records import utc_now
 from esd_worker.store import Store, open_store
@@ -81,11 +81,13 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, *,
     """run_sweep once the output is this sweep's (controller.lease)."""
     source = model_source(settings)
     try:
-        plan = plan_models(settings, store, source.items)
+        known = KnownMarkers()  # the done markers the plan reads: summary.csv reuses them
+        plan = plan_models(settings, store, source.items, on_done=known.add)
         counts = plan.counts
-        log.info("%d model(s): %d done already, %d to run (%d with other parameters), %d "
-                 "skipped for a permanent failure record, %d bad row(s)", counts.models,
-                 counts.done, counts.todo, counts.stale, counts.skipped_failed, counts.bad_rows)
+        log.info("%d model(s): %d done already, %d to run (%d with other parameters, %d "
+                 "damaged), %d skipped for a permanent failure record, %d bad row(s)",
+                 counts.models, counts.done, counts.todo, counts.stale, counts.damaged,
+                 counts.skipped_failed, counts.bad_rows)
         if on_plan is not None:
             on_plan(plan)
         backend = opener(settings, worker_spec(settings, started.run_id, store.url))
@@ -95,7 +97,7 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, *,
         recorder = Recorder(store, started.run_id)
         interrupted = execute(backend, work, recorder)
         summary_rows = 0 if not settings.summary else write_summary(
-            store, plan.rows(), parameters=settings.analysis.as_dict())
+            store, plan.rows(), parameters=settings.analysis.as_dict(), known=known)
     finally:
         source.close()
     result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
@@ -190,12 +192,15 @@ def model_source(settings: SweepSettings) -> ListFile | _Single:
 
 def plan_models(settings: SweepSettings, store: Store,
                 items: Callable[[], Iterable[ModelRow | RowProblem]], *,
-                skip_failed: bool | None = None) -> ListPlan:
-    """The plan of the listed models against the store; bad rows logged one line each."""
+                skip_failed: bool | None = None,
+                on_done: Callable[[Marker], None] | None = None) -> ListPlan:
+    """The plan of the listed models against the store; bad rows logged one line each.
+    on_done: given each marker the plan read and found done (ListPlan)."""
     plan = ListPlan(
         items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
-        limit=settings.limit, on_problem=lambda problem: log.error("%s", problem)).scan()
+        limit=settings.limit, on_problem=lambda problem: log.error("%s", problem),
+        on_done=on_done).scan()
     if plan.counts.bad_rows and settings.strict:
         raise SweepError(
             f"{plan.counts.bad_rows} bad row(s) in the model list and --strict is set: "
@@ -220,6 +225,7 @@ def models_status(settings: SweepSettings) -> dict[str, Any]:
         "done": counts.done,
         "todo": counts.todo,
         "stale": counts.stale,
+        "damaged": counts.damaged,
         "failed_permanent": counts.skipped_failed,
     }
 

@@ -219,6 +219,11 @@ class S3Store(Store):
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         """Every key under prefix (a folder, as in LocalStore): ListObjectsV2 pages of
         list_page_size keys (1000, the most S3 gives), never a request per key."""
+        for key, _size in self.list_sizes(prefix):
+            yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """(key, size) under prefix: the listing's own Size field, no request per key."""
         folder = "/".join(p for p in prefix.split("/") if p)
         root = f"{self.prefix}/" if self.prefix else ""
         scan = f"{root}{folder}/" if folder else root
@@ -228,7 +233,7 @@ class S3Store(Store):
         try:
             for page in pages:
                 for item in page.get("Contents", ()):
-                    yield item["Key"][len(root):]
+                    yield item["Key"][len(root):], int(item.get("Size", 0))
         except _BOTO_ERRORS as e:
             self._fail(e, f"list {scan or '/'}")
 

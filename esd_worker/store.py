@@ -73,6 +73,11 @@ class Store(abc.ABC):
         """Every key under prefix, in no particular order."""
 
     @abc.abstractmethod
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key under prefix, from the same listing as
+        list_keys: sizes come with it (S3 returns them; a local folder, one stat a file)."""
+
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove a key; a missing key is not an error."""
 
@@ -165,6 +170,20 @@ class LocalStore(Store):
             raise local_store_error(f"look up {path}", e) from e
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
+        for key, _entry in self._entries(prefix):
+            yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        for key, entry in self._entries(prefix):
+            try:
+                size = entry.stat().st_size
+            except FileNotFoundError:  # deleted since the folder was read: not there
+                continue
+            except OSError as e:
+                raise local_store_error(f"list {entry.path}", e) from e
+            yield key, size
+
+    def _entries(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
         base = self.root / prefix if prefix else self.root
         try:
             if not base.is_dir():
@@ -173,7 +192,7 @@ class LocalStore(Store):
         except OSError as e:
             raise local_store_error(f"list {base}", e) from e
 
-    def _walk(self, folder: str, rel: str) -> Iterator[str]:
+    def _walk(self, folder: str, rel: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
         """Keys under `folder` (`rel` from the root), depth first as the folder is read:
         a store of millions of models is never listed into memory (os.walk keeps the
         path of every sub-folder of a folder, millions of them under the root)."""
@@ -184,7 +203,7 @@ class LocalStore(Store):
                     if not entry.is_symlink():  # as os.walk: a linked folder is not entered
                         yield from self._walk(entry.path, key)
                 elif not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
-                    yield key
+                    yield key, entry
 
     def delete(self, key: str) -> None:
         try:
