@@ -86,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             stamps = Stamps()
             t0 = time.perf_counter()
-            logging.getLogger().addHandler(stamps)
+            # On the sweep's own logger: the CLI's log setup replaces the root's handlers.
+            logging.getLogger("controller.sweep").addHandler(stamps)
             code = esd_sweep(["run", "--model-list", str(root / "models.csv"), "--output-dir",
                               str(root / "out"), "--device", "cpu"])
             total = time.perf_counter() - t0
-            logging.getLogger().removeHandler(stamps)
+            logging.getLogger("controller.sweep").removeHandler(stamps)
             assert code == 0, code
             runs.append((stamps.at.get("planned", t0) - t0,
                          stamps.at.get("finished", t0) - stamps.at.get("planned", t0), total))
