@@ -188,18 +188,23 @@ class S3Store(Store):
             self._fail(e, f"write {name}")
 
     def get_bytes(self, key: str) -> bytes | None:
+        got = self._get(key)
+        return None if got is None else got[0]
+
+    def _get(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
+        """The value of key and the GetObject reply, or None when the key does not exist."""
         name = self._object_key(key)
         try:
             response = self._client.get_object(Bucket=self.bucket, Key=name)
             data = bytes(response["Body"].read())
-            self._bucket_seen = True
-            return data
         except ClientError as e:
             if _error_code(e) == "NoSuchKey":
                 return None
             self._fail(e, f"read {name}")
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
+        self._bucket_seen = True
+        return data, response
 
     def exists(self, key: str) -> bool:
         name = self._object_key(key)
@@ -257,16 +262,10 @@ class S3Store(Store):
         reply has no Date), so that machines with skewed clocks agree on it. Both are HTTP
         dates: whole seconds.
         """
-        name = self._object_key(key)
-        try:
-            response = self._client.get_object(Bucket=self.bucket, Key=name)
-            data = bytes(response["Body"].read())
-        except ClientError as e:
-            if _error_code(e) == "NoSuchKey":
-                return None
-            self._fail(e, f"read {name}")
-        except _BOTO_ERRORS as e:
-            self._fail(e, f"read {name}")
+        got = self._get(key)
+        if got is None:
+            return None
+        data, response = got
         return Versioned(data, str(response["ETag"]), _age_s(response))
 
     def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
