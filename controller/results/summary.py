@@ -132,9 +132,6 @@ class KnownMarkers:
     def __contains__(self, key: object) -> bool:
         return key in self._parts
 
-    def __len__(self) -> int:
-        return len(self._parts)
-
 
 def summary_rows(
     results: Sequence[ModelResult], store: Store, *, recompute: bool = False
@@ -194,7 +191,7 @@ def write_summary(
     parameters). known: markers the caller read and found done (with those parameters),
     not read again; the others are read concurrently, found by one listing when many.
     """
-    known = known or KnownMarkers()
+    known = KnownMarkers() if known is None else known
     listed: list[ModelRow] = []
     seen: set[str] = set()
     for model in models:  # the first row of a key wins
