@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 REDACTED = "[REDACTED]"
 
@@ -101,3 +102,13 @@ def redact_data(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [redact_data(v) for v in value]
     return value
+
+
+def without_userinfo(url: str) -> str:
+    """`url` without its user:password@ part, everything else as given: for a URL that is
+    still used (an endpoint in a message, a store URL in a Job's argv, where anyone who can
+    read the Job would read it), not only shown."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

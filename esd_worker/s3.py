@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple, NoReturn
-from urllib.parse import urlsplit, urlunsplit
 
 import boto3
 import botocore.session
@@ -33,6 +32,7 @@ from botocore.exceptions import (
 from botocore.utils import parse_timestamp
 
 from esd_worker.errors import StoreError, StorePermanentError, WorkerError
+from esd_worker.redact import without_userinfo
 from esd_worker.store import Store, normalize_key
 
 log = logging.getLogger(__name__)
@@ -63,14 +63,6 @@ _RETRYABLE_4XX = frozenset({"ExpiredToken", "ExpiredTokenException", "TokenRefre
                             "RequestLimitExceeded", "TooManyRequestsException"})
 _NOT_FOUND = frozenset({"NoSuchKey", "404", "NotFound"})
 _BOTO_ERRORS = (ClientError, BotoCoreError)
-
-
-def _no_userinfo(url: str) -> str:
-    """The URL without a user:password@ part, for messages."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def _quiet_wire_logs() -> None:
@@ -151,7 +143,7 @@ class S3Store(Store):
 
     @property
     def endpoint(self) -> str:
-        return _no_userinfo(str(self._client.meta.endpoint_url))
+        return without_userinfo(str(self._client.meta.endpoint_url))
 
     def _object_key(self, key: str) -> str:
         key = normalize_key(key)

@@ -14,7 +14,6 @@ import hashlib
 import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from controller.backends.kubernetes.errors import JobSpecError
 from controller.backends.kubernetes.jobs import (
@@ -39,6 +38,7 @@ from controller.backends.kubernetes.names import (
     output_annotation,
 )
 from esd_worker.errors import EXIT_PERMANENT, EXIT_USAGE
+from esd_worker.redact import without_userinfo
 
 # Pods of an Indexed Job are named <job>-<index>-<5 random> and get the hostname
 # <job>-<index>, which must stay a 63-char DNS label: 50 + '-' + a 5-digit index fits, and
@@ -85,16 +85,6 @@ def indexed_job_name(run_id: str, class_name: str) -> str:
     return f"{JOB_NAME_PREFIX}{run_part}-{class_name}"
 
 
-def _without_userinfo(url: str) -> str:
-    # The worker reads the store with the AWS credential chain (the Secret, IRSA) and
-    # refuses user:password@ in a URL; in argv it would be readable by anyone who can get
-    # the Job, so it never gets there. Everything else of the URL is passed on as given.
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
 def shard_worker_argv(
     *, shards_url: str, output_url: str, settings: JobSettings, batch_args: Sequence[str],
 ) -> list[str]:
@@ -107,8 +97,10 @@ def shard_worker_argv(
     """
     args = [
         "esd-worker",
-        "--shards", _without_userinfo(shards_url),
-        "--output", _without_userinfo(output_url),
+        # The worker reads the store with the AWS credential chain and refuses
+        # user:password@ in a URL; in argv anyone who can get the Job would read it.
+        "--shards", without_userinfo(shards_url),
+        "--output", without_userinfo(output_url),
         "--log-format", settings.log_format,
     ]
     if not any(a == "--device" or a.startswith("--device=") for a in settings.worker_args):
@@ -166,7 +158,7 @@ def _check_url(what: str, url: str, problems: list[str]) -> None:
         problems.append(f"{what}: contains control characters")
         return
     try:
-        shown = _without_userinfo(url)
+        shown = without_userinfo(url)
     except ValueError:
         problems.append(f"{what}: not a URL")
         return
