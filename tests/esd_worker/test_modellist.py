@@ -183,15 +183,6 @@ def test_parse_ref(ref: str, model_id: str, revision: str | None) -> None:
 # --- local paths ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def in_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Read lists in <tmp>/work, HOME at <tmp>/home."""
-    (tmp_path / "work").mkdir()
-    monkeypatch.chdir(tmp_path / "work")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    return tmp_path
-
-
 @pytest.mark.parametrize(
     ("ref", "model_id"),
     [

@@ -104,16 +104,6 @@ def test_long_ids_are_cut() -> None:
 # --- local paths: one spelling, so one key per directory ------------------------------------
 
 
-@pytest.fixture
-def in_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Run in <tmp>/work with HOME at <tmp>/home: relative paths and `~` have one meaning."""
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    return tmp_path
-
-
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
