@@ -23,6 +23,7 @@ from controller.backends.kubernetes.settings import (
     default_image,
 )
 from controller.backends.local import LocalSettings
+from controller.doctor import run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
@@ -35,7 +36,13 @@ from controller.runlog import HeldLog
 from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
-from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
+from esd_worker.flags import (
+    add_analysis_flags,
+    add_flag,
+    add_parallel_gpu_flags,
+    analysis_from_args,
+    parse_size,
+)
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.modellist import RELATIONS, make_single
@@ -150,6 +157,24 @@ def _add_kube_flags(g: Any) -> None:
              help="submit what fits and exit 0; Jobs keep running and a later run adopts them")
 
 
+def _add_doctor_flags(p: argparse.ArgumentParser) -> None:
+    """What `doctor` checks against: the device and GPU rule a sweep would use, its store,
+    and with --backend kubernetes the cluster flags of `run`."""
+    add_flag(p, "--device", choices=DEVICES, default="auto",
+             help="auto: GPUs when NVML sees any (none is not a failure); cuda: GPUs "
+             "required; cpu: no GPU needed")
+    add_flag(p, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
+             metavar="MIB", help="a GPU is free while its used memory is under this "
+             "(MiB, default 500)")
+    add_flag(p, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
+             help="the GPUs a sweep would use (default: all in the allocation)")
+    add_flag(p, "--output-dir", "--output", metavar="URL",
+             help="check that this result store is writable (default: not checked)")
+    add_flag(p, "--backend", choices=("local", "kubernetes"), default="local",
+             help="kubernetes: also check the API, RBAC, GPU nodes and the telemetry")
+    _add_kube_flags(p.add_argument_group("kubernetes (--backend kubernetes)"))
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--log-format", choices=LOG_FORMATS,
              default=os.environ.get("ESD_LOG_FORMAT", "text"),
@@ -224,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(local, "--max-gpus", type=int, metavar="N", help="use at most N GPUs")
     add_flag(local, "--gpus-per-job", "--num-gpus-per-job", type=int, default=1, metavar="N",
              help="GPUs per model (default 1)")
+    add_parallel_gpu_flags(local)
     add_flag(local, "--cpu-workers", type=int, default=1, metavar="N",
              help="models analysed at once on the CPU when no GPU is used (default 1)")
     add_flag(local, "--worker-reuse", type=int, default=None, metavar="N",
@@ -272,6 +298,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_compare_flags(compare)
     _add_common(compare)
+
+    doctor = sub.add_parser(
+        "doctor", help="check that this machine (or cluster) can run a sweep: GPUs, worker, "
+        "store, HF token, Kubernetes",
+        description="One line per check, ✓ or ✗ with what to do. Exit status: 0 every check "
+        "that applies passed, 1 some check failed, 2 usage.",
+    )
+    _add_doctor_flags(doctor)
+    _add_common(doctor)
 
     exporter = sub.add_parser(
         "gpu-exporter",
@@ -367,6 +402,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         cache_dir=getattr(args, "cache_dir", None),
         summary=not getattr(args, "no_summary", False),
         wait_lock_s=getattr(args, "wait_lock", None),
+        parallel_gpu=getattr(args, "parallel_gpu", True),
     )
 
 
@@ -432,7 +468,7 @@ def _dispatch(args: argparse.Namespace) -> tuple[int, str]:
     """Run the subcommand: (exit status, one-line error message or "")."""
     handlers = {
         "run": _run, "status": _status, "report": run_report, "refit": run_refit,
-        "compare": run_compare, "gpu-exporter": run_exporter,
+        "compare": run_compare, "gpu-exporter": run_exporter, "doctor": run_doctor,
     }
     try:
         return handlers[args.command](args), ""

@@ -34,6 +34,8 @@ class SweepSettings:
     millions may leave it to a later `esd-sweep report`).
     wait_lock_s: when another sweep holds the output (controller.lease), seconds to wait for
     it (math.inf: as long as it takes); None: exit 2 at once.
+    parallel_gpu: a worker with several GPUs spreads one model's layers over them (False:
+    --no-parallel-gpu, one GPU used whatever it is given).
     """
 
     output: str
@@ -65,3 +67,4 @@ class SweepSettings:
     cache_dir: str | None = None
     summary: bool = True
     wait_lock_s: float | None = None
+    parallel_gpu: bool = True

@@ -29,7 +29,13 @@ from esd_worker.errors import (
     exit_code_for,
     failure_message,
 )
-from esd_worker.flags import add_analysis_flags, add_flag, analysis_from_args, parse_size
+from esd_worker.flags import (
+    add_analysis_flags,
+    add_flag,
+    add_parallel_gpu_flags,
+    analysis_from_args,
+    parse_size,
+)
 from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
 from esd_worker.naming import normalize_model_ref
@@ -103,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_analysis_flags(p)
     add_flag(p, "--device", choices=DEVICES, default="auto",
              help="auto: CUDA when available, else CPU (default auto)")
+    add_parallel_gpu_flags(p)
     add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
     add_flag(p, "--trust-remote-code", action="store_true",
              help="allow model code from the hub to build the layer map (off by default)")
@@ -147,6 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         device=args.device,
         save_eigs=not args.no_eigs,
         trust_remote_code=args.trust_remote_code,
+        parallel_gpu=args.parallel_gpu,
     )
 
 

@@ -51,6 +51,18 @@ def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
              help="analyse Embedding layers too")
 
 
+def add_parallel_gpu_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """--parallel-gpu (the old --parallel-esd; the default) / --no-parallel-gpu: whether one
+    model's layers are spread over every GPU the worker is given."""
+    group = parser.add_mutually_exclusive_group()
+    add_flag(group, "--parallel-gpu", "--parallel-esd", dest="parallel_gpu",
+             action="store_true", default=True,
+             help="spread a model's layers over every GPU its worker is given, one analysis "
+             "stream per GPU (default)")
+    add_flag(group, "--no-parallel-gpu", dest="parallel_gpu", action="store_false",
+             help="one GPU per model even when several are visible")
+
+
 def analysis_from_args(args: argparse.Namespace) -> AnalysisSettings:
     return AnalysisSettings(
         fix_fingers=args.fix_fingers,

@@ -72,6 +72,8 @@ class WorkerSettings:
     device: auto (CUDA when available), cpu or cuda.
     save_eigs: also write <model_key>/eigs.npz (default on).
     trust_remote_code: allow model code from the hub to build the layer map (default off).
+    parallel_gpu: use every visible GPU for one model, one analysis stream each (default
+        on); off: only the first (cuda:0), as the old --no-parallel-gpu.
     """
 
     model: str
@@ -82,6 +84,7 @@ class WorkerSettings:
     device: str = "auto"
     save_eigs: bool = True
     trust_remote_code: bool = False
+    parallel_gpu: bool = True
 
     def validate(self) -> None:
         problems: list[str] = []

@@ -108,7 +108,8 @@ class WorkerSpec:
     retryable failures. overwrite: recompute models that are done. prefetch: models a
     long-lived worker downloads ahead; cache_budget: its bytes on disk for them (None:
     the worker's default); cache_dir: a download directory the worker owns and evicts
-    (None: the HF cache, never evicted).
+    (None: the HF cache, never evicted). parallel_gpu: a worker spreads one model over all its
+    GPUs (False: --no-parallel-gpu).
     """
 
     run_id: str
@@ -124,6 +125,7 @@ class WorkerSpec:
     prefetch: int = 1
     cache_budget: int | None = None
     cache_dir: str | None = None
+    parallel_gpu: bool = True
 
     def flags(self) -> list[str]:
         """The worker flags that do not depend on the model (analysis, eigenvalues, code)."""
@@ -132,6 +134,8 @@ class WorkerSpec:
             argv.append("--no-eigs")
         if self.trust_remote_code:
             argv.append("--trust-remote-code")
+        if not self.parallel_gpu:
+            argv.append("--no-parallel-gpu")
         return argv
 
     def batch_flags(self) -> list[str]:
