@@ -1,14 +1,18 @@
-"""Which GPUs are free, read from NVML (nvidia-ml-py); it does not start or watch workers."""
+"""Which GPUs are free, read from NVML (nvidia-ml-py), among those an inherited
+CUDA_VISIBLE_DEVICES allows (parsed in controller.allocation); it does not start or watch
+workers."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controller.allocation import VARIABLE, Allocation, needs_uuids, parse_visible_devices
 from controller.errors import InfrastructureError, SweepError
 
 log = logging.getLogger(__name__)
@@ -21,7 +25,8 @@ class NvmlUnavailable(Exception):
 
 
 class Nvml:
-    """Thin adapter over pynvml: device count and used memory per device, errors wrapped.
+    """Thin adapter over pynvml: device count, and per device used and total memory, UUID and
+    name; errors wrapped.
 
     `module` is the pynvml module (imported lazily when None); tests pass a fake with the same
     functions. Raises NvmlUnavailable when the bindings or the driver are missing.
@@ -48,25 +53,49 @@ class Nvml:
         except self._nvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML could not count the GPUs: {e}") from e
 
-    def used_mib(self, index: int) -> float:
-        """Memory in use on GPU `index`, MiB (all processes, ours and other users')."""
+    def _handle(self, index: int) -> Any:
+        handle = self._handles.get(index)
+        if handle is None:
+            handle = self._handles[index] = self._nvml.nvmlDeviceGetHandleByIndex(index)
+        return handle
+
+    def _memory(self, index: int) -> Any:
         nvml = self._nvml
         try:
-            handle = self._handles.get(index)
-            if handle is None:
-                handle = self._handles[index] = nvml.nvmlDeviceGetHandleByIndex(index)
+            handle = self._handle(index)
             if self._v2 is not None:
                 try:
-                    info = nvml.nvmlDeviceGetMemoryInfo(handle, version=self._v2)
+                    return nvml.nvmlDeviceGetMemoryInfo(handle, version=self._v2)
                 except (nvml.NVMLError, TypeError):
                     # An older driver (no _v2 entry point) or bindings without `version`.
                     self._v2 = None
-                    info = nvml.nvmlDeviceGetMemoryInfo(handle)
-            else:
-                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            return nvml.nvmlDeviceGetMemoryInfo(handle)
         except nvml.NVMLError as e:
             raise NvmlUnavailable(f"NVML could not read GPU {index}: {e}") from e
-        return float(info.used) / _MIB
+
+    def used_mib(self, index: int) -> float:
+        """Memory in use on GPU `index`, MiB (all processes, ours and other users')."""
+        return float(self._memory(index).used) / _MIB
+
+    def total_mib(self, index: int) -> float:
+        """GPU `index`'s memory, MiB (from the same call as used_mib)."""
+        return float(self._memory(index).total) / _MIB
+
+    def uuid(self, index: int) -> str:
+        """GPU `index`'s UUID as nvidia-smi prints it ("GPU-8932f937-d72c-…")."""
+        return self._text(index, "nvmlDeviceGetUUID", "UUID")
+
+    def name(self, index: int) -> str:
+        """GPU `index`'s product name ("NVIDIA H100 80GB HBM3")."""
+        return self._text(index, "nvmlDeviceGetName", "name")
+
+    def _text(self, index: int, function: str, what: str) -> str:
+        try:
+            text = getattr(self._nvml, function)(self._handle(index))
+        except self._nvml.NVMLError as e:
+            raise NvmlUnavailable(f"NVML could not read GPU {index}'s {what}: {e}") from e
+        # Current bindings return str, older ones bytes.
+        return text.decode() if isinstance(text, bytes) else str(text)
 
     def close(self) -> None:
         """Shut NVML down (once; later calls do nothing)."""
@@ -107,6 +136,25 @@ def open_nvml(module: Any | None = None) -> Nvml | None:
         log.info("no GPU: NVML runs but sees no device")
         return None
     return nvml
+
+
+def inherited_allocation(
+    nvml: Nvml, environ: Mapping[str, str] | None = None
+) -> Allocation | None:
+    """The GPUs an inherited CUDA_VISIBLE_DEVICES allows, as NVML indices; None when unset.
+
+    `environ` defaults to os.environ. Decimal entries are NVML indices (PCI bus order, as
+    SLURM and nvidia-smi number GPUs); UUIDs and unique UUID prefixes are matched against
+    NVML's, read only when the value has one. See controller.allocation for CUDA's rules.
+    Raises SweepError for MIG entries, NvmlUnavailable when a needed UUID cannot be read.
+    """
+    value = (os.environ if environ is None else environ).get(VARIABLE)
+    if value is None:
+        return None
+    count = nvml.device_count()
+    with_uuids = needs_uuids(value)
+    gpus = [(i, nvml.uuid(i) if with_uuids else "") for i in range(count)]
+    return parse_visible_devices(value, gpus)
 
 
 @dataclass(frozen=True)
