@@ -164,7 +164,10 @@ class GpuSettings:
     threshold_mib: a GPU is free while its used memory is below this, MiB (default 500).
     max_checks: consecutive polls under the threshold before a GPU is handed out (default 10).
     poll_interval_s: seconds between polls while work waits for a GPU (default 1.0).
-    gpu_list: NVML indices to use, in order of preference (default: all GPUs).
+    gpu_list: GPUs to use, in order of preference (default: all GPUs this job may use).
+        NVML indices, as nvidia-smi prints them, whatever CUDA_VISIBLE_DEVICES says; with an
+        inherited CUDA_VISIBLE_DEVICES they select within the GPUs it allows, and a GPU
+        outside them is an error.
     max_gpus: at most this many GPUs in use by this sweep at the same time (default: no cap).
         Any of the managed GPUs may be among them, so GPUs busy with other users' jobs
         do not count against the cap.
@@ -259,23 +262,41 @@ class GpuTracker:
       free again, it is busy for other reasons and needs `max_checks` polls again.
     - A GPU NVML cannot read counts as busy (with one warning) until it can be read again.
     - `max_gpus` caps how many GPUs are taken at the same time, not which ones.
+    - Only the managed GPUs (`gpus`) are ever read or handed out: `allocation`'s (an
+      inherited CUDA_VISIBLE_DEVICES, in its order) or else all NVML sees, narrowed to
+      `gpu_list` (its order) when one is given; a `gpu_list` GPU outside them is an error.
     """
 
-    def __init__(self, nvml: Nvml, settings: GpuSettings) -> None:
+    def __init__(
+        self, nvml: Nvml, settings: GpuSettings, allocation: Allocation | None = None
+    ) -> None:
         settings.validate()
         count = nvml.device_count()
+        if allocation is not None:
+            allowed = allocation.indices
+            if not allowed:
+                raise ValueError(f"{allocation.describe()} leaves no GPU to use")
+        else:
+            allowed = tuple(range(count))
         if settings.gpu_list is not None:
-            unknown = [i for i in settings.gpu_list if i >= count]
-            if unknown:
+            outside = [i for i in settings.gpu_list if i not in allowed]
+            if outside and allocation is not None:
                 raise ValueError(
-                    f"gpu_list: GPU(s) {unknown} do not exist; NVML sees {count} GPU(s) "
+                    f"gpu_list: GPU(s) {outside} are outside this job's GPUs: "
+                    f"{allocation.describe()} allows NVML indices "
+                    f"{','.join(map(str, allowed))}"
+                )
+            if outside:
+                raise ValueError(
+                    f"gpu_list: GPU(s) {outside} do not exist; NVML sees {count} GPU(s) "
                     f"(indices 0..{count - 1})"
                 )
             indices = tuple(settings.gpu_list)
         else:
-            indices = tuple(range(count))
+            indices = allowed
         self.nvml = nvml
         self.settings = settings
+        self.allocation = allocation
         self.gpus: tuple[int, ...] = indices
         self._state = {i: _Gpu(i, needed=settings.max_checks) for i in indices}
 
@@ -364,16 +385,25 @@ class GpuTracker:
         )
 
 
-def open_tracker(device: str, settings: GpuSettings, cpu_workers: int) -> GpuTracker | None:
+def open_tracker(
+    device: str,
+    settings: GpuSettings,
+    cpu_workers: int,
+    *,
+    environ: Mapping[str, str] | None = None,
+    module: Any | None = None,
+) -> GpuTracker | None:
     """A GPU tracker, or None for CPU mode (device "cpu", or "auto" and no GPU visible).
 
-    device "cuda" without a GPU is an InfrastructureError; settings NVML cannot satisfy
-    (a GPU index that does not exist) a SweepError.
+    The tracker manages only the GPUs an inherited CUDA_VISIBLE_DEVICES allows (environ:
+    default os.environ; module: pynvml or a fake). device "cuda" without a GPU (none found, or
+    none allowed) is an InfrastructureError; settings that cannot be satisfied (a GPU that
+    does not exist or is outside the allocation, a MIG allocation) a SweepError.
     """
     if device == "cpu":
         log.info("device=cpu: running %d CPU worker(s) at a time", cpu_workers)
         return None
-    nvml = open_nvml()
+    nvml = open_nvml(module)
     if nvml is None:
         if device == "cuda":
             raise InfrastructureError(
@@ -384,11 +414,43 @@ def open_tracker(device: str, settings: GpuSettings, cpu_workers: int) -> GpuTra
                  "(--cpu-workers)", cpu_workers)
         return None
     try:
-        tracker = GpuTracker(nvml, settings)
-    except ValueError as e:
+        tracker = _tracker_in_allocation(nvml, device, settings, cpu_workers, environ)
+    except BaseException:
         nvml.close()
-        raise SweepError(str(e)) from e
-    log.info("GPUs %s managed: free after %d checks under %g MiB, %d per job",
-             ",".join(map(str, tracker.gpus)), settings.max_checks,
+        raise
+    if tracker is None:
+        nvml.close()
+        return None
+    where = f" ({tracker.allocation.describe(short=True)})" if tracker.allocation else ""
+    log.info("GPUs %s managed%s: free after %d checks under %g MiB, %d per job",
+             ",".join(map(str, tracker.gpus)), where, settings.max_checks,
              settings.threshold_mib, settings.gpus_per_job)
     return tracker
+
+
+def _tracker_in_allocation(
+    nvml: Nvml, device: str, settings: GpuSettings, cpu_workers: int,
+    environ: Mapping[str, str] | None,
+) -> GpuTracker | None:
+    try:
+        allocation = inherited_allocation(nvml, environ)
+    except NvmlUnavailable as e:
+        raise InfrastructureError(
+            f"cannot match {VARIABLE} to the GPUs NVML sees: {e}"
+        ) from e
+    if allocation is not None:
+        for line in allocation.warnings():
+            log.warning("%s", line)
+        if not allocation.indices:
+            if device == "cuda":
+                raise InfrastructureError(
+                    f"--device cuda asked for, but {allocation.describe()} leaves no GPU "
+                    f"visible: run inside a GPU allocation, or use --device cpu"
+                )
+            log.info("%s leaves no GPU visible: running on the CPU with %d worker(s) at a "
+                     "time (--cpu-workers)", allocation.describe(), cpu_workers)
+            return None
+    try:
+        return GpuTracker(nvml, settings, allocation)
+    except ValueError as e:
+        raise SweepError(str(e)) from e

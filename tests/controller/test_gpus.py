@@ -1,8 +1,9 @@
 """Tests of controller.gpus: GPU free-ness from NVML readings, faked at the pynvml boundary.
 
 The fake module has the pynvml functions the adapter calls (nvmlInit, nvmlShutdown,
-nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo, NVMLError) and
-plays back scripted used-memory readings, one per GPU per poll.
+nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo, nvmlDeviceGetUUID,
+nvmlDeviceGetName, NVMLError) and plays back scripted used-memory readings, one per GPU per
+poll. The CUDA_VISIBLE_DEVICES boundary is tested in test_allocation.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from controller.gpus import (
     NvmlUnavailable,
     open_nvml,
 )
-from tests.support.nvml import FakePynvml
+from tests.support.nvml import NAME, TOTAL_MIB, FakePynvml, fake_uuid
 
 
 def make_tracker(
@@ -257,6 +258,45 @@ def test_used_memory_falls_back_to_v1_on_old_drivers() -> None:
     assert fake.versions == [None, None]  # v2 tried once, then not again
 
 
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["str", "bytes"])
+def test_uuid_and_name_are_text_whatever_the_bindings_return(as_bytes: bool) -> None:
+    """Current pynvml answers str, older versions bytes."""
+    fake = FakePynvml([[0.0], [0.0]], as_bytes=as_bytes)
+    fake.names[1] = "NVIDIA A100-SXM4-80GB"
+    nvml = Nvml(fake)
+    assert [nvml.uuid(i) for i in (0, 1)] == [fake_uuid(0), fake_uuid(1)]
+    assert fake_uuid(0) != fake_uuid(1) and fake_uuid(0).startswith("GPU-")
+    assert [nvml.name(i) for i in (0, 1)] == [NAME, "NVIDIA A100-SXM4-80GB"]
+
+
+@pytest.mark.parametrize("v2", [True, False], ids=["v2", "v1"])
+def test_total_memory_in_mib(v2: bool) -> None:
+    fake = FakePynvml([[100.0]], v2=v2)
+    assert Nvml(fake).total_mib(0) == pytest.approx(TOTAL_MIB)
+
+
+@pytest.mark.parametrize(
+    ("call", "fails", "message"),
+    [
+        ("uuid", "info", "NVML could not read GPU 1's UUID: GPU is lost"),
+        ("name", "info", "NVML could not read GPU 1's name: GPU is lost"),
+        ("total_mib", "memory", "NVML could not read GPU 1: GPU is lost"),
+        ("uuid", "missing", "NVML could not read GPU 5's UUID: Invalid Argument"),
+    ],
+    ids=["uuid", "name", "total", "no-such-gpu"],
+)
+def test_device_reads_wrap_nvml_errors(call: str, fails: str, message: str) -> None:
+    fake = FakePynvml([[0.0], [0.0]])
+    if fails == "info":
+        fake.fail_info.add(1)
+    else:
+        fake.fail_reads.add(1)
+    index = 5 if fails == "missing" else 1
+    with pytest.raises(NvmlUnavailable) as info:
+        getattr(Nvml(fake), call)(index)
+    assert str(info.value) == message
+
+
 def test_unreadable_gpu_counts_as_busy_until_it_reads_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -328,7 +368,8 @@ def test_real_nvml_when_a_gpu_is_there() -> None:
         count = nvml.device_count()
         assert count >= 1
         for index in range(count):
-            assert 0 <= nvml.used_mib(index) < 10**7
+            assert 0 <= nvml.used_mib(index) <= nvml.total_mib(index) < 10**7
+            assert nvml.uuid(index).startswith("GPU-") and nvml.name(index)
         tracker = GpuTracker(nvml, GpuSettings(max_checks=1, threshold_mib=10**7))
         tracker.poll()
         assert tracker.acquire(1) == (0,)
