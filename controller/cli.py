@@ -23,7 +23,7 @@ from controller.backends.kubernetes.settings import (
     default_image,
 )
 from controller.backends.local import LocalSettings
-from controller.doctor import run_doctor
+from controller.doctor import add_doctor_flags, run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpus import GpuSettings
@@ -158,20 +158,8 @@ def _add_kube_flags(g: Any) -> None:
 
 
 def _add_doctor_flags(p: argparse.ArgumentParser) -> None:
-    """What `doctor` checks against: the device and GPU rule a sweep would use, its store,
-    and with --backend kubernetes the cluster flags of `run`."""
-    add_flag(p, "--device", choices=DEVICES, default="auto",
-             help="auto: GPUs when NVML sees any (none is not a failure); cuda: GPUs "
-             "required; cpu: no GPU needed")
-    add_flag(p, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
-             metavar="MIB", help="a GPU is free while its used memory is under this "
-             "(MiB, default 500)")
-    add_flag(p, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
-             help="the GPUs a sweep would use (default: all in the allocation)")
-    add_flag(p, "--output-dir", "--output", metavar="URL",
-             help="check that this result store is writable (default: not checked)")
-    add_flag(p, "--backend", choices=("local", "kubernetes"), default="local",
-             help="kubernetes: also check the API, RBAC, GPU nodes and the telemetry")
+    """doctor's own flags (controller.doctor) and, for --backend kubernetes, `run`'s."""
+    add_doctor_flags(p)
     _add_kube_flags(p.add_argument_group("kubernetes (--backend kubernetes)"))
 
 

@@ -2,7 +2,8 @@
 
 `esd-sweep` exits 0 all done, 1 some models failed, 2 usage or configuration, 3
 infrastructure (store or cluster unreachable, permissions), 130 interrupted
-(docs/design.md, "Exit codes"). Every command turns an error into its one-line message and
+(docs/design.md, "Exit codes"); `esd-sweep doctor` exits 1 when one of its checks failed
+(EXIT_CHECK_FAILED). Every command turns an error into its one-line message and
 status with `describe_error`; nothing else picks an exit status from an exception. The
 worker's own exit codes are esd_worker.errors'.
 """
@@ -13,6 +14,7 @@ from esd_worker.errors import StoreError, StorePermanentError, WorkerError
 
 EXIT_ALL_DONE = 0
 EXIT_SOME_FAILED = 1
+EXIT_CHECK_FAILED = EXIT_SOME_FAILED  # doctor: a check that applies failed
 EXIT_USAGE = 2
 EXIT_INFRA = 3
 EXIT_INTERRUPTED = 130

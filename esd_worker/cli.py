@@ -1,6 +1,7 @@
 """The `esd-worker` command: flags to settings; one model (`--model`) or many in one process
 (`--models FILE`, a shard of a Kubernetes run with `--shards URL`, or `--serve` for a
-controller); the hub rate limit (`--hub-rate`); each failure one line + exit code.
+controller), or the device check (`--self-check`, esd_worker.selfcheck); the hub rate limit
+(`--hub-rate`); each failure one line + exit code.
 
 A batch's per-model loop is esd_worker.batch's, its read-ahead esd_worker.prefetch's, which
 shard a pod takes and a batch's exit code esd_worker.runner's.
@@ -53,8 +54,9 @@ EPILOG = f"""exit codes: 0 done (a batch: every model done or skipped); 2 usage 
 shard cannot run: no index, a bad index, no such shard); 3 permanent (a batch: some models
 failed for good, each recorded in _failures/; --shards exits 0 then, the records being the
 shard's outcome); 4 transient (network, storage, a stop; a batch: some failure a retry may
-fix); 5 out of GPU memory. --shards takes shard N of URL, URL/N.csv, N from --shard-index or
-{SHARD_INDEX_ENV}."""
+fix); 5 out of GPU memory. --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
+cannot be used (--device cuda without CUDA), 3 wrong numbers or a device error. --shards
+takes shard N of URL, URL/N.csv, N from --shard-index or {SHARD_INDEX_ENV}."""
 
 
 def _hub_rate(text: str) -> float:
@@ -97,14 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--serve", action="store_true",
                       help="take models as JSON lines on stdin (the controller's protocol: "
                       "esd_worker/protocol.py) and answer one JSON line each on stdout")
+    what.add_argument("--self-check", action="store_true",
+                      help="no model: run a small Gram + eigvalsh on the device --device picks "
+                      "(as the analysis does), compare it with float64 LAPACK and print one "
+                      "JSON line (device, torch, CUDA, error); no --output needed")
     add_flag(p, "--base-model", "--source-model", metavar="ID[@REV]|DIR",
              help="base model of an adapter (default: base_model_name_or_path of "
              "adapter_config.json)")
     add_flag(p, "--relation", "--base-model-relation", default="",
              help="base_model_relation from the model list (adapter/lora/peft: the model "
              "must be an adapter)")
-    add_flag(p, "--output", "--output-dir", required=True, metavar="URL",
-             help="result store: a directory, file:// or s3:// URL")
+    # Required by every way of giving work but --self-check: checked in main, with
+    # argparse's own wording.
+    add_flag(p, "--output", "--output-dir", metavar="URL",
+             help="result store: a directory, file:// or s3:// URL (required but with "
+             "--self-check)")
     add_flag(p, "--model-key", default=None, help=argparse.SUPPRESS)  # set by the controller
     add_analysis_flags(p)
     add_flag(p, "--device", choices=DEVICES, default="auto",
@@ -168,8 +177,15 @@ def _fail(error: BaseException, model: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.output is None and not args.self_check:
+        parser.error("the following arguments are required: --output/--output-dir")
     setup_logging(verbose=args.verbose, fmt=args.log_format)
+    if args.self_check:
+        from esd_worker.selfcheck import run_self_check  # torch: only now
+
+        return run_self_check(args.device)
     previous = _install_sigterm()
     previous_limit = set_rate_limit(TokenBucket(args.hub_rate) if args.hub_rate else None)
     try:

@@ -20,10 +20,13 @@ Endpoints, as huggingface_hub 2.4 calls them:
 - Errors carry X-Error-Code as the hub does: RepoNotFound, RevisionNotFound, EntryNotFound
   (404), GatedRepo (403); Retry-After when a fault asks for it.
 
-Does not emulate: authentication (any Authorization header is ignored: use `fail` for 401 and
-403), xet storage, uploads/commits, datasets and spaces, tags (revisions are branches or full
-commit shas), pagination, HTTP-date Retry-After, multi-range requests, compression. Whole
-files are held in memory: for tiny test models only.
+- GET /api/whoami-v2: the user of the `Authorization: Bearer` token when a test registered
+  it (`add_token`), else 401 as the hub answers an invalid token.
+
+Does not emulate: authentication of the model endpoints (any Authorization header is ignored
+there: use `fail` for 401 and 403), xet storage, uploads/commits, datasets and spaces, tags
+(revisions are branches or full commit shas), pagination, HTTP-date Retry-After, multi-range
+requests, compression. Whole files are held in memory: for tiny test models only.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class HubServer:
         self.cdn_host = cdn_host
         self._repos: dict[str, _Repo] = {}
         self._faults: list[Fault] = []
+        self._tokens: dict[str, str] = {}  # token -> user name (whoami)
         self._log: list[Request] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, 0), _Handler)
@@ -142,6 +146,11 @@ class HubServer:
             repo.branches[revision] = sha
             repo.commits[sha] = files
         return sha
+
+    def add_token(self, token: str, user: str) -> None:
+        """Make `token` valid for /api/whoami-v2, as `user`'s read token."""
+        with self._lock:
+            self._tokens[token] = user
 
     def fail(self, repo: str, status: int, *, times: int | None = 1,
              retry_after: int | None = None, on: str | None = None, method: str | None = None,
@@ -274,6 +283,10 @@ class _Handler(BaseHTTPRequestHandler):
         hub: HubServer = self.server.hub
         started = time.monotonic()
         path = urlsplit(self.path).path
+        if path == "/api/whoami-v2":
+            status = self._whoami()
+            hub._record(Request(self.command, path, status, "api", started=started))
+            return
         kind, repo, revision, file, tail = _parse(path)
         seen = Request(self.command, path, 0, kind, repo, file)
         fault = hub._take_fault(seen) if repo is not None else None
@@ -293,6 +306,21 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             status = self._file(repo, commit[0], file, commit[1][file], kind == "cdn")
         hub._record(Request(self.command, path, status, kind, repo, file, started))
+
+    def _whoami(self) -> int:
+        hub: HubServer = self.server.hub
+        auth = self.headers.get("Authorization") or ""
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
+        with hub._lock:
+            user = hub._tokens.get(token) if token else None
+        if user is None:
+            return self._send(401, json.dumps(
+                {"error": "Invalid credentials in Authorization header"}).encode(),
+                {"Content-Type": "application/json"})
+        body = {"type": "user", "name": user, "fullname": user, "orgs": [],
+                "auth": {"type": "access_token",
+                         "accessToken": {"displayName": "esd-sweep tests", "role": "read"}}}
+        return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
 
     def _api(self, repo: str, sha: str, files: dict[str, _File], tail: str) -> int:
         if tail == "tree":

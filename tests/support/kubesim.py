@@ -15,6 +15,8 @@ the controller relies on and kmock leaves out:
   window or after `expire_watches()` / `compact()`;
 - Background/Foreground deletion of a Job also deletes its pods (garbage collection);
 - pods/log (text, tailLines) from logs set by the simulator;
+- nodes (cluster-scoped) and SelfSubjectAccessReviews (allowed unless `forbid` denies the
+  verb; never stored), for `esd-sweep doctor`;
 - strict schema validation (kubernetes-validate, Kubernetes 1.31) of every created object
   and of every patched object: a bad object is a 422, as from a real apiserver;
 - faults before any state change: a status for N requests (409, 410, 429, 500, 403, …),
@@ -109,9 +111,18 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kueue.x-k8s.io/v1beta2/workloads": kmock.ResourceInfo(
         kind="Workload", singular="workload", namespaced=True, subresources={"status"},
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
+    # For `esd-sweep doctor` (the sweep itself reads no nodes and asks no reviews): nodes,
+    # cluster-scoped, and SelfSubjectAccessReviews, answered from `forbid` and never stored.
+    "v1/nodes": kmock.ResourceInfo(
+        kind="Node", singular="node", namespaced=False, subresources={"status"},
+        verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
+    "authorization.k8s.io/v1/selfsubjectaccessreviews": kmock.ResourceInfo(
+        kind="SelfSubjectAccessReview", singular="selfsubjectaccessreview", namespaced=False,
+        verbs={"create"}),
 }
 _API_VERSION = {"jobs": "batch/v1", "pods": "v1", "events": "v1",
-                "workloads": "kueue.x-k8s.io/v1beta2"}
+                "workloads": "kueue.x-k8s.io/v1beta2", "nodes": "v1",
+                "selfsubjectaccessreviews": "authorization.k8s.io/v1"}
 # Custom resources: kubernetes-validate has no schema for them (the CRD's own validation is
 # Kueue's business), so the simulator stores them as written.
 _UNVALIDATED_GROUPS = frozenset({"kueue.x-k8s.io"})
@@ -364,6 +375,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     _down_until: float = attrs.field(default=0.0, init=False)
     _down_mode: str = attrs.field(default="reset", init=False)
     _pod_logs: dict[tuple[str, str], str] = attrs.field(factory=dict, init=False)
+    # (verb, resource[/subresource], namespace) that `forbid` denies: what a
+    # SelfSubjectAccessReview answers "not allowed" to.
+    denied: set[tuple[str, str, str | None]] = attrs.field(factory=set, init=False)
     _pods_by_owner: dict[str, set[Any]] = attrs.field(factory=dict, init=False)
     _by_resource: dict[str, set[Any]] = attrs.field(factory=dict, init=False)
     _by_label: dict[tuple[str, str, str], set[Any]] = attrs.field(factory=dict, init=False)
@@ -501,12 +515,30 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(await self._serve_server_version(request))
         if request.resource is None:
             return await super()._handle(request)
+        if request.resource.plural == "selfsubjectaccessreviews":
+            return aiohttp.web.json_response(self._review(request), status=201)
         if request.action in (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE):
             async with self._wlock():
                 return await self._mutate(request)
         if request.action == kmock.action.FETCH and request.subresource == "log":
             return self._serve_log(request)
         return await super()._handle(request)
+
+    def _review(self, request: rendering.Request) -> dict[str, Any]:
+        """A SelfSubjectAccessReview as the apiserver answers it: the request's spec and
+        status.allowed, false for what `forbid` denies (not stored, like the real one)."""
+        review = request.data if isinstance(request.data, dict) else {}
+        spec = review.get("spec") or {}
+        attrs_ = spec.get("resourceAttributes") or {}
+        what = str(attrs_.get("resource") or "")
+        if attrs_.get("subresource"):
+            what += f"/{attrs_['subresource']}"
+        key = (str(attrs_.get("verb") or ""), what, attrs_.get("namespace") or None)
+        status: dict[str, Any] = {"allowed": key not in self.denied}
+        if not status["allowed"]:
+            status["reason"] = "kubesim: denied by forbid()"
+        return {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "metadata": {"creationTimestamp": None}, "spec": spec, "status": status}
 
     async def _mutate(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         """One write, serialised: stamp, validate, let kmock store it, log the watch event."""
@@ -1005,6 +1037,7 @@ class KubeSim:
         message = (f'{plural}{"." + group if group else ""} is forbidden: User "{subject}" '
                    f'cannot {verb} resource "{what}" in API group "{group}" in the '
                    f'namespace "{namespace}"')
+        self.emulator.denied.add((verb, what, namespace))
         return self.fail(verb, resource, status=403, times=None, message=message,
                          namespace=namespace)
 
@@ -1012,6 +1045,7 @@ class KubeSim:
         """Drop the pending faults (not committed=True ones: they run out by `times`)."""
         with self.emulator._faults_lock:
             self.emulator._faults.clear()
+            self.emulator.denied.clear()
 
     def api_down(self, seconds: float, *, mode: str = "reset") -> None:
         """The API is unreachable for `seconds`: connections dropped without an answer
