@@ -284,8 +284,10 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         path = urlsplit(self.path).path
         if path == "/api/whoami-v2":
-            status = self._whoami()
+            status, body = self._whoami()
+            # Logged before the answer leaves: a test reads the log as soon as it has it.
             hub._record(Request(self.command, path, status, "api", started=started))
+            self._send(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
             return
         kind, repo, revision, file, tail = _parse(path)
         seen = Request(self.command, path, 0, kind, repo, file)
@@ -307,20 +309,17 @@ class _Handler(BaseHTTPRequestHandler):
             status = self._file(repo, commit[0], file, commit[1][file], kind == "cdn")
         hub._record(Request(self.command, path, status, kind, repo, file, started))
 
-    def _whoami(self) -> int:
+    def _whoami(self) -> tuple[int, dict[str, Any]]:
         hub: HubServer = self.server.hub
         auth = self.headers.get("Authorization") or ""
         token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else ""
         with hub._lock:
             user = hub._tokens.get(token) if token else None
         if user is None:
-            return self._send(401, json.dumps(
-                {"error": "Invalid credentials in Authorization header"}).encode(),
-                {"Content-Type": "application/json"})
-        body = {"type": "user", "name": user, "fullname": user, "orgs": [],
-                "auth": {"type": "access_token",
-                         "accessToken": {"displayName": "esd-sweep tests", "role": "read"}}}
-        return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
+            return 401, {"error": "Invalid credentials in Authorization header"}
+        return 200, {"type": "user", "name": user, "fullname": user, "orgs": [],
+                     "auth": {"type": "access_token",
+                              "accessToken": {"displayName": "esd-sweep tests", "role": "read"}}}
 
     def _api(self, repo: str, sha: str, files: dict[str, _File], tail: str) -> int:
         if tail == "tree":
