@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The GPU part of the worker's benchmark and checks, for one machine with one CUDA GPU.
+# The GPU part of the worker's benchmark and checks, for one machine with one or more CUDA GPUs.
 #
 #   bash benchmarks/run_gpu.sh            # from anywhere; results go to $OUT (default .bench/out)
+#   STEPS="2 7" bash benchmarks/run_gpu.sh   # only the steps named (default: all, 1 to 7)
 #
 # Needs python3 with torch (CUDA), transformers, accelerate, safetensors, numpy, pytest and
 # nvidia-ml-py; no network and no install: the repo is put on PYTHONPATH and the worker is
-# started as `python3 -m esd_worker.cli` (no console script needed). Steps, ~6-7 minutes on
-# an H100 box (16 cores), under 9 minutes in all:
+# started as `python3 -m esd_worker.cli` (no console script needed). Steps 1-6 take ~6-7
+# minutes on an H100 box (16 cores), under 9 minutes; step 7 alone fits one 10-minute call
+# (STEPS=7). Steps 5 and 6 use the checkpoint step 4 writes to $CKPT (written if missing).
 #   1. versions and the GPU;
 #   2. correctness on the GPU: float32 Gram + eigvalsh on CUDA vs float64 SVD (4096×4096 and
 #      11008×4096; Gaussian and heavy-tailed spectra): max relative error of the top 500
@@ -17,9 +19,13 @@
 #      $BASELINE_MAX_S seconds, the rest extrapolated per shape, as the JSON says);
 #   5. the worker once more after dropping the page cache (cold reads), when allowed;
 #   6. bench_sweep_gpu.py: ten 7B-shaped models through `esd-sweep run` (long-lived workers,
-#      models/hour, the workers' peak resident memory) and --precision float64 vs float32.
+#      models/hour, the workers' peak resident memory) and --precision float64 vs float32;
+#   7. bench_multi_gpu.py: an 8192-hidden Llama-shaped checkpoint (written to $MULTI_CKPT)
+#      analysed on one GPU and on every visible GPU (identical outputs, scaling t1/(tN×N),
+#      target ≥ 0.85, peak memory per GPU), eigvalsh/Gram timings at 8192² and 16384², and
+#      the peak memory of one 16384-wide layer against the worker's estimate.
 # Every result lands in $OUT: gpu_checks.json, pytest_spectra.txt, bench_worker.json,
-# bench_worker_cold.json, bench_sweep_gpu.json and the logs.
+# bench_worker_cold.json, bench_sweep_gpu.json, bench_multi_gpu.json and the logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,12 +33,16 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/.bench/out}
 CKPT=${CKPT:-/tmp/esd-bench/llama7b}
 BASELINE_MAX_S=${BASELINE_MAX_S:-180}
+MULTI_CKPT=${MULTI_CKPT:-/tmp/esd-bench/llama8192}
+STEPS=${STEPS:-1 2 3 4 5 6 7}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 START=$SECONDS
 step() { echo; echo "== [$((SECONDS - START))s] $*"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }  # is step $1 among those asked for?
 
+if want 1; then
 step "1. versions"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$PY" - <<'EOF' | tee "$OUT/versions.txt"
@@ -52,7 +62,9 @@ for d in ("transformers", "accelerate", "safetensors", "numpy", "huggingface_hub
 import esd_worker.analyze  # noqa: F401  (fails here, not in the benchmark, if an import is missing)
 print("esd_worker importable from", esd_worker.analyze.__file__)
 EOF
+fi
 
+if want 2; then
 step "2. float32 Gram on CUDA vs float64 SVD"
 "$PY" - "$OUT/gpu_checks.json" <<'EOF' 2>&1 | tee "$OUT/gpu_checks.log"
 """Top-500 relative error of the worker's float32 path on CUDA against float64 SVD, and timings."""
@@ -143,7 +155,9 @@ print(json.dumps(timings, indent=1))
 with open(sys.argv[1], "w") as f:
     json.dump(report, f, indent=2)
 EOF
+fi
 
+if want 3; then
 step "3. tests/esd_worker/test_spectra.py on the GPU machine"
 if [ -f tests/esd_worker/test_spectra.py ]; then
   set +e
@@ -153,12 +167,16 @@ if [ -f tests/esd_worker/test_spectra.py ]; then
 else
   echo "tests/esd_worker/test_spectra.py not present: skipped" | tee "$OUT/pytest_spectra.txt"
 fi
+fi
 
+if want 4; then
 step "4. bench_worker.py: Llama-2-7B shape, worker vs baseline"
 "$PY" benchmarks/bench_worker.py --out "$CKPT" --device cuda \
   --worker-cmd "$PY -m esd_worker.cli" --baseline-max-s "$BASELINE_MAX_S" \
   --json "$OUT/bench_worker.json" 2>&1 | tee "$OUT/bench_worker.log"
+fi
 
+if want 5; then
 step "5. the worker again with a cold page cache"
 if sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
   "$PY" benchmarks/bench_worker.py --out "$CKPT" --device cuda --skip-baseline \
@@ -167,10 +185,34 @@ if sync && echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
 else
   echo "cannot drop the page cache here: cold run skipped"
 fi
+fi
 
+if want 6; then
+if [ ! -f "$CKPT/bench_spec.json" ]; then  # step 4's checkpoint, when step 4 did not run
+  "$PY" - "$CKPT" <<'EOF'
+import sys
+from pathlib import Path
+import torch
+sys.path.insert(0, "benchmarks")
+from checkpoint_7b import write_checkpoint
+write_checkpoint(Path(sys.argv[1]), blocks=32, hidden=4096, intermediate=11008, vocab=32000,
+                 seed=0, shard_mb=2000, device=torch.device("cuda:0"))
+EOF
+fi
 step "6. bench_sweep_gpu.py: ten 7B-shaped models through esd-sweep run; float64 vs float32"
 "$PY" benchmarks/bench_sweep_gpu.py --ckpt "$CKPT" --models "${SWEEP_MODELS:-10}" \
   --json "$OUT/bench_sweep_gpu.json" 2>&1 | tee "$OUT/bench_sweep_gpu.log"
+fi
+
+if want 7; then
+step "7. bench_multi_gpu.py: one 8192-hidden model on 1 GPU and on all; kernels at 8192², 16384²"
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader || true
+set +e  # exit 1 means the outputs differed: keep the JSON and the rest of the run
+"$PY" benchmarks/bench_multi_gpu.py --out "$MULTI_CKPT" --device cuda \
+  --json "$OUT/bench_multi_gpu.json" 2>&1 | tee "$OUT/bench_multi_gpu.log"
+echo "bench_multi_gpu exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_multi_gpu.log"
+set -e
+fi
 
 step "done; results in $OUT"
 ls -l "$OUT"

@@ -1,5 +1,9 @@
 """Analyse one model end to end: resolve, discover layers (with speculative spectra alongside,
-esd_worker.speculate), stream + merge, spectra, results."""
+esd_worker.speculate), stream + merge, spectra, results.
+
+Owns what is computed for one layer (its row, its LoRA merge on the device, its spectrum)
+and the model's result; the spreading of layers over devices, one stream each, and the
+memory bound per layer are esd_worker.streams'."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ import logging
 import os
 import platform
 import time
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 
 from esd_worker import __version__
-from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, UsageError, WorkerError
+from esd_worker.errors import GpuOutOfMemoryError, PermanentModelError, WorkerError
 from esd_worker.layers import CONV2D, LayerMap, LayerSpec, discover_layers
 from esd_worker.layout import (
     EIGS_NAME,
@@ -39,48 +44,46 @@ from esd_worker.settings import AnalysisSettings, WorkerSettings
 from esd_worker.spectra import compute_spectrum
 from esd_worker.speculate import Speculated, Speculation, candidate_keys, speculation_mode
 from esd_worker.store import Store, open_store
+from esd_worker.streams import (
+    Capacity,
+    Streams,
+    check_fits,
+    device_capacity,
+    float_dtype,
+    select_devices,
+)
 
 log = logging.getLogger(__name__)
 
 ADAPTER_RELATIONS = frozenset({"adapter", "lora", "peft"})
-PREFETCH = 2  # tensors read ahead of the one being analysed
 
 
 def select_device(requested: str) -> torch.device:
-    """auto: CUDA when available, else CPU; cuda without a GPU is a usage error."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-    available = torch.cuda.is_available()
-    count = torch.cuda.device_count() if available else 0
-    log.info(
-        "CUDA_VISIBLE_DEVICES=%s cuda_available=%s devices=%d requested=%s",
-        visible,
-        available,
-        count,
-        requested,
-    )
-    if requested == "cuda" and not available:
-        raise UsageError("--device cuda asked for, but CUDA is not available (CPU-only torch?)")
-    device = torch.device("cuda:0" if requested != "cpu" and available else "cpu")
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # the Gram path needs true float32
-        log.info("device used: %s (%s)", device, torch.cuda.get_device_name(device))
-    else:
-        log.info("device used: cpu (%d threads)", torch.get_num_threads())
-    return device
+    """auto: CUDA when available (cuda:0), else CPU; cuda without a GPU is a usage error. The
+    one device of a single stream (esd_worker.selfcheck); models use select_devices."""
+    return select_devices(requested, parallel=False)[0]
 
 
-def _device_info(device: torch.device) -> dict[str, Any]:
+def _device_info(devices: Sequence[torch.device], layers_per_stream: list[int]) -> dict[str, Any]:
+    """result.json's device: the first device's type and name, how many streams ran, on what
+    and how many layers each took; on CUDA each device's peak allocated memory and the
+    largest (peak_memory_mib, the bound per GPU; with one GPU as before)."""
+    first = devices[0]
     info: dict[str, Any] = {
-        "type": device.type,
+        "type": first.type,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "host": platform.node(),
+        "count": len(devices),
+        "layers_per_stream": layers_per_stream,
     }
-    if device.type == "cuda":
-        info["name"] = torch.cuda.get_device_name(device)
-        info["peak_memory_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    if first.type == "cuda":
+        names = [torch.cuda.get_device_name(d) for d in devices]
+        peaks = [round(torch.cuda.max_memory_allocated(d) / 2**20, 1) for d in devices]
+        info |= {"name": names[0], "names": names, "peak_memory_mib": max(peaks),
+                 "peak_memory_mib_per_device": peaks}
     else:
-        info["name"] = platform.processor() or platform.machine()
-        info["threads"] = torch.get_num_threads()
+        name = platform.processor() or platform.machine()
+        info |= {"name": name, "names": [name] * len(devices), "threads": torch.get_num_threads()}
     return info
 
 
@@ -104,33 +107,54 @@ def _nan_metrics() -> dict[str, Any]:
                                                             "matrix_rank": 0}
 
 
+@dataclass(frozen=True)
+class LayerResult:
+    """What one layer gives the results: its row, its eigenvalues (None for a status row
+    without a spectrum) and whether the spectrum came from the speculation."""
+
+    row: dict[str, Any]
+    evals: np.ndarray | None = None
+    speculated: bool = False
+
+
 class _Analysis:
-    """State of one model's analysis; `run` fills `rows` and `eigs`."""
+    """State of one model's analysis; `run` fills `rows` and `eigs` in layer order.
+
+    devices: one analysis stream each (esd_worker.streams.Streams); read: the checkpoint's
+    tensor reader, shared by the streams (it must be thread-safe, as Checkpoint.read is);
+    capacity: usable bytes of a device for one layer (None: no bound checked).
+    """
 
     def __init__(
         self,
         model: ResolvedModel,
         layer_map: LayerMap,
-        read: Any,
+        read: Callable[[str], torch.Tensor],
         analysis: AnalysisSettings,
-        device: torch.device,
+        devices: Sequence[torch.device],
         adapter: AdapterMatch | None,
         fan_in_fan_out: bool,
         speculation: Speculation | None = None,
+        *,
+        capacity: Capacity = device_capacity,
+        stored_dtype: Callable[[str], torch.dtype | None] | None = None,
     ) -> None:
         self.model = model
         self.layer_map = layer_map
         self.read = read
         self.analysis = analysis
-        self.device = device
+        self.devices = list(devices)
         self.adapter = adapter or AdapterMatch({}, {}, [])
         self.fan_in_fan_out = fan_in_fan_out
         self.work_dtype = torch.float64 if analysis.precision == "float64" else torch.float32
+        self.capacity = capacity
+        self.stored_dtype = stored_dtype
         self.rows: list[dict[str, Any]] = []
         self.eigs: dict[str, np.ndarray] = {}
         self.wait_s = 0.0
         self.speculation = speculation
         self.speculated_layers = 0  # layers whose spectrum came from the speculation
+        self.streams: Streams[LayerResult] | None = None
 
     def _speculated(self, spec: LayerSpec) -> Speculated | None:
         if self.speculation is None:
@@ -147,13 +171,15 @@ class _Analysis:
         future.set_result(torch.empty(spec.shape, dtype=found.dtype, device="meta"))
         return future
 
-    def _weight(self, spec: LayerSpec, tensor: torch.Tensor, *, merge: bool) -> torch.Tensor:
-        """The layer's weight on the device in the work dtype, with its LoRA updates added.
+    def _weight(self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device, *,
+                merge: bool) -> torch.Tensor:
+        """The layer's weight on `device` in the work dtype, with its LoRA updates added
+        there.
 
         Never modifies `tensor` in place: a .bin checkpoint hands out its (mapped) tensors,
         and a tied weight is read again for the next layer.
         """
-        w = tensor.to(self.device, non_blocking=True).to(self.work_dtype)
+        w = tensor.to(device, non_blocking=True).to(self.work_dtype)
         modules = self.adapter.merges.get(spec.key, ()) if merge else ()
         if modules and w.data_ptr() == tensor.data_ptr():
             w = w.clone()  # same device and dtype: .to() returned the checkpoint's tensor
@@ -171,7 +197,18 @@ class _Analysis:
             return "too_small"
         return None
 
-    def analyse_layer(self, spec: LayerSpec, tensor: torch.Tensor) -> None:
+    def _check_fits(self, name: str, shape: Sequence[int], layer_type: str,
+                    stored: torch.dtype, device: torch.device) -> None:
+        capacity = self.capacity(device)
+        if capacity is not None:
+            check_fits(name, shape, layer_type, self.analysis.precision, stored, device,
+                       capacity, model=self.model.ref)
+
+    def analyse_layer(
+        self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device
+    ) -> LayerResult:
+        """The layer's row and spectrum, computed on `device` (thread-safe: one call per
+        stream at a time, nothing shared is written)."""
         a = self.analysis
         # modules_to_save: the adapter's own full copy, which peft's merge leaves as saved.
         replaced = self.adapter.replaced.get(spec.name)
@@ -195,17 +232,15 @@ class _Analysis:
         }
         status = self._status(spec, tensor, M, N)
         if status is not None:
-            self.rows.append(row | _nan_metrics() | {"status": status})
-            return
+            return LayerResult(row | _nan_metrics() | {"status": status})
         found = self._speculated(spec)
         if found is not None:  # finite: the speculation skips non-finite tensors
             spectrum = found.spectrum
-            self.speculated_layers += 1
         else:
-            weight = self._weight(spec, tensor, merge=replaced is None)
+            self._check_fits(spec.name, shape, spec.layer_type, tensor.dtype, device)
+            weight = self._weight(spec, tensor, device, merge=replaced is None)
             if not bool(torch.isfinite(weight).all()):
-                self.rows.append(row | _nan_metrics() | {"status": "nonfinite_weights"})
-                return
+                return LayerResult(row | _nan_metrics() | {"status": "nonfinite_weights"})
             spectrum = compute_spectrum(
                 weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm
             )
@@ -217,34 +252,37 @@ class _Analysis:
             evals_thresh=a.evals_thresh,
             bins=a.bins,
         )
-        self.rows.append(row | metrics)
-        self.eigs[spec.name] = spectrum.evals
+        return LayerResult(row | metrics, spectrum.evals, speculated=found is not None)
+
+    def check_memory(self) -> None:
+        """Before any layer: every layer the devices will compute must fit the smallest of
+        them (streams take any layer), so a model too big for its GPUs fails in a second,
+        not after hours of analysis with its lm_head last. Each layer is checked again
+        with its real tensor before it is computed (analyse_layer)."""
+        bounded = [(c, d) for d in self.devices if (c := self.capacity(d)) is not None]
+        if not bounded or self.stored_dtype is None:
+            return
+        _, device = min(bounded, key=lambda cd: cd[0])
+        rank = {CONV2D: 4}
+        for spec in self.layer_map.layers:
+            stored = self.stored_dtype(spec.key)
+            if (stored is None or len(spec.shape) != rank.get(spec.layer_type, 2)
+                    or min(spec.shape[:2]) < self.analysis.min_evals
+                    or spec.name in self.adapter.replaced or self._speculated(spec)):
+                continue  # a status row, the adapter's own copy, or no device work
+            self._check_fits(spec.name, spec.shape, spec.layer_type, stored, device)
 
     def run(self) -> None:
-        layers = self.layer_map.layers
-        total = len(layers)
-        step = max(1, total // 10)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esd-read") as pool:
-            ahead: deque[tuple[LayerSpec, Future[torch.Tensor]]] = deque()
-            it = iter(layers)
-            for spec in it:
-                ahead.append((spec, self._fetch(pool, spec)))
-                if len(ahead) >= PREFETCH:
-                    break
-            done = 0
-            while ahead:
-                spec, future = ahead.popleft()
-                nxt = next(it, None)
-                if nxt is not None:
-                    ahead.append((nxt, self._fetch(pool, nxt)))
-                t = time.perf_counter()
-                tensor = future.result()
-                self.wait_s += time.perf_counter() - t
-                self.analyse_layer(spec, tensor)
-                del tensor
-                done += 1
-                if done % step == 0 or done == total:
-                    log.info("layers %d/%d analysed (%s)", done, total, spec.name)
+        self.check_memory()
+        self.streams = Streams(self.layer_map.layers, self.devices, fetch=self._fetch,
+                               analyse=self.analyse_layer, label=self.model.ref)
+        results = self.streams.run()
+        self.wait_s = self.streams.wait_s
+        for spec, result in zip(self.layer_map.layers, results, strict=True):
+            self.rows.append(result.row)
+            if result.evals is not None:
+                self.eigs[spec.name] = result.evals
+            self.speculated_layers += result.speculated
 
 
 def analyse_model(
@@ -270,10 +308,17 @@ def analyse_model_with(
     model_key: str | None = None,
     resolve: Callable[[str], ResolvedModel] = resolve_model,
     speculate: str = "auto",
+    devices: Sequence[torch.device] | None = None,
+    capacity: Capacity = device_capacity,
 ) -> Marker:
     """analyse_model, with the speculation switch (esd_worker.speculate): auto decides by the
     device, off/on force it, complete speculates every candidate tensor before the analysis.
-    The results are the same byte for byte in every mode (tests compare them)."""
+    The results are the same byte for byte in every mode (tests compare them).
+
+    devices: one analysis stream each (tests and benchmarks: [cpu, cpu, cpu] runs three
+    streams on the CPU); default: esd_worker.streams.select_devices from settings.device and
+    settings.parallel_gpu. capacity: usable bytes of a device for one layer (default: a
+    CUDA device's total memory less a margin; None, no bound, for the CPU)."""
     settings.validate()
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
@@ -281,8 +326,13 @@ def analyse_model_with(
     if store is None:  # a store passed in has been checked by the caller
         store = open_store(settings.output)
         store.check()  # before any download or analysis: an unwritable output fails in a second
-    device = select_device(settings.device)
-    mode = speculation_mode(speculate, device)
+    if devices is None:
+        devices = select_devices(settings.device, settings.parallel_gpu)
+    devices = list(devices)
+    for device in devices:
+        if device.type == "cuda":  # peak_memory_mib is this model's, not the process's
+            torch.cuda.reset_peak_memory_stats(device)
+    mode = speculation_mode(speculate, devices[0])
 
     model = resolve(settings.model)
     adapter: LoraAdapter | None = None
@@ -301,7 +351,7 @@ def analyse_model_with(
 
     with Checkpoint(weights_model.directory) as ckpt:
         speculation = None if mode == "off" else Speculation(
-            ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, device,
+            ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, devices[0],
             complete=mode == "complete",
         )
         with speculation or contextlib.nullcontext():
@@ -325,8 +375,9 @@ def analyse_model_with(
             settings.model, len(layer_map.layers), layer_map.discovery, layer_map.architecture,
         )
         job = _Analysis(
-            model, layer_map, ckpt.read, settings.analysis, device, matched,
+            model, layer_map, ckpt.read, settings.analysis, devices, matched,
             adapter.fan_in_fan_out if adapter else False, speculation,
+            capacity=capacity, stored_dtype=lambda name: float_dtype(ckpt.dtype(name)),
         )
         try:
             job.run()
@@ -365,7 +416,7 @@ def analyse_model_with(
         summary=summarize_layers(job.rows),
         layers_name=LAYERS_NAME,
         eigs_name=EIGS_NAME if eigs is not None else None,
-        device=_device_info(device),
+        device=_device_info(devices, job.streams.layers_per_stream if job.streams else []),
         versions=_versions(),
         started_at=started.isoformat(timespec="seconds"),
     )
