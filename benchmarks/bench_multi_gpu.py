@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -259,6 +260,7 @@ def _devices(args: argparse.Namespace) -> tuple[torch.device, list[torch.device]
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     first, many = _devices(args)
     if first.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # as the worker (select_devices)

@@ -168,7 +168,7 @@ def test_an_error_in_another_stream_is_raised_in_the_caller() -> None:
             raise error
         return spec.name
 
-    streams = Streams(fake_layers(20), [CPU] * 3, fetch=ready, analyse=analyse)
+    streams = Streams(fake_layers(60), [CPU] * 3, fetch=ready, analyse=analyse)
     with pytest.raises(ValueError) as raised:
         streams.run()
     assert raised.value is error
