@@ -26,6 +26,7 @@ from controller.backends.local import LocalSettings
 from controller.doctor import add_doctor_flags, run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
+from controller.gpurule import add_gpu_rule_flags, gpu_rule_from_args
 from controller.gpus import GpuSettings
 from controller.lease import add_wait_lock_flag
 from controller.results.compare import add_compare_flags, run_compare
@@ -39,7 +40,6 @@ from esd_worker.errors import WorkerError
 from esd_worker.flags import (
     add_analysis_flags,
     add_flag,
-    add_parallel_gpu_flags,
     analysis_from_args,
     parse_size,
 )
@@ -235,9 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(local, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
              help="GPU indices to use, in order of preference (default: all)")
     add_flag(local, "--max-gpus", type=int, metavar="N", help="use at most N GPUs")
-    add_flag(local, "--gpus-per-job", "--num-gpus-per-job", type=int, default=1, metavar="N",
-             help="GPUs per model (default 1)")
-    add_parallel_gpu_flags(local)
+    add_gpu_rule_flags(local)  # --gpus-per-job, its rule, --parallel-gpu/--no-parallel-gpu
     add_flag(local, "--cpu-workers", type=int, default=1, metavar="N",
              help="models analysed at once on the CPU when no GPU is used (default 1)")
     add_flag(local, "--worker-reuse", type=int, default=None, metavar="N",
@@ -321,6 +319,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
     if args.limit is not None and args.limit < 1:
         problems.append(f"--limit: must be >= 1, got {args.limit}")
     gpu = GpuSettings()
+    gpu_rule = gpu_rule_from_args(args, problems)
     local = LocalSettings()
     cluster = ClusterSettings()
     log_dir = None
@@ -331,7 +330,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
             poll_interval_s=args.gpu_poll_interval,
             gpu_list=tuple(args.gpu_list) if args.gpu_list else None,
             max_gpus=args.max_gpus,
-            gpus_per_job=args.gpus_per_job,
+            gpus_per_job=1 if args.gpus_per_job is None else args.gpus_per_job,
         )
         try:
             gpu.validate()
@@ -391,6 +390,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         summary=not getattr(args, "no_summary", False),
         wait_lock_s=getattr(args, "wait_lock", None),
         parallel_gpu=getattr(args, "parallel_gpu", True),
+        gpu_rule=gpu_rule,
     )
 
 

@@ -8,11 +8,12 @@ ClusterSettings.problems), and controller.cli reports every problem at once.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from controller.backends.kubernetes.settings import ClusterSettings
 from controller.backends.local import LocalSettings
+from controller.gpurule import GpuRule
 from controller.gpus import GpuSettings
 from esd_worker.settings import AnalysisSettings
 
@@ -36,6 +37,10 @@ class SweepSettings:
     it (math.inf: as long as it takes); None: exit 2 at once.
     parallel_gpu: a worker with several GPUs spreads one model's layers over them (False:
     --no-parallel-gpu, one GPU used whatever it is given).
+    gpu_rule: GPUs per model (controller.gpurule: --gpus-per-job N|auto,
+    --multi-gpu-minutes, --max-gpus-per-job); backends apply `applied_gpu_rule`, its
+    `parallel` being parallel_gpu. gpu.gpus_per_job is its explicit N, or 1 with auto (what
+    the tracker checks against and custom commands get).
     """
 
     output: str
@@ -68,3 +73,9 @@ class SweepSettings:
     summary: bool = True
     wait_lock_s: float | None = None
     parallel_gpu: bool = True
+    gpu_rule: GpuRule = field(default_factory=GpuRule)
+
+    @property
+    def applied_gpu_rule(self) -> GpuRule:
+        """gpu_rule as the backends apply it: --no-parallel-gpu makes auto give 1."""
+        return replace(self.gpu_rule, parallel=self.parallel_gpu)

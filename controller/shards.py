@@ -1,7 +1,8 @@
 """The shard plan of a sharded Kubernetes run: resource classes, units, shard counts, packing.
 
 Owns how the models to run are split into the shards of one Indexed Job per resource class:
-which class a model goes to (by the bytes of its weights), which models must share a shard
+which class a model goes to (by the bytes of its weights, or "gpu-x<N>" for the models the
+GPU rule gives N > 1 GPUs: controller.gpurule), which models must share a shard
 (a base and the adapters that follow it), how many shards a class gets, the greedy packing
 by bytes, and a shard's model-list CSV. Pure: no store, no hub, no Kubernetes; where a
 shard is written (esd_worker.layout.shard_key) and how sizes are found (controller.sizing)
@@ -123,6 +124,16 @@ def default_classes(
     return tuple(out)
 
 
+def multi_gpu_class(gpus: int, largest: int) -> ResourceClass:
+    """The class of the models the GPU rule gives `gpus` (> 1) GPUs each: "gpu-x<gpus>", its
+    pods asking for that many, with the memory and disk of its largest model (`largest`
+    weight bytes; at least gpu-large's 400Gi of disk: two such models on disk)."""
+    if gpus < 2 or largest < 0:
+        raise ValueError(f"gpus must be >= 2 and largest >= 0, got {gpus}, {largest}")
+    return ResourceClass(f"gpu-x{gpus}", gpus, None, memory_for(largest),
+                         f"{max(400, _disk_gib(largest, 2))}Gi")
+
+
 def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:
     """The first class whose max_bytes is None or >= size (classes smallest first)."""
     for cls in classes:
@@ -136,17 +147,18 @@ def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:
 class Item:
     """One model to shard: ref (id[@revision] or a local path, as the worker takes it), key
     (its model_key), relation, source_model (an adapter's base), size (bytes; an estimate
-    when unknown)."""
+    when unknown), gpus (the GPU rule's count for it: 1 unless it needs several)."""
 
     ref: str
     key: str
     relation: str
     source_model: str | None
     size: int
+    gpus: int = 1
 
     @classmethod
-    def of(cls, row: ModelRow, size: int) -> Item:
-        return cls(row.ref, row.key, row.relation, row.source_model, size)
+    def of(cls, row: ModelRow, size: int, gpus: int = 1) -> Item:
+        return cls(row.ref, row.key, row.relation, row.source_model, size, gpus)
 
     @property
     def is_adapter(self) -> bool:
@@ -160,6 +172,11 @@ class Unit:
 
     items: tuple[Item, ...]
     size: int
+
+    @property
+    def gpus(self) -> int:
+        """The most GPUs one of its models needs (the base's, usually): the unit's pods'."""
+        return max(item.gpus for item in self.items)
 
 
 def _unit(items: list[Item]) -> Unit:

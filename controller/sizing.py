@@ -3,8 +3,11 @@
 Owns where a size comes from: the model list's size_bytes column, a local directory's weight
 files, or the HF hub's file metadata (an HTTP adapter: stdlib urllib, rate-limited, bounded
 retries, a bounded number of lookups), else a default; and which files count as weights.
-Does not download anything, decide which class or shard a model goes to (controller.shards),
-or report hub errors as the model's failure: the worker meets them again and records them.
+Its hub client also serves controller.weightmeta (the model info's parameter count, a
+safetensors header's bytes through a Range request), within the same limits. Does not
+download anything, parse headers (controller.weightmeta), decide which class or shard a
+model goes to (controller.shards), or report hub errors as the model's failure: the worker
+meets them again and records them.
 """
 
 from __future__ import annotations
@@ -118,6 +121,16 @@ class RateLimiter:
             self._sleep(start - now)
 
 
+@dataclass(frozen=True)
+class HubInfo:
+    """What one model-info answer says of a hub model: its root files' bytes (name -> bytes)
+    and its parameter count when the hub gives one (the answer's safetensors.total: the hub
+    reads it from the safetensors headers; None without it)."""
+
+    files: Mapping[str, int]
+    params: int | None = None
+
+
 class _SameOriginAuth(urllib.request.HTTPRedirectHandler):
     """Follows the hub's redirects (a renamed repo answers 307), sending the token on only to
     the same scheme, host and port: urllib's own handler would copy it to any host."""
@@ -162,6 +175,8 @@ class Sizer:
     environment unless given; the token only ever goes in the Authorization header, never in
     a log. Results are memoised per ref (an adapter's base asked twice costs one call), those
     of the size_bytes column excepted (nothing to save, and a 2M-row list would be kept).
+    hub_info (the same model-info answer) and read_range (a header's bytes) serve
+    controller.weightmeta; a read_range is a lookup of its own.
     """
 
     def __init__(
@@ -188,6 +203,7 @@ class Sizer:
         self._opener = urllib.request.build_opener(_SameOriginAuth)
         self._lock = threading.Lock()
         self._memo: dict[str, tuple[int, Source]] = {}  # ref -> (bytes, SizeStats field)
+        self._infos: dict[str, tuple[HubInfo | None, Source]] = {}  # ref -> the hub's answer
         self._lookups = 0
         self._failures_in_a_row = 0
         self._hub_down = False
@@ -254,28 +270,73 @@ class Sizer:
         return sum(sizes[n] for n in weight_files(sizes, adapter=row.is_adapter)), "local"
 
     def _hub_size(self, row: ModelRow) -> tuple[int, Source]:
+        info, source = self._hub_lookup(row)
+        if info is None:
+            return 0, source
+        return sum(info.files[n] for n in weight_files(info.files, adapter=row.is_adapter)), "hub"
+
+    # --- the hub's answers, for sizes and for controller.weightmeta -----------------------------
+
+    def hub_info(self, row: ModelRow) -> HubInfo | None:
+        """The hub's model info of `row` (one lookup, shared with size(): memoised), or None:
+        offline, past the lookup limit, the hub taken as down, or the lookup failed."""
+        return self._hub_lookup(row)[0]
+
+    def read_range(self, row: ModelRow, filename: str, start: int, end: int) -> bytes | None:
+        """Bytes start..end (inclusive) of one of `row`'s files on the hub, through
+        {endpoint}/{id}/resolve/{rev}/{file} with a Range header (the hub redirects LFS
+        files to its CDN; the token is not sent there). A lookup of its own (the same
+        limit, rate and retries); None when none may be made or it failed. At most
+        end - start + 1 bytes are read, should the server ignore the Range."""
+        if not self._take_lookup():
+            return None
+        url = (f"{self.endpoint}/{quote(row.model_id, safe='/')}/resolve/"
+               f"{quote(row.revision or 'main', safe='')}/{quote(filename, safe='/')}")
+        try:
+            return self._get(url, accept="*/*", extra={"Range": f"bytes={start}-{end}"},
+                             limit=end - start + 1, partial=start > 0)
+        except _LookupFailed as e:
+            log.debug("model=%s: no bytes %d-%d of %s from the hub (%s)", row.ref, start, end,
+                      filename, e)
+            return None
+
+    def _hub_lookup(self, row: ModelRow) -> tuple[HubInfo | None, Source]:
+        with self._lock:
+            known = self._infos.get(row.ref)
+        if known is not None:
+            return known
+        if not self._take_lookup():
+            return None, "default"
+        url = (f"{self.endpoint}/api/models/{quote(row.model_id, safe='/')}/revision/"
+               f"{quote(row.revision or 'main', safe='')}?blobs=true")
+        answer: tuple[HubInfo | None, Source]
+        try:
+            info = self._get_json(url)
+            answer = HubInfo(_sibling_sizes(info), _safetensors_total(info)), "hub"
+        except _LookupFailed as e:
+            self._lookup_failed(row, e)
+            answer = None, "failed"
+        else:
+            with self._lock:
+                self._failures_in_a_row = 0
+        with self._lock:
+            self._infos[row.ref] = answer
+        return answer
+
+    def _take_lookup(self) -> bool:
+        """Whether a hub lookup may be made now (counted when it may)."""
         with self._lock:
             if self.offline or self._hub_down:
-                return 0, "default"
+                return False
             if self._lookups >= self.lookup_limit:
                 if self._lookups == self.lookup_limit:
                     self._lookups += 1  # warn once
                     log.warning("%d hub lookups made, the limit: the other models get the "
-                                "default size (%d bytes); add a %s column to the list",
-                                self.lookup_limit, self.default_bytes, SIZE_COLUMN)
-                return 0, "default"
+                                "default size (%d bytes) and one GPU; add a %s column to the "
+                                "list", self.lookup_limit, self.default_bytes, SIZE_COLUMN)
+                return False
             self._lookups += 1
-        url = (f"{self.endpoint}/api/models/{quote(row.model_id, safe='/')}/revision/"
-               f"{quote(row.revision or 'main', safe='')}?blobs=true")
-        try:
-            info = self._get_json(url)
-            sizes = _sibling_sizes(info)
-        except _LookupFailed as e:
-            self._lookup_failed(row, e)
-            return 0, "failed"
-        with self._lock:
-            self._failures_in_a_row = 0
-        return sum(sizes[n] for n in weight_files(sizes, adapter=row.is_adapter)), "hub"
+            return True
 
     def _lookup_failed(self, row: ModelRow, error: _LookupFailed) -> None:
         with self._lock:
@@ -284,17 +345,29 @@ class Sizer:
             down = not self._hub_down and self._failures_in_a_row >= _DOWN_AFTER
             self._hub_down = self._hub_down or down
         if failed <= _WARNED_FAILURES:
-            log.warning("model=%s: no size from the hub (%s); the default size is used%s",
+            log.warning("model=%s: no metadata from the hub (%s); its size is the default and "
+                        "it gets one GPU%s",
                         row.ref, error, "; further failures are only counted"
                         if failed == _WARNED_FAILURES else "")
         if down:
             log.warning("the hub at %s failed %d lookups in a row: the other models get the "
-                        "default size", self.endpoint, _DOWN_AFTER)
+                        "default size and one GPU", self.endpoint, _DOWN_AFTER)
 
     def _get_json(self, url: str) -> Any:
         """The JSON `url` answers, asked at most _ATTEMPTS times; _LookupFailed otherwise."""
-        request = urllib.request.Request(url, headers={"Accept": "application/json",
-                                                       "User-Agent": "esd-sweep"})
+        body = self._get(url, accept="application/json")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise _LookupFailed("the answer is not JSON", transient=False) from None
+
+    def _get(self, url: str, *, accept: str, extra: Mapping[str, str] | None = None,
+             limit: int | None = None, partial: bool = False) -> bytes:
+        """The body `url` answers (at most `limit` bytes; None: all), asked at most _ATTEMPTS
+        times; _LookupFailed otherwise. partial: only a 206 answer will do (a server that
+        ignores the Range sends the file from its start)."""
+        request = urllib.request.Request(url, headers={"Accept": accept,
+                                                       "User-Agent": "esd-sweep", **(extra or {})})
         if self._token:
             # Unredirected: _SameOriginAuth decides whether a redirect gets it.
             request.add_unredirected_header("Authorization", f"Bearer {self._token}")
@@ -303,7 +376,10 @@ class Sizer:
             retry_after: str | None = None
             try:
                 with self._opener.open(request, timeout=self._timeout_s) as response:
-                    body = response.read()
+                    if partial and response.status != 206:
+                        raise _LookupFailed(f"HTTP {response.status}, not the range asked for",
+                                            transient=False)
+                    return bytes(response.read(limit))
             except urllib.error.HTTPError as e:
                 retry_after = e.headers.get("Retry-After")
                 e.close()
@@ -312,11 +388,6 @@ class Sizer:
                 why = f"HTTP {e.code}"
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
                 why = str(getattr(e, "reason", e)) or type(e).__name__
-            else:
-                try:
-                    return json.loads(body)
-                except ValueError:
-                    raise _LookupFailed("the answer is not JSON", transient=False) from None
             if attempt == _ATTEMPTS:
                 raise _LookupFailed(f"{why}, {attempt} attempts", transient=True)
             wait = _wait_s(attempt, retry_after)
@@ -344,6 +415,13 @@ def _wait_s(attempt: int, retry_after: str | None) -> float:
     except ValueError:  # an HTTP-date: back off as if there were none
         wait = _BACKOFF_S * 2 ** (attempt - 1)
     return max(0.0, min(wait, _MAX_WAIT_S))
+
+
+def _safetensors_total(info: Any) -> int | None:
+    """The parameter count of a model-info answer ("safetensors": {"total": N}), if any."""
+    block = info.get("safetensors") if isinstance(info, dict) else None
+    total = block.get("total") if isinstance(block, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
 
 
 def _sibling_sizes(info: Any) -> dict[str, int]:

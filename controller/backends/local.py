@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.loop import Loop
+from controller.backends.needs import GpuNeeds
 from controller.backends.tasks import Job, Outcomes
 from controller.errors import SweepError
+from controller.gpurule import GpuRule, describe
 from controller.gpus import GpuTracker, open_tracker
 from controller.progress import Progress
+from controller.sizing import Sizer
+from controller.weightmeta import GpuCounts, ShapeFinder
 from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -99,11 +103,15 @@ class LocalBackend:
     """Runs tasks on this machine, each on its own GPUs (tracker) or a CPU slot (no tracker).
 
     Models go to long-lived workers (controller.backends.slots), one per slot: with a
-    tracker a slot holds `gpus_per_job` GPUs (its CUDA_VISIBLE_DEVICES) while its worker
-    lives; without one, up to `settings.cpu_workers` slots, no GPU visible. A custom command
-    is one process per attempt on a slot of its own. Workers get their own session: Ctrl+C
-    reaches the controller only (request_stop). open_tracker: called when the first tasks
-    arrive (nothing to do opens no NVML). on_start: called as each attempt starts.
+    tracker a slot holds its GPUs (its CUDA_VISIBLE_DEVICES) while its worker lives, as many
+    as `rule` gives its models (controller.gpurule: `gpus_per_job` for all, or with auto a
+    count per model from its shape, found by `finder`, default: through the hub at
+    HF_ENDPOINT; controller.backends.needs); without one, up to `settings.cpu_workers`
+    slots, no GPU visible. A custom command is one process per attempt on `gpus_per_job`
+    GPUs. Workers get their own session: Ctrl+C reaches the controller only (request_stop).
+    open_tracker: called when the first tasks arrive (nothing to do opens no NVML).
+    on_start: called as each attempt starts. dry_run_cap: the most GPUs a model gets in a
+    dry run (default: the rule's cap).
     """
 
     name = "local"
@@ -114,17 +122,25 @@ class LocalBackend:
         tracker: GpuTracker | None = None,
         *,
         gpus_per_job: int = 1,
+        rule: GpuRule | None = None,
+        finder: ShapeFinder | None = None,
         spec: WorkerSpec | None = None,
         worker_cmd: Sequence[str] = (sys.executable, "-m", "esd_worker.cli"),
         open_tracker: Callable[[], GpuTracker | None] | None = None,
         on_start: Callable[[Task, tuple[int, ...]], None] | None = None,
+        dry_run_cap: int | None = None,
     ) -> None:
         settings.validate()
-        if gpus_per_job < 1:
-            raise ValueError(f"gpus_per_job: must be >= 1, got {gpus_per_job}")
+        rule = rule or GpuRule(explicit=gpus_per_job)
+        rule.validate()
+        if rule.base < 1:
+            raise ValueError(f"gpus_per_job: must be >= 1, got {rule.base}")
         self.settings = settings
         self.tracker = tracker
-        self.gpus_per_job = gpus_per_job
+        self.rule = rule
+        self.gpus_per_job = rule.base  # custom commands, and every model unless auto
+        self.finder = finder
+        self.dry_run_cap = rule.max_gpus_per_job if dry_run_cap is None else dry_run_cap
         self.spec = spec
         self.worker_cmd = tuple(worker_cmd)
         self.on_start = on_start
@@ -137,12 +153,34 @@ class LocalBackend:
 
     @classmethod
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec) -> LocalBackend:
+        gpu, rule = settings.gpu, settings.applied_gpu_rule
+        usable = [n for n in (len(gpu.gpu_list) if gpu.gpu_list else None, gpu.max_gpus)
+                  if n is not None]
         return cls(
-            settings.local, None, gpus_per_job=settings.gpu.gpus_per_job, spec=spec,
+            settings.local, None, rule=rule, spec=spec,
             worker_cmd=settings.worker_cmd,
             open_tracker=lambda: open_tracker(settings.device, settings.gpu,
                                               settings.local.cpu_workers),
+            # --dry-run opens no NVML: the rule's cap, and the GPUs the flags allow.
+            dry_run_cap=min([rule.max_gpus_per_job, *usable]),
         )
+
+    @property
+    def cap(self) -> int:
+        """The most GPUs one worker may hold: the rule's cap within what the tracker manages
+        (0: CPU slots)."""
+        if self.tracker is None:
+            return 0
+        return min(self.rule.max_gpus_per_job, self.tracker.capacity)
+
+    def gpu_counts(self, cap: int) -> GpuCounts | None:
+        """The rule over model shapes when models may get different counts (else None: every
+        model gets gpus_per_job, and no shape is looked up)."""
+        if not self.rule.splits(cap) or self.spec is None:
+            return None
+        if self.finder is None:
+            self.finder = ShapeFinder(Sizer(), self.rule)  # HF_ENDPOINT, HF_TOKEN, offline
+        return GpuCounts(self.rule, self.finder, cap)
 
     def _check_capacity(self) -> None:
         tracker = self.tracker
@@ -189,12 +227,26 @@ class LocalBackend:
         return serve_argv(self.worker_cmd, self.spec, self.device)
 
     def dry_run(self, work: Work, out: TextIO) -> int:
-        """The one-model command lines equivalent to what run() does (device as asked)."""
+        """The one-model command lines equivalent to what run() does (device as asked). With
+        --gpus-per-job auto and GPUs, a `# gpus=N` comment before each model the rule gives
+        several (dry_run_cap: NVML is not opened)."""
         device = self.spec.device if self.spec is not None else "auto"
+        counts = None if device == "cpu" else self.gpu_counts(self.dry_run_cap)
+        if counts is not None:
+            out.write("# --gpus-per-job auto: each model runs on 1 GPU unless a '# gpus=N' "
+                      "line before it says otherwise\n")
+        tasks = list(work) if counts is not None else work
+        listed = {t.row.key: t.row for t in tasks if t.row is not None} if counts else {}
         count = 0
-        for task in work:
+        for task in tasks:
+            if counts is not None and task.row is not None and not task.argv:
+                gpus, shape = counts.decide(task.row, listed.get)
+                if gpus > 1 and shape is not None:
+                    out.write(f"# gpus={gpus}: {describe(task.row.ref, shape, gpus)}\n")
             out.write(shlex.join(self.argv(task, device)) + "\n")
             count += 1
+        if counts is not None:
+            counts.log_stats()
         out.flush()
         return count
 
@@ -214,19 +266,23 @@ class LocalBackend:
         if tasks and self._open_tracker is not None:
             self.tracker, self._open_tracker = self._open_tracker(), None
             self._check_capacity()
-        loop = Loop(self, tasks, Outcomes(on_outcome, progress))
+        fixed = self.gpus_per_job if self.tracker is not None else 0
+        needs = GpuNeeds(self.gpu_counts(self.cap), fixed,
+                         [t.row for t in tasks if t.row is not None and not t.argv])
+        loop = Loop(self, tasks, Outcomes(on_outcome, progress), needs)
         try:
             return loop.run()
         finally:
+            needs.close()
             loop.cleanup()
 
     # What the loop asks of the backend ---------------------------------------------------------
 
-    def acquire(self, in_use: int) -> tuple[int, ...] | None:
-        """GPUs for one more worker ((): a CPU slot), or None when none may start now."""
+    def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
+        """`gpus` GPUs for one more worker ((): a CPU slot), or None when none may start now."""
         if self.tracker is None:
             return () if in_use < self.settings.cpu_workers else None
-        return self.tracker.acquire(self.gpus_per_job)
+        return self.tracker.acquire(gpus)
 
     def release(self, gpus: tuple[int, ...]) -> bool:
         if gpus and self.tracker is not None:

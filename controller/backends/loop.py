@@ -6,7 +6,7 @@ attempts left goes back after a backoff; a model whose every attempt crashed its
 poison model, reported as not retryable. Models go to long-lived workers
 (controller.backends.slots), custom commands to one process per attempt
 (controller.backends.process). What may start where is the backend's (GPU tracker, CPU
-slots).
+slots); how many GPUs a model wants is controller.backends.needs'.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from controller.backends.base import Outcome, Task
+from controller.backends.needs import GpuNeeds
 from controller.backends.process import Attempt, Ended, LogDirError
 from controller.backends.slots import Slot, Slots
 from controller.backends.tasks import Job, Outcomes, Running, Waiting
@@ -36,9 +37,11 @@ _PROGRESS_EVERY_S = 0.5
 class Loop:
     """One run() of the local backend over `tasks`."""
 
-    def __init__(self, backend: LocalBackend, tasks: Sequence[Task], outcomes: Outcomes) -> None:
+    def __init__(self, backend: LocalBackend, tasks: Sequence[Task], outcomes: Outcomes,
+                 needs: GpuNeeds | None = None) -> None:
         now = time.monotonic()
         self.b = backend
+        self.needs = needs or GpuNeeds(None, backend.gpus_per_job if backend.tracker else 0)
         self.settings = backend.settings
         self.waiting = Waiting([Job(task, ready_since=now) for task in tasks])
         self.running = Running()
@@ -170,20 +173,26 @@ class Loop:
             job = queue[0]
             in_use = len(self.slots) + len(self.running)
             if job.task.row is not None and not job.task.argv and self.b.spec is not None:
+                want = self.needs.want(job.task)
+                if want is None:
+                    break  # its shape is being looked up (.needs): next pass
                 try:
-                    taken = self.slots.offer(job, now, functools.partial(self.b.acquire, in_use))
+                    taken = self.slots.offer(job, now, functools.partial(self.b.acquire, in_use),
+                                             want)
                 except LogDirError as e:
                     raise SweepError(f"{e} (--log-dir)") from e  # setup, not this task's
                 except (OSError, ValueError) as e:
                     queue.popleft()
+                    self.needs.taken()
                     self._could_not_start(job, e)
                     started = True
                     continue
                 if not taken:
                     break
                 queue.popleft()
+                self.needs.taken()
             else:
-                gpus = self.b.acquire(in_use)
+                gpus = self.b.acquire(in_use, self.b.gpus_per_job)
                 if gpus is None:
                     break
                 queue.popleft()

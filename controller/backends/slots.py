@@ -1,11 +1,13 @@
 """Long-lived workers on this machine: one `esd-worker --serve` per GPU slot (or CPU slot), fed
 one model at a time plus what it may download ahead.
 
-Owns the slots: which worker takes a job (an idle one first, then a new slot when the caller
-can get GPUs for one, then one with room to queue ahead), what the workers' events mean for
-the jobs (started, ended, crashed under a model), restarting after `--worker-reuse` models,
-idle workers leaving so their GPUs go back, and stopping (drain, SIGTERM, SIGKILL). Does not
-decide retries or record anything (controller.backends.local).
+Owns the slots: which worker takes a job (one holding as many GPUs as the job wants: an idle
+one first, then a new slot when the caller can get GPUs for one, then one with room to queue
+ahead; idle workers of another count leave when the job can start nowhere), what the
+workers' events mean for the jobs (started, ended, crashed under a model), restarting after
+`--worker-reuse` models, idle workers leaving so their GPUs go back, and stopping (drain,
+SIGTERM, SIGKILL). Does not decide retries, GPU counts or record anything
+(controller.backends.local, .needs).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class Collected:
     released: list[tuple[int, ...]] = field(default_factory=list)
 
 
-Acquire = Callable[[], "tuple[int, ...] | None"]
+Acquire = Callable[[int], "tuple[int, ...] | None"]  # GPUs wanted -> the GPUs, or None
 
 
 class Slots:
@@ -89,13 +91,18 @@ class Slots:
 
     # -- giving work ------------------------------------------------------------------------
 
-    def offer(self, job: Job, now: float, acquire: Acquire) -> bool:
-        """Send the job to a worker; False when none can take it now."""
+    def offer(self, job: Job, now: float, acquire: Acquire, want: int = 1) -> bool:
+        """Send the job to a worker holding `want` GPUs (0: a CPU slot); False when none can
+        take it now. A worker only ever gets models of its own GPU count: an idle one first,
+        then a new one on `want` GPUs from acquire, then one with room to queue ahead. When
+        none can, idle workers of another count leave (make_room), so that their GPUs come
+        back and a later offer can start the worker this job needs."""
         open_slots = [s for s in self.live if not s.closing and s.terminate_at is None]
-        idle = [s for s in open_slots if s.load == 0]
+        fits = [s for s in open_slots if len(s.gpus) == want]
+        idle = [s for s in fits if s.load == 0]
         slot = idle[0] if idle else None
         if slot is None:
-            gpus = acquire()
+            gpus = acquire(want)
             if gpus is not None:
                 try:
                     slot = self._spawn(gpus)
@@ -103,12 +110,24 @@ class Slots:
                     self.release(gpus)
                     raise
         if slot is None:
-            roomy = [s for s in open_slots if s.load < self.depth]
+            roomy = [s for s in fits if s.load < self.depth]
             slot = min(roomy, key=lambda s: s.load) if roomy else None
         if slot is None:
+            self._make_room(open_slots, want)
             return False
         self._send(slot, job, now)
         return True
+
+    def _make_room(self, open_slots: list[Slot], want: int) -> None:
+        """Idle workers of another GPU count exit: the job at the head of the queue waits for
+        GPUs they hold (busy ones finish what they were sent first: the head's wait stops
+        sends to them, so they go idle too, and no count waits on another forever)."""
+        for slot in open_slots:
+            if slot.load == 0 and len(slot.gpus) != want:
+                log.info("worker %d on gpus=%s leaves: its GPUs go to a model on %d GPU(s)",
+                         slot.worker.slot, ",".join(map(str, slot.gpus)), want)
+                slot.worker.close_input()
+                slot.closing = True
 
     def _spawn(self, gpus: tuple[int, ...]) -> Slot:
         """Raises LogDirError / OSError / ValueError (the caller releases the GPUs)."""

@@ -8,7 +8,8 @@ log of every request (to count calls).
 
 Endpoints, as huggingface_hub 2.4 calls them:
 - GET /api/models/{repo}[/revision/{rev}][?blobs=True]: model_info / repo_info. `sha`, `id`,
-  `private`, `gated`, `siblings` (rfilename; size, blobId and lfs with blobs=True).
+  `private`, `gated`, `siblings` (rfilename; size, blobId and lfs with blobs=True), and
+  `safetensors` (parameters per dtype, total) read from the root safetensors headers.
 - GET /api/models/{repo}/tree/{rev}: the recursive file listing snapshot_download asks for
   (one page, no Link header).
 - HEAD/GET /{repo}/resolve/{rev}/{file}: X-Repo-Commit always. A plain file is served with
@@ -334,6 +335,8 @@ class _Handler(BaseHTTPRequestHandler):
                                             else {}),
                          **({"lfs": {"size": len(f.data), "sha256": f.sha256, "pointerSize": 134}}
                             if blobs and f.lfs else {})} for n, f in files.items()]}
+            if (counts := _safetensors_params(files)) is not None:
+                body["safetensors"] = {"parameters": counts, "total": sum(counts.values())}
         return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"})
 
     def _file(self, repo: str, sha: str, name: str, f: _File, from_cdn: bool) -> int:
@@ -374,6 +377,28 @@ class _Handler(BaseHTTPRequestHandler):
             for chunk in _paced(body, self.server.hub.throttle_bytes_per_s if throttle else None):
                 self.wfile.write(chunk)
         return status
+
+
+def _safetensors_params(files: Mapping[str, _File]) -> dict[str, int] | None:
+    """The model info's `safetensors.parameters` as the hub reports it: elements per dtype
+    over the root *.safetensors files' headers; None when there are none or one does not
+    parse (the hub then leaves the field out)."""
+    counts: dict[str, int] = {}
+    names = [n for n in files if n.endswith(".safetensors") and "/" not in n]
+    for name in names:
+        data = files[name].data
+        try:
+            length = int.from_bytes(data[:8], "little")
+            header = json.loads(data[8:8 + length])
+            for tensor, info in header.items():
+                if tensor != "__metadata__":
+                    count = 1
+                    for dim in info["shape"]:
+                        count *= dim
+                    counts[info["dtype"]] = counts.get(info["dtype"], 0) + count
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+    return counts if names else None
 
 
 def _paced(body: bytes, rate: float | None) -> Iterator[bytes]:

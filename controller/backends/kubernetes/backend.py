@@ -36,6 +36,7 @@ from controller.errors import SweepError
 from controller.progress import Progress
 from controller.settings import SweepSettings
 from controller.sizing import Sizer
+from controller.weightmeta import GpuCounts, ShapeFinder
 from esd_worker.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -55,7 +56,9 @@ class KubernetesBackend:
     a second thread, and turns each ended model into one Outcome (on_outcome, called in
     the thread that called run). Retryable failures get a new Job `<name>-a<N>` up to
     max_retries times; a model is never submitted twice. kube: None only for a backend
-    that dry-runs. own_kube: close() closes kube. scrape_fn, clock: for tests.
+    that dry-runs. own_kube: close() closes kube. scrape_fn, clock: for tests. size: a
+    model's weight bytes (requests); gpus: its GPU count (controller.weightmeta.GpuCounts;
+    None: gpus_per_job for every Job).
     """
 
     name = "kubernetes"
@@ -66,7 +69,7 @@ class KubernetesBackend:
         max_retries: int = 2, threshold_mib: float = 500.0, max_checks: int = 10,
         poll_interval_s: float = 1.0, adopt_complete: bool = True, own_kube: bool = False,
         scrape_fn: ScrapeFn = scrape, clock: Callable[[], float] = time.monotonic,
-        size: SizeFn | None = None,
+        size: SizeFn | None = None, gpus: GpuCounts | None = None,
     ) -> None:
         problems = settings.problems()
         if problems:
@@ -81,6 +84,7 @@ class KubernetesBackend:
         self._own_kube = own_kube
         self._clock = clock
         self._size = size
+        self._gpus = gpus
         self._stop_requests = 0
         self.placer = Placement(
             settings, kube, gpus_per_job=gpus_per_job, threshold_mib=threshold_mib,
@@ -100,6 +104,7 @@ class KubernetesBackend:
         """The backend `esd-sweep run --backend kubernetes` uses: checks the output, opens
         the client from the kubeconfig (unless `kube` is given, or for a dry run)."""
         job_settings = sweep_job_settings(settings, spec)
+        sizer = sweep_sizer(settings.cluster)
         with client_for(settings, kube) as (client, own):
             return cls(
                 settings.cluster, client, job_settings=job_settings,
@@ -107,7 +112,7 @@ class KubernetesBackend:
                 max_retries=spec.max_retries, adopt_complete=not spec.overwrite,
                 threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
                 poll_interval_s=settings.gpu.poll_interval_s, own_kube=own,
-                size=sweep_sizer(settings.cluster).size)
+                size=sizer.size, gpus=sweep_gpu_counts(settings, sizer, job_settings))
 
     # -- the Backend protocol ---------------------------------------------------------------
 
@@ -136,14 +141,17 @@ class KubernetesBackend:
         rows = [_row(task) for task in tasks]  # one read of the list
         listed = {row.key: row for row in rows}
         for row in rows:
+            gpus = self._gpus(row, listed.get) if self._gpus is not None else None
             try:
                 jobs.append(build_job(
                     model_ref=row.ref, model_key=row.key, relation=row.relation,
                     source_model=row.source_model, output_url=self.output_url,
                     settings=model_job_settings(self.settings, self.job_settings, row,
-                                                self._size, listed.get)))
+                                                self._size, listed.get, gpus)))
             except JobSpecError as e:
                 problems.append(f"model={row.ref}: {e}")
+        if self._gpus is not None:
+            self._gpus.log_stats()
         if problems:
             raise SweepError("; ".join(problems))
         if jobs:
@@ -221,7 +229,7 @@ class KubernetesBackend:
                 table, events, self.kube, self.settings, self.placer,
                 job_settings=self.job_settings, output_url=self.output_url,
                 selector=self.selector, adopt_complete=self._adopt_complete,
-                stopping=self._stopping, size=self._size)
+                stopping=self._stopping, size=self._size, gpus=self._gpus)
             self._parts = (events, submitter)
         events, submitter = self._parts
         inbox: WatchQueue = queue.Queue()
@@ -241,6 +249,8 @@ class KubernetesBackend:
             self.placer.close()
             self.left_running = table.in_flight_names()
             self.cpu_s = time.thread_time() - cpu0
+            if self._gpus is not None:
+                self._gpus.log_stats()
         return table.outcomes
 
     def _loop_once(self, inbox: WatchQueue, events: JobEvents, submitter: Submitter) -> bool:
@@ -308,6 +318,17 @@ def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings
     return settings.cluster.job_settings(
         run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
         worker_args=spec.flags(), log_format=spec.log_format)
+
+
+def sweep_gpu_counts(settings: SweepSettings, sizer: Sizer,
+                     job_settings: JobSettings) -> GpuCounts | None:
+    """The GPU rule over model shapes (found through `sizer`, the run's sizes' lookups) for
+    this run's GPU Jobs, at most --max-gpus-per-job each; None: every Job asks for the run's
+    count (CPU Jobs, an explicit --gpus-per-job, --no-parallel-gpu)."""
+    rule = settings.applied_gpu_rule
+    if job_settings.gpus_per_job == 0 or not rule.splits(rule.max_gpus_per_job):
+        return None
+    return GpuCounts(rule, ShapeFinder(sizer, rule), rule.max_gpus_per_job)
 
 
 def sweep_sizer(cluster: ClusterSettings) -> Sizer:

@@ -55,7 +55,7 @@ class JobEvents:
     def release(self, model: ModelState) -> None:
         """Give back the GPUs reserved for the model's pod on its node (it runs, or ended)."""
         if model.node is not None:
-            self.placement.release(model.node)
+            self.placement.release(model.node, model.gpus)
             model.node = None
 
     def on_job(self, job: Mapping[str, Any]) -> None:

@@ -70,8 +70,8 @@ class Placement:
         self.polls = 0  # polls that gave readings
         self._next_poll = 0.0
         self._pool: ThreadPoolExecutor | None = None
-        self._candidates: list[str] | None = None
-        self._index = 0
+        self._candidates: dict[int, list[str]] = {}  # GPUs a Job wants -> nodes with room
+        self._index: dict[int, int] = {}
 
     @property
     def mode(self) -> str:
@@ -170,24 +170,27 @@ class Placement:
     # -- handing out nodes ------------------------------------------------------------------
 
     def start_pass(self) -> None:
-        """Begin a submission pass: nodes with room are ranked once per pass.
+        """Begin a submission pass: nodes with room are ranked once per pass (per GPU count).
 
         Ranking again for every Job would cost O(nodes) each; filling the ranked nodes in
         order (most free GPUs first, each until its free GPUs are reserved) packs a node
         before the next, keeping whole nodes free for other work and for the autoscaler.
         """
-        self._candidates = None
-        self._index = 0
+        self._candidates = {}
+        self._index = {}
 
-    def next_node(self) -> str | None:
-        """The node the next Job should go to, or None when no node has room."""
-        n = self.gpus_per_job
-        if self._candidates is None:
-            self._candidates = self.tracker.nodes_with_room(n)
-        while (self._index < len(self._candidates)
-               and self.tracker.free_gpus(self._candidates[self._index]) < n):
-            self._index += 1
-        return self._candidates[self._index] if self._index < len(self._candidates) else None
+    def next_node(self, gpus: int | None = None) -> str | None:
+        """The node the next Job of `gpus` GPUs (default gpus_per_job) should go to, or None
+        when no node has room for it."""
+        n = self.gpus_per_job if gpus is None else gpus
+        candidates = self._candidates.get(n)
+        if candidates is None:
+            candidates = self._candidates[n] = self.tracker.nodes_with_room(n)
+        index = self._index.get(n, 0)
+        while index < len(candidates) and self.tracker.free_gpus(candidates[index]) < n:
+            index += 1
+        self._index[n] = index
+        return candidates[index] if index < len(candidates) else None
 
     @staticmethod
     def affinity(node: str) -> dict[str, Any]:
@@ -196,12 +199,13 @@ class Placement:
         # Never a requirement: see telemetry.node_affinity.
         return node_affinity([node], key="metadata.name")
 
-    def reserve(self, node: str) -> None:
-        """Hold a Job's GPUs on `node` until its pod runs (telemetry lags behind)."""
-        self.tracker.reserve(node, self.gpus_per_job)
+    def reserve(self, node: str, gpus: int | None = None) -> None:
+        """Hold a Job's GPUs (default gpus_per_job) on `node` until its pod runs (telemetry
+        lags behind)."""
+        self.tracker.reserve(node, self.gpus_per_job if gpus is None else gpus)
 
-    def release(self, node: str) -> None:
-        self.tracker.release(node, self.gpus_per_job)
+    def release(self, node: str, gpus: int | None = None) -> None:
+        self.tracker.release(node, self.gpus_per_job if gpus is None else gpus)
 
     def close(self) -> None:
         if self._pool is not None:

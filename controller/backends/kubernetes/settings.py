@@ -298,7 +298,8 @@ def cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterS
     )
     if args.backend == "kubernetes":
         problems.extend(cluster.problems())
-        gpus = 0 if args.device == "cpu" else args.gpus_per_job
+        gpus = 0 if args.device == "cpu" else (
+            1 if args.gpus_per_job is None else args.gpus_per_job)  # auto: 1, the rule may add
         problems.extend(job_setting_problems(cluster, gpus))
         if args.mode == "custom":
             problems.append("--mode custom runs on the local backend only")

@@ -31,6 +31,7 @@ from controller.plan import KeySet
 from controller.progress import Progress
 from controller.settings import SweepSettings
 from controller.shards import ResourceClass, cache_budget, default_classes
+from controller.weightmeta import GpuCounts
 from esd_worker.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.records import read_failure
 from esd_worker.store import Store, open_store
@@ -45,7 +46,9 @@ class ShardedBackend:
     """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
 
     classes: the resource classes models are sorted into (controller.shards). size: a
-    model's bytes (controller.sizing.Sizer.size). poll_s: seconds between looks at the
+    model's bytes (controller.sizing.Sizer.size). gpus: a model's GPU count
+    (controller.weightmeta.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
+    their own; None: every model to `classes`). poll_s: seconds between looks at the
     Jobs. clock / sleep: for tests.
     """
 
@@ -55,7 +58,7 @@ class ShardedBackend:
         self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
         job_settings: JobSettings, store: Store, classes: tuple[ResourceClass, ...],
         size: Callable[[Any], int], size_report: Callable[[], None] = lambda: None,
-        poll_s: float = 10.0, own_kube: bool = False,
+        gpus: GpuCounts | None = None, poll_s: float = 10.0, own_kube: bool = False,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -70,6 +73,7 @@ class ShardedBackend:
         self.classes = classes
         self.size = size
         self.size_report = size_report
+        self.gpus = gpus
         self.poll_s = poll_s
         self.instance = job_settings.instance
         self._own_kube = own_kube
@@ -86,6 +90,7 @@ class ShardedBackend:
         """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
         from controller.backends.kubernetes.backend import (
             client_for,
+            sweep_gpu_counts,
             sweep_job_settings,
             sweep_sizer,
         )
@@ -99,8 +104,9 @@ class ShardedBackend:
         with client_for(settings, kube) as (client, own):
             return cls(cluster, client, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
-                       size_report=sizer.log_stats, poll_s=cluster.poll_interval_s,
-                       own_kube=own)
+                       size_report=sizer.log_stats,
+                       gpus=sweep_gpu_counts(settings, sizer, job_settings),
+                       poll_s=cluster.poll_interval_s, own_kube=own)
 
     # -- the Backend protocol ---------------------------------------------------------------
 
@@ -208,8 +214,11 @@ class ShardedBackend:
     def _shard(self, work: Work, store: Store) -> list[ClassShards]:
         shards = write_shards(
             work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
-            budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000)
+            budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000,
+            gpus=self.gpus)
         self.size_report()
+        if self.gpus is not None:
+            self.gpus.log_stats()
         return shards
 
     def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:

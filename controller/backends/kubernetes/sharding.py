@@ -1,7 +1,8 @@
 """A sharded run's shards: the work cut by resource class and bytes, written to the store.
 
 Owns reading the run's Work twice (once to total each class, once to pack it: a list of
-millions is never held), the GPU budget's split across classes, and writing each shard as a
+millions is never held), the GPU budget's split across classes (a gpu-x<N> class's pods
+count N GPUs each), and writing each shard as a
 model list at `_shards/<run_id>/<class>/<index>.csv` (esd_worker.layout) as soon as it is
 packed. The cutting itself is controller.shards (pure); sizes come from controller.sizing.
 Does not build or create Jobs (controller.backends.kubernetes.sharded does).
@@ -23,6 +24,7 @@ from controller.shards import (
     Shard,
     Unit,
     classify,
+    multi_gpu_class,
     shard_count,
     shard_csv,
     target_bytes,
@@ -35,6 +37,7 @@ from esd_worker.store import Store
 log = logging.getLogger(__name__)
 
 SizeFn = Callable[[ModelRow], int]
+GpuFn = Callable[[ModelRow], int]  # the GPU rule's count of a model (weightmeta.GpuCounts)
 
 
 @dataclass
@@ -46,20 +49,30 @@ class ClassShards:
     models: int = 0
     bytes: int = 0
     per_shard: list[int] = field(default_factory=list)
+    largest: int = 0  # the biggest model's bytes (a gpu-x<N> class is sized from it)
 
     @property
     def shards(self) -> int:
         return len(self.per_shard)
 
 
-def _units(work: Iterable[Task], size: SizeFn) -> Iterator[Unit]:
-    items = (Item.of(task.row, size(task.row)) for task in work if task.row is not None)
+def _units(work: Iterable[Task], size: SizeFn, gpus: GpuFn | None) -> Iterator[Unit]:
+    items = (Item.of(task.row, size(task.row), gpus(task.row) if gpus is not None else 1)
+             for task in work if task.row is not None)
     return units(items)
 
 
-def _class_of(unit: Unit, classes: Sequence[ResourceClass]) -> ResourceClass:
-    # The biggest model of a unit (the base, usually) decides where the whole unit runs.
-    return classify(max(item.size for item in unit.items), classes)
+def _class_of(unit: Unit, classes: Sequence[ResourceClass],
+              totals: dict[str, ClassShards]) -> ClassShards:
+    """The unit's class: gpu-x<N> when the GPU rule gives it N > 1 GPUs (made on first use,
+    sized once pass 1 knows its largest model), else by its biggest model's bytes (the base,
+    usually, decides where the whole unit runs)."""
+    if unit.gpus > 1:
+        name = f"gpu-x{unit.gpus}"
+        if name not in totals:
+            totals[name] = ClassShards(multi_gpu_class(unit.gpus, 0))
+        return totals[name]
+    return totals[classify(max(item.size for item in unit.items), classes).name]
 
 
 def split_parallelism(totals: Sequence[ClassShards], budget: int) -> None:
@@ -74,20 +87,27 @@ def split_parallelism(totals: Sequence[ClassShards], budget: int) -> None:
 
 def write_shards(
     work: Iterable[Task], *, store: Store, run_id: str, classes: Sequence[ResourceClass],
-    size: SizeFn, budget: int, max_models: int, threads: int = 16,
+    size: SizeFn, budget: int, max_models: int, threads: int = 16, gpus: GpuFn | None = None,
 ) -> list[ClassShards]:
-    """Cut the work into shards and write them; the classes that got any, in class order.
+    """Cut the work into shards and write them; the classes that got any, in class order
+    (then the gpu-x<N> classes of the models `gpus` gives several GPUs, fewest first).
 
     Pass 1 totals bytes and models per class and picks each class's shard count
     (controller.shards.shard_count: ~4 shards per parallel pod, at most max_models
     models each); pass 2 packs units in list order and writes each shard as it closes.
     """
     totals = {c.name: ClassShards(c) for c in classes}
-    for unit in _units(work, size):
-        c = totals[_class_of(unit, classes).name]
+    for unit in _units(work, size, gpus):
+        c = _class_of(unit, classes, totals)
         c.models += len(unit.items)
         c.bytes += unit.size
-    used = [c for c in totals.values() if c.models]
+        c.largest = max(c.largest, *(item.size for item in unit.items))
+    named = {k.name for k in classes}
+    multi = sorted((c for c in totals.values() if c.cls.name not in named),
+                   key=lambda c: c.cls.gpus)
+    for c in multi:
+        c.cls = multi_gpu_class(c.cls.gpus, c.largest)
+    used = [c for c in totals.values() if c.models and c.cls.name in named] + multi
     # Provisional shard counts (one pod per shard at most) to split the budget, then final.
     for c in used:
         c.per_shard = [0] * shard_count(total_bytes=c.bytes, total_models=c.models,
@@ -113,8 +133,8 @@ def write_shards(
             if len(pending) >= 4 * threads:  # bounded: a million shards are not all queued
                 _settle(pending)
 
-        for unit in _units(work, size):
-            c = totals[_class_of(unit, classes).name]
+        for unit in _units(work, size, gpus):
+            c = _class_of(unit, classes, totals)
             emit(c, packers[c.cls.name].add(unit))
         for c in used:
             emit(c, packers[c.cls.name].finish())

@@ -34,6 +34,7 @@ class ModelState:
     running: bool = False
     running_at: float | None = None
     node: str | None = None  # the node it prefers (reservation held until it runs)
+    gpus: int | None = None  # the GPUs its Job asks for (the GPU rule's; None: not decided)
     pending_checked_at: float = 0.0
     wait_s: float = 0.0
     total_s: float = 0.0

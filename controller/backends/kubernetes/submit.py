@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from controller.backends.kubernetes.diagnosis import Diagnosis, job_condition
@@ -30,6 +31,8 @@ from controller.backends.kubernetes.state import ModelState, ModelTable
 from esd_worker.modellist import ModelRow, parse_ref
 
 SizeFn = Callable[[ModelRow], int]
+Listed = Callable[[str], "ModelRow | None"]
+GpuFn = Callable[[ModelRow, "Listed | None"], int]  # controller.weightmeta.GpuCounts
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.client import KubeClient
@@ -39,13 +42,16 @@ log = logging.getLogger(__name__)
 
 def model_job_settings(
     cluster: ClusterSettings, job: JobSettings, row: ModelRow, size: SizeFn | None,
-    listed: Callable[[str], ModelRow | None] | None = None,
+    listed: Listed | None = None, gpus: int | None = None,
 ) -> JobSettings:
     """`job` with the memory and disk one model's pod asks for: sized from the bytes of its
     weights (and an adapter's base, downloaded with it), known before any download (size:
     controller.sizing.Sizer.size; None: unknown, the settings' defaults). listed: the run's
     row of a model key, if listed, so a base in the list is sized from its own row (its
-    size_bytes column)."""
+    size_bytes column). gpus: the GPU rule's count for this model (a GPU Job asks for it
+    instead of the run's; None: the run's)."""
+    if gpus is not None and job.gpus_per_job > 0:
+        job = replace(job, gpus_per_job=gpus)
     if size is None:
         return job
     total = size(row)
@@ -70,7 +76,7 @@ class Submitter:
         self, table: ModelTable, events: JobEvents, kube: KubeClient,
         settings: ClusterSettings, placement: Placement, *, job_settings: JobSettings,
         output_url: str, selector: str, adopt_complete: bool, stopping: Callable[[], bool],
-        size: SizeFn | None = None,
+        size: SizeFn | None = None, gpus: GpuFn | None = None,
     ) -> None:
         self.table = table
         self.events = events
@@ -83,6 +89,7 @@ class Submitter:
         self.adopt_complete = adopt_complete
         self.stopping = stopping
         self.size = size
+        self.gpus = gpus
         self.created = 0
         self.adopted = 0
         self.blocked = False
@@ -101,11 +108,21 @@ class Submitter:
         row = model.row
         settings = self.job_settings
         if sized:
-            settings = model_job_settings(self.settings, settings, row, self.size, self._listed)
+            settings = model_job_settings(self.settings, settings, row, self.size, self._listed,
+                                          self._gpus_of(model))
         return build_job(
             model_ref=row.ref, model_key=row.key, relation=row.relation,
             source_model=row.source_model, output_url=self.output_url, settings=settings,
             attempt=attempt, affinity=affinity)
+
+    def _gpus_of(self, model: ModelState) -> int:
+        """The GPUs the model's Jobs ask for, decided once (the rule's lookups are memoised
+        too, but its log line is once per model)."""
+        if model.gpus is None:
+            base = self.job_settings.gpus_per_job
+            model.gpus = base if self.gpus is None or base == 0 else self.gpus(
+                model.row, self._listed)
+        return model.gpus
 
     def _args_for(self, model: ModelState) -> tuple[str, ...]:
         if not model.args:
@@ -174,9 +191,13 @@ class Submitter:
         while table.queue and not self.stopping():
             if len(table.flight) >= self.settings.max_active_jobs:
                 return
+            model = table.models[table.queue[0]]
+            if model.in_flight or model.finished:
+                table.queue.popleft()
+                continue  # adopted, or queued twice
             node: str | None = None
             if self.placement.pinning:
-                node = self.placement.next_node()
+                node = self.placement.next_node(self._gpus_of(model))
                 if node is None and not self.settings.allow_pending:
                     self.blocked = True
                     return
@@ -185,9 +206,7 @@ class Submitter:
                 if limit is not None and len(table.waiting) >= limit:
                     self.blocked = True
                     return
-            model = table.models[table.queue.popleft()]
-            if model.in_flight or model.finished:
-                continue  # adopted, or queued twice
+            table.queue.popleft()
             self._create(model, node)
 
     def _create(self, model: ModelState, node: str | None) -> None:
@@ -219,7 +238,7 @@ class Submitter:
         self.created += 1
         self.table.track(model, name)
         if node is not None:
-            self.placement.reserve(node)
+            self.placement.reserve(node, model.gpus)
             model.node = node
         log.info("model=%s key=%s job=%s submitted (attempt %d)%s", model.row.ref,
                  model.key, name, attempt, f" node={node}" if node else "")
