@@ -236,7 +236,8 @@ class LocalBackend:
             out.write("# --gpus-per-job auto: each model runs on 1 GPU unless a '# gpus=N' "
                       "line before it says otherwise\n")
         tasks = list(work) if counts is not None else work
-        listed = {t.row.key: t.row for t in tasks if t.row is not None} if counts else {}
+        listed = ({t.row.key: t.row for t in tasks if t.row is not None}
+                  if counts is not None else {})
         count = 0
         for task in tasks:
             if counts is not None and task.row is not None and not task.argv:
