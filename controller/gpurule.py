@@ -177,6 +177,17 @@ class GpuRule:
         wanted = math.ceil(minutes / self.multi_gpu_minutes)
         return max(1, min(wanted, self.max_gpus_per_job, cap))
 
+    def explain(self, cap: int) -> str:
+        """The rule in words, for the run's log: "auto: 1, or up to 4 for a model estimated
+        above 20 GPU-min on one GPU", or "2 (--gpus-per-job)"."""
+        if self.explicit is not None:
+            return f"{self.explicit} (--gpus-per-job)"
+        if not self.splits(cap):
+            why = "--no-parallel-gpu" if not self.parallel else f"at most {cap} per worker"
+            return f"1 ({why})"
+        return (f"auto: 1, or up to {min(cap, self.max_gpus_per_job)} for a model estimated "
+                f"above {self.multi_gpu_minutes:g} GPU-min on one GPU (--multi-gpu-minutes)")
+
     def width_matters(self, params: int) -> bool:
         """Whether a model of `params` could pass the threshold with a width up to twice the
         one inferred from its size (width_from_params): below that, a header read to learn

@@ -422,9 +422,10 @@ def open_tracker(
         nvml.close()
         return None
     where = f" ({tracker.allocation.describe(short=True)})" if tracker.allocation else ""
-    log.info("GPUs %s managed%s: free after %d checks under %g MiB, %d per job",
+    # How many GPUs each model gets is the backend's (controller.gpurule), not the tracker's.
+    log.info("GPUs %s managed%s: free after %d checks under %g MiB",
              ",".join(map(str, tracker.gpus)), where, settings.max_checks,
-             settings.threshold_mib, settings.gpus_per_job)
+             settings.threshold_mib)
     return tracker
 
 

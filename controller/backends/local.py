@@ -268,6 +268,8 @@ class LocalBackend:
             self.tracker, self._open_tracker = self._open_tracker(), None
             self._check_capacity()
         fixed = self.gpus_per_job if self.tracker is not None else 0
+        if self.tracker is not None:
+            log.info("GPUs per model: %s", self.rule.explain(self.cap))
         needs = GpuNeeds(self.gpu_counts(self.cap), fixed,
                          [t.row for t in tasks if t.row is not None and not t.argv])
         loop = Loop(self, tasks, Outcomes(on_outcome, progress), needs)

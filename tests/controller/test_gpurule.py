@@ -114,3 +114,16 @@ def test_describe_says_the_estimate_and_the_count() -> None:
     assert line.endswith("→ 4 GPUs")
     inferred = WeightShape(405 * 10**9, 15850, "hub", width_inferred=True)
     assert "largest matrix 15850 (inferred)" in describe("x", inferred, 4)
+
+
+@pytest.mark.parametrize(("rule", "cap", "expected"), [
+    (GpuRule(explicit=2), 8, "2 (--gpus-per-job)"),
+    (GpuRule(parallel=False), 8, "1 (--no-parallel-gpu)"),
+    (GpuRule(), 1, "1 (at most 1 per worker)"),
+    (GpuRule(max_gpus_per_job=4), 8, "auto: 1, or up to 4 for a model estimated above 20 "
+     "GPU-min on one GPU (--multi-gpu-minutes)"),
+    (GpuRule(multi_gpu_minutes=5), 3, "auto: 1, or up to 3 for a model estimated above 5 "
+     "GPU-min on one GPU (--multi-gpu-minutes)"),
+])
+def test_explain_says_the_rule_the_run_uses(rule: GpuRule, cap: int, expected: str) -> None:
+    assert rule.explain(cap) == expected

@@ -13,10 +13,12 @@ import hashlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from controller import __version__
 from controller.backends.kubernetes.jobs import JobSettings
 from controller.shards import ResourceClass, disk_for, memory_for
+from esd_worker.flags import add_flag, parse_size
 
 DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
@@ -253,6 +255,93 @@ def job_setting_problems(settings: ClusterSettings, gpus_per_job: int) -> list[s
                 break
         out.append(problem)
     return out
+
+
+def add_cluster_flags(g: Any) -> None:
+    """The flags of `--backend kubernetes` (on `run` and `doctor`); cluster_from_args reads
+    them."""
+    add_flag(g, "--namespace", default=DEFAULT_NAMESPACE,
+             help=f"namespace of the Jobs (default {DEFAULT_NAMESPACE})")
+    add_flag(g, "--kube-context", metavar="NAME",
+             help="kubeconfig context (default: the current one; in a pod: its service account)")
+    add_flag(g, "--image", default=os.environ.get("ESD_IMAGE") or default_image(),
+             help="worker image with esd-worker (default: env ESD_IMAGE, else "
+             f"{default_image()})")
+    add_flag(g, "--node-selector", action="append", default=[], metavar="KEY=VALUE",
+             help="only nodes with this label (repeatable)")
+    add_flag(g, "--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT",
+             help="pods tolerate this taint, e.g. a GPU pool's dedicated=gpu:NoSchedule "
+             "(repeatable; nvidia.com/gpu is tolerated already)")
+    add_flag(g, "--image-pull-secret", action="append", default=[], metavar="NAME",
+             help="Secret the pods pull the worker image with (private registry; "
+             "repeatable)")
+    add_flag(g, "--priority-class", metavar="NAME", help="priorityClassName of the pods")
+    add_flag(g, "--service-account", default=DEFAULT_SERVICE_ACCOUNT, metavar="NAME",
+             help=f"service account of the pods (default {DEFAULT_SERVICE_ACCOUNT})")
+    add_flag(g, "--hf-token-secret", metavar="NAME[:KEY]",
+             help="Secret holding the HF token (key default: token); given to pods by "
+             "reference, never in arguments")
+    add_flag(g, "--s3-secret", metavar="NAME",
+             help="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (by reference; "
+             "leave out for IRSA / pod identity)")
+    add_flag(g, "--hf-cache-pvc", metavar="CLAIM",
+             help="PersistentVolumeClaim shared as the HF cache (default: emptyDir per pod)")
+    add_flag(g, "--cpu-request", default="2", metavar="Q", help="CPU request (default 2)")
+    add_flag(g, "--memory-request", default=AUTO, metavar="Q|auto",
+             help="memory request (default auto: sized from the weights' bytes, 4Gi plus "
+             "0.4 x the model; 7Gi for models up to 8 GB)")
+    add_flag(g, "--ephemeral-storage-request", default=AUTO, metavar="Q|auto",
+             help="disk for downloads, also the cache volume's sizeLimit (default auto: "
+             "sized from the weights' bytes)")
+    add_flag(g, "--active-deadline", "--job-deadline", dest="active_deadline", type=int,
+             metavar="S", help="seconds a worker pod may run once on a node; time pending "
+             "does not count (default: 21600 with --shard-size 1, none for shard pods)")
+    add_flag(g, "--ttl-after-finished", type=int, default=24 * 3600, metavar="S",
+             help="seconds a finished worker Job is kept (default 86400)")
+    add_flag(g, "--shard-size", type=int, default=0, metavar="N",
+             help="models per shard at most (default 0: auto, shards balanced by bytes, up "
+             "to 1000 models each); 1: one Job per model instead of Indexed Jobs")
+    add_flag(g, "--max-parallel", type=int, default=100, metavar="GPUS",
+             help="sharded runs: GPUs (CPU-only: pods) in use at once, all classes "
+             "(default 100)")
+    add_flag(g, "--hub-rate", type=float, default=3.0, metavar="PER_S",
+             help="hub requests per second for the whole sweep, shared by its pods "
+             "(default 3: the hub's free tier allows 1000 per 5 minutes)")
+    add_flag(g, "--large-model-size", type=parse_size, default=30 * 10**9, metavar="BYTES",
+             help="models bigger than this run in the gpu-large class: more memory and disk "
+             "(default 30G)")
+    add_flag(g, "--poll-interval", type=float, default=10.0, metavar="S",
+             help="sharded runs: seconds between looks at the Indexed Jobs (default 10)")
+    add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
+             help="--shard-size 1: unfinished Jobs of this sweep at once (default 100)")
+    add_flag(g, "--allow-pending", action="store_true",
+             help="autoscaling clusters: submit Jobs even when telemetry sees no node with "
+             "room, so they wait pending and the autoscaler adds nodes")
+    add_flag(g, "--max-pending", type=int, metavar="N",
+             help="with --allow-pending: at most N Jobs not running yet")
+    add_flag(g, "--do-not-disrupt", action="store_true",
+             help="pods carry karpenter.sh/do-not-disrupt (no consolidation under a worker)")
+    add_flag(g, "--kueue-queue", metavar="NAME",
+             help="Kueue LocalQueue; Jobs are created suspended and Kueue admits them")
+    add_flag(g, "--telemetry-selector", default=DEFAULT_TELEMETRY_SELECTOR, metavar="SELECTOR",
+             help=f"label selector of the GPU exporter pods (default {DEFAULT_TELEMETRY_SELECTOR})")
+    add_flag(g, "--telemetry-namespace", metavar="NS",
+             help="namespace of the exporter pods (default: --namespace)")
+    add_flag(g, "--telemetry-port", type=int, default=DEFAULT_TELEMETRY_PORT, metavar="PORT",
+             help=f"exporter port (default {DEFAULT_TELEMETRY_PORT})")
+    add_flag(g, "--telemetry-url", action="append", default=[], metavar="URL",
+             help="scrape these /metrics URLs instead of exporter pods (repeatable)")
+    add_flag(g, "--no-telemetry", action="store_true",
+             help="no GPU telemetry: Jobs only request nvidia.com/gpu")
+    add_flag(g, "--pending-timeout", type=float, default=600.0, metavar="S",
+             help="report why a Job is not running after S seconds (default 600)")
+    add_flag(g, "--allow-local-output", action="store_true",
+             help="accept a local --output-dir (a volume mounted at that path in every pod)")
+    wait = g.add_mutually_exclusive_group()
+    add_flag(wait, "--wait", dest="wait", action="store_true", default=True,
+             help="wait until every Job has ended (default)")
+    add_flag(wait, "--no-wait", dest="wait", action="store_false",
+             help="submit what fits and exit 0; Jobs keep running and a later run adopts them")
 
 
 def cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterSettings:
