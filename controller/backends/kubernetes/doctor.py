@@ -40,6 +40,7 @@ from controller.backends.kubernetes.errors import (
     KubePermissionError,
 )
 from controller.backends.kubernetes.names import KUEUE_GROUP
+from controller.backends.kubernetes.placement import exporter_targets
 from controller.backends.kubernetes.settings import ClusterSettings, cluster_from_args
 from controller.backends.kubernetes.telemetry import NodeGpu, TelemetryError, scrape
 from controller.checks import FAIL, INFO, PASS, SKIP, Check
@@ -257,23 +258,6 @@ def _telemetry_skipped(settings: ClusterSettings, device: str) -> str | None:
     if settings.kueue_queue:
         return f"Kueue admits the Jobs (--kueue-queue {settings.kueue_queue}): not read"
     return None
-
-
-def exporter_targets(kube: KubeClient, settings: ClusterSettings) -> list[tuple[str, str | None]]:
-    """(metrics URL, node) of every exporter the sweep would scrape: --telemetry-url, else
-    the running pods of --telemetry-selector at their IP and --telemetry-port."""
-    if settings.telemetry_urls:
-        return [(url, None) for url in settings.telemetry_urls]
-    namespace = settings.telemetry_namespace or settings.namespace
-    out = []
-    for pod in kube.list_pods(namespace, settings.telemetry_selector):
-        status = pod.get("status") or {}
-        ip = status.get("podIP")
-        if status.get("phase") == "Running" and ip:
-            host = f"[{ip}]" if ":" in str(ip) else str(ip)
-            out.append((f"http://{host}:{settings.telemetry_port}/metrics",
-                        (pod.get("spec") or {}).get("nodeName")))
-    return out
 
 
 def check_telemetry(kube: KubeClient, settings: ClusterSettings, device: str) -> Check:

@@ -138,20 +138,9 @@ class Placement:
 
     def _targets(self) -> list[tuple[str, str | None]]:
         """(metrics URL, node or None) of every exporter to scrape."""
-        if self.settings.telemetry_urls:
-            return [(url, None) for url in self.settings.telemetry_urls]
-        if self.kube is None:
+        if self.kube is None and not self.settings.telemetry_urls:
             return []
-        ns = self.settings.telemetry_namespace or self.settings.namespace
-        out = []
-        for pod in self.kube.list_pods(ns, self.settings.telemetry_selector):
-            status = pod.get("status") or {}
-            ip = status.get("podIP")
-            if status.get("phase") == "Running" and ip:
-                host = f"[{ip}]" if ":" in str(ip) else str(ip)
-                out.append((f"http://{host}:{self.settings.telemetry_port}/metrics",
-                            (pod.get("spec") or {}).get("nodeName")))
-        return out
+        return exporter_targets(self.kube, self.settings)
 
     def _off(self, why: str) -> None:
         if self._state == "on":
@@ -211,3 +200,23 @@ class Placement:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+def exporter_targets(
+    kube: KubeClient | None, settings: ClusterSettings
+) -> list[tuple[str, str | None]]:
+    """(metrics URL, node) of every exporter a sweep scrapes (placement, and `doctor`'s check):
+    --telemetry-url, else the running pods of --telemetry-selector at their IP and
+    --telemetry-port."""
+    if settings.telemetry_urls or kube is None:
+        return [(url, None) for url in settings.telemetry_urls]
+    namespace = settings.telemetry_namespace or settings.namespace
+    out = []
+    for pod in kube.list_pods(namespace, settings.telemetry_selector):
+        status = pod.get("status") or {}
+        ip = status.get("podIP")
+        if status.get("phase") == "Running" and ip:
+            host = f"[{ip}]" if ":" in str(ip) else str(ip)  # an IPv6 pod IP
+            out.append((f"http://{host}:{settings.telemetry_port}/metrics",
+                        (pod.get("spec") or {}).get("nodeName")))
+    return out

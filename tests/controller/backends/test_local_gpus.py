@@ -116,7 +116,10 @@ def test_idle_single_gpu_workers_give_way_to_a_big_model(
     assert len(outcomes[big.key].gpus) == 2
     assert {len(outcomes[t.key].gpus) for t in small + after} == {1}
     assert_counts_kept(tmp_path, {t.key: 2 if t is big else 1 for t in tasks})
-    decisions = [r.getMessage() for r in caplog.records if "GPU-min on one GPU" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    assert "GPUs per model: auto: 1, or up to 3 for a model estimated above 40 GPU-min on one " \
+        "GPU (--multi-gpu-minutes)" in messages
+    decisions = [m for m in messages if m.startswith("model=") and "GPU-min" in m]
     assert decisions == ["model=ok-big: ~405.0B params, largest matrix 16384, est ~72 GPU-min "
                          "on one GPU → 2 GPUs"]
     assert any("leaves: its GPUs go to a model on 2 GPU(s)" in r.getMessage()
