@@ -246,7 +246,7 @@ class Sizer:
         return size if source in ("column", "local", "hub") else self.default_bytes
 
     def _column_size(self, row: ModelRow) -> int | None:
-        raw = _column(row.metadata)
+        raw = list_cell(row.metadata, SIZE_COLUMN)
         if not raw:
             return None
         try:
@@ -397,12 +397,13 @@ class Sizer:
         raise AssertionError("unreachable")
 
 
-def _column(metadata: Mapping[str, str]) -> str:
-    """The size_bytes cell (the header spelt in any case, '-' or '_'), stripped; "" if none."""
-    if SIZE_COLUMN in metadata:
-        return metadata[SIZE_COLUMN].strip()
-    for name, value in metadata.items():
-        if name.strip().lower().replace("-", "_").replace(" ", "_") == SIZE_COLUMN:
+def list_cell(metadata: Mapping[str, str], name: str) -> str:
+    """An optional model-list column's cell (size_bytes, num_params, …; the header spelt in
+    any case, '-' or ' ' for '_'), stripped; "" if none."""
+    if name in metadata:
+        return metadata[name].strip()
+    for key, value in metadata.items():
+        if key.strip().lower().replace("-", "_").replace(" ", "_") == name:
             return value.strip()
     return ""
 

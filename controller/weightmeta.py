@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.gpurule import GpuRule, WeightShape, describe, width_from_params
-from controller.sizing import Sizer, weight_files
+from controller.sizing import Sizer, list_cell, weight_files
 from esd_worker.modellist import ModelRow, is_local_path, parse_ref
 
 log = logging.getLogger(__name__)
@@ -326,20 +326,10 @@ def _columns(row: ModelRow) -> WeightShape | None:
     return WeightShape(params, width_from_params(params), "column", width_inferred=True)
 
 
-def _cell(metadata: Mapping[str, str], name: str) -> str:
-    """A column's cell (the header in any case, '-' or ' ' for '_'), stripped; "" if none."""
-    if name in metadata:
-        return metadata[name].strip()
-    for key, value in metadata.items():
-        if key.strip().lower().replace("-", "_").replace(" ", "_") == name:
-            return value.strip()
-    return ""
-
-
 def _count(metadata: Mapping[str, str], name: str) -> int | None:
     """A count such as 7000000000, 7e9, 7B or 1.5T (k, M, B, T: 10³ … 10¹²); None if empty
     or not a count (the row is then looked up as if it had none)."""
-    match = _COUNT.fullmatch(_cell(metadata, name))
+    match = _COUNT.fullmatch(list_cell(metadata, name))
     if match is None:
         return None
     value = float(match.group(1)) * _SCALE[match.group(2).lower()]

@@ -34,7 +34,7 @@ from controller.weightmeta import (
     read_header,
 )
 from esd_worker.modellist import ModelRow, parse_ref
-from tests.controller.test_sizing import FakeTime
+from tests.controller.test_sizing import FakeTime, clean_env  # noqa: F401  (autouse fixture)
 from tests.support.hubserver import HubServer
 
 B = 10**9
@@ -95,14 +95,6 @@ def make_row(ref: str, relation: str = "", source: str | None = None,
     model_id, revision, problem = parse_ref(ref)
     assert problem is None, problem
     return ModelRow(model_id, revision, relation, source, metadata=metadata)
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("HF_ENDPOINT", "HF_TOKEN", "HF_HUB_OFFLINE", "HTTP_PROXY", "HTTPS_PROXY",
-                 "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
 
 
 @pytest.fixture(scope="module")
