@@ -220,6 +220,7 @@ class SafetensorsFile:
             if dtype is not None and math.prod(shape) * dtype.itemsize != end - start:
                 raise ValueError(f"tensor {key!r}: {end - start} bytes for shape {shape} {name}")
             entries[key] = _Entry(dtype, dtype_name, shape, start, end)
+        _check_tiling(entries, data, size)
         return entries
 
     def read(self, key: str) -> torch.Tensor:
@@ -243,6 +244,21 @@ class SafetensorsFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _check_tiling(entries: dict[str, _Entry], data: int, size: int) -> None:
+    """The tensors' byte ranges, sorted, must tile the data exactly (the safetensors loader's
+    rule): an overlap would let one tensor's bytes be analysed under two names, a gap or a
+    tail hides bytes nobody reads. Zero-size tensors sit anywhere in the sequence."""
+    at = data
+    for start, end, key in sorted((e.start, e.end, k) for k, e in entries.items()):
+        if start != at:
+            how = "overlaps the tensor before it" if start < at else "leaves a gap before it"
+            raise ValueError(f"tensor {key!r} {how} in the data (offset {start - data}, "
+                             f"expected {at - data})")
+        at = end
+    if at != size:
+        raise ValueError(f"{size - at} bytes of data after the last tensor")
 
 
 def _load_bin(path: Path) -> dict[str, Any]:

@@ -66,6 +66,31 @@ def test_broken_files_are_refused_with_the_reason(
         SafetensorsFile(raw_file(tmp_path / "bad.safetensors", header, data, length=length))
 
 
+# Two F32 tensors of 2 elements (8 bytes each) laid out in the 16 data bytes in ways the
+# format forbids: the safetensors loader requires the ranges, sorted, to tile the data
+# exactly (each starts where the previous ends, the last ends at the end of the file).
+@pytest.mark.parametrize(("offsets", "data"), [
+    pytest.param([[0, 8], [4, 12]], 16, id="overlapping"),
+    pytest.param([[0, 8], [0, 8]], 16, id="same-bytes"),
+    pytest.param([[0, 8], [12, 20]], 20, id="gap-between"),
+    pytest.param([[4, 12], [12, 20]], 20, id="gap-before-the-first"),
+    pytest.param([[0, 8], [8, 16]], 24, id="bytes-after-the-last"),
+])
+def test_tensors_must_tile_the_data_exactly_as_the_official_loader_requires(
+    tmp_path: Path, offsets: list[list[int]], data: int
+) -> None:
+    """An overlapping range would let one tensor's bytes be analysed under two names (a
+    forged file passing as a model); the official loader refuses each of these layouts, so
+    a file it cannot load is never marked done here."""
+    header = {name: {"dtype": "F32", "shape": [2], "data_offsets": where}
+              for name, where in zip("ab", offsets, strict=True)}
+    path = raw_file(tmp_path / "layout.safetensors", header, b"\0" * data)
+    with pytest.raises(Exception):  # noqa: B017 (its error types vary by version)
+        load_file(str(path))
+    with pytest.raises(ValueError, match="data"):
+        SafetensorsFile(path)
+
+
 def test_a_header_that_is_not_json_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "junk.safetensors"
     path.write_bytes(struct.pack("<Q", 9) + b"{not json" + b"\0" * 8)
