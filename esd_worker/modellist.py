@@ -18,9 +18,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import IO
 
+from esd_worker.echo import echo, has_control, quoted
 from esd_worker.errors import ModelListError
 from esd_worker.listcsv import csv_records, open_text, read_url
 from esd_worker.naming import is_local_path, local_path, model_key
+from esd_worker.redact import REDACTED
 
 RELATIONS: tuple[str, ...] = (
     "",
@@ -52,6 +54,11 @@ _REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?", r
 # hashes are a subset. '/' is allowed: the hub has refs like refs/pr/1.
 _REV_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 _REV_MAX = 255
+# Linux's PATH_MAX: a longer path names no file (and would fill every log line about it).
+_PATH_MAX = 4096
+# A problem line at most (each value it names is cut at esd_worker.echo.ECHO_CHARS first).
+_PROBLEM_CHARS = 1000
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,11 @@ class RowProblem:
     message: str
 
     def __str__(self) -> str:
-        if self.line <= 0:
-            return f"{self.source}: {self.message}"
-        return f"{self.source}:{self.line}: {self.message}"
+        # Under every message below, which names each value through esd_worker.echo: the
+        # line printed is one line, bounded and redacted whatever a message holds.
+        source = echo(self.source, limit=_PROBLEM_CHARS)
+        where = source if self.line <= 0 else f"{source}:{self.line}"
+        return f"{where}: {echo(self.message, limit=_PROBLEM_CHARS)}"
 
 
 @dataclass(frozen=True)
@@ -154,28 +163,54 @@ def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
 
     A local path is made absolute and normalised (esd_worker.naming.local_path), '@' and
     all: a directory name may contain one. Only the last '@' of a hub reference separates
-    the revision, as in esd_worker.naming.split_model_ref.
+    the revision, as in esd_worker.naming.split_model_ref. A reference holding a control
+    character (a newline, ESC) is refused: it would break every log line, command line
+    and record naming it. So is a hub reference holding ':' (a URL, or user:password@host),
+    which no hub id or revision may hold; its problem masks what precedes its last '@'.
     """
     ref = ref.strip()
     if not ref:
         return "", None, "empty model id"
+    if has_control(ref):
+        return ref, None, f"control characters are not allowed in a model id: {quoted(ref)}"
     if is_local_path(ref):
-        return local_path(ref), None, None
+        path = local_path(ref)
+        if len(path) > _PATH_MAX:
+            return ref, None, f"longer than {_PATH_MAX} characters, so no path: {quoted(ref)}"
+        return path, None, None
+    if ":" in ref:
+        # Checked before the split at '@': 'https://bob:PASS' (the part before the '@')
+        # no longer looks like a URL with a password, and would be shown as it is.
+        return ref, None, (f"{quoted(_masked(ref))} is not a model id (a URL?): give "
+                           "org/name[@revision] or a local directory; a hub token goes in "
+                           "HF_TOKEN, not in the list")
     model_id, revision = ref, None
     if "@" in ref:
         model_id, _, revision = ref.rpartition("@")
         if not revision:
-            return ref, None, f"empty revision after '@' in {ref!r}"
+            return ref, None, f"empty revision after '@' in {quoted(ref)}"
         if not model_id:
-            return ref, None, f"empty model id before '@' in {ref!r}"
+            return ref, None, f"empty model id before '@' in {quoted(ref)}"
     why = repo_id_problem(model_id)
     if why:
-        return model_id, revision, f"malformed model id {model_id!r}: {why}"
+        return model_id, revision, f"malformed model id {quoted(model_id)}: {why}"
     if revision is not None:
         why = revision_problem(revision)
         if why:
-            return model_id, revision, f"bad revision {revision!r} in {ref!r}: {why}"
+            return model_id, revision, (f"bad revision {quoted(revision)} in {quoted(ref)}: "
+                                        f"{why}")
     return model_id, revision, None
+
+
+def _masked(ref: str) -> str:
+    """`ref` with all between its scheme (if any) and its last '@' masked: the userinfo of
+    `https://user:password@host/…` or `user:password@host/…`, a password holding '/', ':'
+    or '@' included (more is masked when an '@' follows the host: safe, not pretty)."""
+    head, at, tail = ref.rpartition("@")
+    if not at:
+        return ref
+    scheme = _SCHEME.match(head)
+    return f"{scheme.group() if scheme else ''}{REDACTED}@{tail}"
 
 
 def _adapter_base_problem(model_id: str) -> str | None:
@@ -186,29 +221,30 @@ def _adapter_base_problem(model_id: str) -> str | None:
     config_path = directory / "adapter_config.json"
     if not config_path.is_file():
         return (
-            f"adapter {model_id} has no adapter_config.json and no source_model: "
+            f"adapter {echo(model_id)} has no adapter_config.json and no source_model: "
             "its base model cannot be found"
         )
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"adapter {model_id}: cannot read adapter_config.json ({e}); set source_model"
+        return (f"adapter {echo(model_id)}: cannot read adapter_config.json ({echo(e)}); "
+                "set source_model")
     base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
     if not isinstance(base, str) or not base.strip():
         return (
-            f"adapter {model_id}: adapter_config.json names no base_model_name_or_path "
+            f"adapter {echo(model_id)}: adapter_config.json names no base_model_name_or_path "
             "and source_model is empty"
         )
     return None
 
 
 def _source_problem(source: str) -> str | None:
-    if is_local_path(source):
-        if not Path(source).expanduser().exists():
-            return f"source model path does not exist: {source}"
-        return None
     _, _, why = parse_ref(source)
-    return None if why is None else f"source_model: {why}"
+    if why is not None:
+        return f"source_model: {why}"
+    if is_local_path(source) and not Path(source).expanduser().exists():
+        return f"source model path does not exist: {echo(source)}"
+    return None
 
 
 def _build_row(
@@ -221,7 +257,8 @@ def _build_row(
     relation = relation.strip().lower()
     if relation not in RELATIONS:
         expected = ", ".join(r for r in RELATIONS if r)
-        return None, f"unknown base_model_relation {relation!r} (expected empty or {expected})"
+        return None, (f"unknown base_model_relation {quoted(relation)} (expected empty or "
+                      f"{expected})")
     source_model = source.strip() or None
     if source_model is not None:
         # The worker uses source_model only as the base of an adapter (relation adapter/
@@ -290,7 +327,7 @@ def _parse_header(cells: list[str], where: str) -> _Header:
     names = [_norm_header(c) for c in cells]
     id_col = next((names.index(c) for c in _ID_COLUMNS if c in names), -1)
     if id_col < 0:
-        found = ", ".join(repr(c.strip()) for c in cells)
+        found = echo(", ".join(f"'{c.strip()}'" for c in cells))
         raise ModelListError(
             f"{where}: no model_id or full_name column in the header (found {found})"
         )
