@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 from controller.backends.base import Outcome
-from esd_worker.layout import marker_key
+from esd_worker.layout import attempt_key, marker_key
 from esd_worker.records import FailureRecord, clear_failure, utc_now, write_failure
 from esd_worker.redact import redact
 from esd_worker.store import Store
@@ -78,6 +78,11 @@ class Recorder:
         self.durations[key] = round(outcome.duration_s, 3)
         if model:
             write_failure(self.store, record)
+            if outcome.exit_code is None or outcome.signal is not None:
+                # A worker that died under the model (or was killed) left its attempt note;
+                # the record now holds this run's count, and a later run (--retry-failed)
+                # must start from none. A worker that reported its failure removed it.
+                self.store.delete(attempt_key(key))
         tail = (line for line in reversed(outcome.stderr_tail) if line.strip())
         last = redact(next(tail, ""))  # records are redacted; this log line must be too
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s%s", task.label, key,

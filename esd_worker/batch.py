@@ -25,6 +25,7 @@ from esd_worker.errors import (
     ERROR_PREFIX,
     EXIT_OK,
     EXIT_TRANSIENT,
+    EXIT_USAGE,
     Terminated,
     WorkerError,
     classify_exit,
@@ -32,6 +33,7 @@ from esd_worker.errors import (
     failure_message,
 )
 from esd_worker.layout import attempt_key, canonical_parameters, check_files, read_marker
+from esd_worker.naming import is_model_key
 from esd_worker.protocol import (
     DONE,
     FAILED,
@@ -176,11 +178,18 @@ class Batch:
 
     def _one(self, request: Request, tail: ModelLog) -> Result:
         key = request.key
-        skip = self._skip_reason(key)
-        if skip:
-            log.info("model=%s key=%s skipped: %s", request.model, key, skip)
-            return Result(key, SKIPPED, EXIT_OK, error=skip)
-        starts = self._note_start(request)
+        if not is_model_key(key):  # the protocol refuses these; a list never makes one
+            error = f"UsageError: {key[:100]!r} is not a model key: nothing was written"
+            log.error("model=%s %s", request.model, error)
+            return Result(key, FAILED, EXIT_USAGE, error=error)
+        try:
+            skip = self._skip_reason(key)
+            if skip:
+                log.info("model=%s key=%s skipped: %s", request.model, key, skip)
+                return Result(key, SKIPPED, EXIT_OK, error=skip)
+            starts = self._note_start(request)
+        except Exception as e:  # the store, before the model started: this model's outcome
+            return self._error(request, e, tail)
         # After the note: a worker killed from here on is found by the next one.
         self.emit(event_line("start", key=key))
         if starts > self.settings.max_retries + 1:
@@ -197,21 +206,28 @@ class Batch:
             self._clear_note(key)  # a stop, not the model's fault
             raise
         except Exception as e:
-            code = exit_code_for(e)
-            if _fatal_cuda(e):
-                code, self.fatal = EXIT_TRANSIENT, True
-            elif not isinstance(e, (WorkerError, MemoryError)):
-                log.error("unexpected error analysing %s", request.model, exc_info=e)
-            message = redact(failure_message(e, request.model))  # stderr is a pod's log
-            self.stderr.write(ERROR_PREFIX + message + "\n")
-            tail.lines.append(ERROR_PREFIX + message)
-            cls, retryable = classify_exit(code, None)
-            return self._failed(request, f"{cls}: {message}", code, retryable, tail,
-                                attempts=request.attempt)
+            return self._error(request, e, tail)
         _release_gpu_memory()
-        clear_failure(self.store, key)
-        self._clear_note(key)
+        try:
+            clear_failure(self.store, key)
+            self._clear_note(key)
+        except Exception as e:  # the marker is written: done; a stale record or note stays
+            log.warning("model=%s key=%s done, but its old failure record or attempt note "
+                        "could not be removed: %s", request.model, key, redact(str(e)))
         return Result(key, DONE, EXIT_OK)
+
+    def _error(self, request: Request, e: Exception, tail: ModelLog) -> Result:
+        code = exit_code_for(e)
+        if _fatal_cuda(e):
+            code, self.fatal = EXIT_TRANSIENT, True
+        elif not isinstance(e, (WorkerError, MemoryError)):
+            log.error("unexpected error analysing %s", request.model, exc_info=e)
+        message = redact(failure_message(e, request.model))  # stderr is a pod's log
+        self.stderr.write(ERROR_PREFIX + message + "\n")
+        tail.lines.append(ERROR_PREFIX + message)
+        cls, retryable = classify_exit(code, None)
+        return self._failed(request, f"{cls}: {message}", code, retryable, tail,
+                            attempts=request.attempt)
 
     def _skip_reason(self, key: str) -> str:
         if not self.settings.overwrite:
@@ -237,8 +253,15 @@ class Batch:
             signal=None, retryable=retryable, attempts=attempts, stderr_tail=tuple(tail.lines),
             run_id=self.settings.run_id, time=utc_now(),
         )
-        write_failure(self.store, record)
-        self._clear_note(request.key)
+        try:
+            write_failure(self.store, record)
+            self._clear_note(request.key)
+        except Exception as e:
+            # The store refuses now (an outage, a full disk): the outcome is not recorded, so
+            # it must be retryable, or a shard's pod would count the model as settled.
+            log.error("model=%s key=%s failure record not written: %s", request.model,
+                      request.key, redact(str(e)))
+            retryable = True
         return Result(request.key, FAILED, code if code is not None else 3, error=error,
                       retryable=retryable)
 
@@ -248,17 +271,34 @@ class Batch:
         """Record that this worker starts the model; the number of starts so far, this one
         included (earlier starts without an outcome are crashes)."""
         key = attempt_key(request.key)
-        starts = 1
         data = self.store.get_bytes(key)
-        if data is not None:
-            try:
-                starts += int(json.loads(data)["starts"])
-            except (ValueError, KeyError, TypeError):
-                log.warning("unreadable attempt note %s: counted as one start", key)
-                starts += 1
+        starts = 1 + (0 if data is None else self._earlier_starts(key, data))
         note = {"model": request.model, "starts": starts, "run_id": self.settings.run_id,
                 "host": platform.node(), "pid": os.getpid(), "time": utc_now()}
         self.store.put_bytes(key, (json.dumps(note) + "\n").encode())
+        return starts
+
+    def _earlier_starts(self, key: str, data: bytes) -> int:
+        """The starts a note counts for this run. Another run's note counts none: that run
+        recorded the model (its controller counted the crashes and removes the note with the
+        record) or was stopped under it, and `--retry-failed` means try again. A note that
+        is not one (forged, or more starts than this run allows: the start after the last
+        allowed one records the model and removes the note) counts none either: it must not
+        make an untried model poison."""
+        try:
+            note = json.loads(data)
+            starts, run_id = note["starts"], note.get("run_id", "")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("attempt note %s is not one: ignored", key)
+            return 0
+        if (isinstance(starts, bool) or not isinstance(starts, int)
+                or not 1 <= starts <= self.settings.max_retries + 1 or not isinstance(run_id, str)):
+            log.warning("attempt note %s holds starts=%.40r: ignored", key, starts)
+            return 0
+        if run_id != self.settings.run_id:
+            log.info("attempt note %s is run %.80r's (%d start(s)): this run %.80r counts "
+                     "its own", key, run_id, starts, self.settings.run_id)
+            return 0
         return starts
 
     def _clear_note(self, key: str) -> None:

@@ -17,6 +17,7 @@ _KEY_SLUG_MAX = 80
 _REVISION_SLUG_MAX = 12
 KEY_MAX = _KEY_SLUG_MAX + 1 + 10  # slug, "-", 10 hex digits of the hash
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
+_MODEL_KEY = re.compile(rf"[a-z0-9][a-z0-9-]{{0,{KEY_MAX - 1}}}")
 
 
 def is_local_path(ref: str) -> bool:
@@ -56,6 +57,13 @@ def split_model_ref(ref: str) -> tuple[str, str | None]:
         if model_id and revision:
             return model_id, revision
     return ref, None
+
+
+def is_model_key(key: object) -> bool:
+    """Whether `key` has the shape `model_key` gives every key: 1 to KEY_MAX characters of
+    [a-z0-9-], not starting with '-'. A key that comes from outside (a protocol request, a
+    marker) is checked against this before it names anything in the store."""
+    return isinstance(key, str) and _MODEL_KEY.fullmatch(key) is not None
 
 
 def _slug(text: str) -> str:

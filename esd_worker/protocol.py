@@ -26,6 +26,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from esd_worker.naming import KEY_MAX, is_model_key
+
 MODEL_BEGIN = "::esd-model-begin "
 MODEL_END = "::esd-model-end "
 
@@ -89,6 +91,12 @@ def parse_op(line: str) -> Request | str:
     base, attempt = doc.get("base_model"), doc.get("attempt", 1)
     if not (isinstance(key, str) and key and isinstance(model, str) and model):
         raise ValueError("key and model must be non-empty strings")
+    if not is_model_key(key):
+        # The key names the model's folder, record and note in the store: one that
+        # model_key could not have made ('..', 'a/b', a NUL, 300 characters) is refused here,
+        # before it reaches a store call, and the worker goes on with the next line.
+        raise ValueError(f"key {key[:100]!r} is not a model key ([a-z0-9-], at most "
+                         f"{KEY_MAX} characters)")
     if not (base is None or isinstance(base, str)) or not isinstance(attempt, int):
         raise ValueError("base_model must be a string or null, attempt an integer")
     return Request(key, model, str(doc.get("relation") or ""), base or None, attempt)

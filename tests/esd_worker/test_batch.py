@@ -64,7 +64,15 @@ def test_requests_and_results_read_back_as_written() -> None:
         ('{"op": "analyse", "model": "m"}', "lacks 'key'"),
         ('{"op": "analyse", "key": "", "model": "m"}', "non-empty"),
         ('{"op": "analyse", "key": "k", "model": "m", "attempt": "2"}', "attempt an integer"),
+        ('{"op": "analyse", "key": "..", "model": "m"}', "not a model key"),
+        ('{"op": "analyse", "key": "a/b", "model": "m"}', "not a model key"),
+        ('{"op": "analyse", "key": "a\\u0000b", "model": "m"}', "not a model key"),
+        ('{"op": "analyse", "key": "%s", "model": "m"}' % ("k" * 300), "not a model key"),
+        ('{"op": "analyse", "key": "Key_A", "model": "m"}', "not a model key"),
+        ('{"op": "analyse", "key": 7, "model": "m"}', "non-empty strings"),
     ],
+    ids=["not-json", "not-an-object", "unknown-op", "no-key", "empty-key", "attempt-a-string",
+         "dotdot-key", "slash-key", "nul-key", "300-char-key", "not-a-slug-key", "int-key"],
 )
 def test_bad_request_lines_say_what_is_wrong(line: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
@@ -261,7 +269,8 @@ def test_a_model_whose_attempt_note_shows_every_try_crashed_is_a_poison_model(
     """A note left by workers that died under the model (they never cleared it) counts
     their starts; past max_retries the model is recorded, not started."""
     store = LocalStore(tmp_path)
-    store.put_bytes(attempt_key("key-p"), json.dumps({"starts": max_retries + 1}).encode())
+    store.put_bytes(attempt_key("key-p"), json.dumps(
+        {"starts": max_retries + 1, "run_id": "run-7"}).encode())
     analyses = Analyses({})
     _, events, _ = run_batch(store, analyses, [req("p"), req("ok")],
                                  max_retries=max_retries)
@@ -292,6 +301,84 @@ def test_fewer_crashes_than_allowed_are_counted_and_the_model_runs(tmp_path: Pat
         iter([req("p")]))
     assert seen == [2]  # this start is the second
     assert not store.exists(attempt_key("key-p"))
+
+
+@pytest.mark.parametrize("note", [
+    pytest.param({"starts": 1, "run_id": "run-6"}, id="another-runs-note"),
+    pytest.param({"starts": 1}, id="a-note-of-no-run"),
+    pytest.param({"starts": 1e308, "run_id": "run-7"}, id="starts-1e308"),
+    pytest.param({"starts": 10**6, "run_id": "run-7"}, id="more-starts-than-allowed"),
+    pytest.param({"starts": "1", "run_id": "run-7"}, id="starts-a-string"),
+    pytest.param({"starts": True, "run_id": "run-7"}, id="starts-a-bool"),
+    pytest.param({"starts": 0, "run_id": "run-7"}, id="starts-zero"),
+    pytest.param({"starts": 1, "run_id": 7}, id="run-id-a-number"),
+    pytest.param([1], id="a-list"),
+    pytest.param("not json", id="not-json"),
+])
+def test_a_note_that_is_not_this_runs_counts_no_crash(tmp_path: Path, note: object) -> None:
+    """With --max-retries 0 any crash counted would record the model as poison unstarted:
+    it is analysed, because only a well-formed note of this run (run-7) with at most
+    max_retries + 1 starts counts. Another run's note is what a `--retry-failed` rerun finds
+    after a poison model, and must not block that retry."""
+    store = LocalStore(tmp_path)
+    data = note.encode() if isinstance(note, str) else json.dumps(note).encode()
+    store.put_bytes(attempt_key("key-p"), data)
+    analyses = Analyses({})
+    tally, _, _ = run_batch(store, analyses, [req("p")], max_retries=0)
+    assert analyses.calls == ["p"] and tally.done == 1
+    assert not store.exists(attempt_key("key-p")) and not store.exists(failure_key("key-p"))
+
+
+def test_a_request_whose_key_is_no_model_key_fails_alone(tmp_path: Path) -> None:
+    """Past the protocol's check (a caller of Batch): no store call is made with the key, the
+    request fails as a usage error and the next model runs."""
+    store = LocalStore(tmp_path / "out")
+    analyses = Analyses({})
+    tally, events, _ = run_batch(store, analyses, [Request("..", "m-x"), req("ok")])
+    [bad, ok] = [result_from(e) for e in events if e["event"] == "result"]
+    assert (bad.status, bad.exit_code, ok.status) == ("failed", 2, "done")
+    assert analyses.calls == ["ok"] and tally.failed == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+class RefusingStore(LocalStore):
+    """A local store whose reads of one model's files fail as an outage does (StoreError),
+    and whose writes fail once `refuse_writes` is set: a store double at the Store seam."""
+
+    def __init__(self, root: Path, model_key: str) -> None:
+        super().__init__(root)
+        self.model_key = model_key
+        self.refuse_writes = False
+
+    def get_bytes(self, key: str) -> bytes | None:
+        if key.startswith(self.model_key) or key.endswith(f"/{self.model_key}.json"):
+            raise StoreError(f"store unreachable reading {key}")
+        return super().get_bytes(key)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        if self.refuse_writes:
+            raise StoreError(f"store unreachable writing {key}")
+        super().put_bytes(key, data)
+
+
+@pytest.mark.parametrize("writes", [True, False], ids=["record-written", "store-refuses"])
+def test_a_store_error_before_the_model_starts_is_that_models_failure(
+    tmp_path: Path, writes: bool
+) -> None:
+    """The skip check's read fails: the model fails retryably (an outage is worth a retry)
+    and the worker goes on; when the failure record cannot be written either the result
+    still comes, retryable, since no outcome is in the store."""
+    store = RefusingStore(tmp_path, "key-x")
+    store.refuse_writes = not writes
+    analyses = Analyses({})
+    tally, events, _ = run_batch(store, analyses, [req("x"), req("ok")])
+    results = {e["key"]: result_from(e) for e in events if e["event"] == "result"}
+    assert (results["key-x"].status, results["key-x"].retryable) == ("failed", True)
+    assert "store unreachable" in results["key-x"].error
+    assert analyses.calls == (["ok"] if writes else [])
+    assert results["key-ok"].status == ("done" if writes else "failed")
+    assert LocalStore(tmp_path).exists(failure_key("key-x")) is writes
+    assert tally.exit_code == 4
 
 
 def test_a_stop_ends_the_batch_without_blaming_the_model(tmp_path: Path) -> None:

@@ -141,7 +141,8 @@ def test_a_model_that_killed_its_worker_is_found_by_the_next_one(
     llama_dir: Path, tmp_path: Path
 ) -> None:
     """SIGKILL while the model is analysed leaves its attempt note; with --max-retries 0 the
-    next worker records it as a poison model without starting it, with 1 it tries again."""
+    next worker of the same run (run-s) records it as a poison model without starting it,
+    with 1 it tries again; a worker of another run starts from none."""
     key = model_key(str(llama_dir))
     worker = Served(tmp_path)
     assert worker.next_event()["event"] == "ready"
@@ -156,7 +157,7 @@ def test_a_model_that_killed_its_worker_is_found_by_the_next_one(
 
     listed = tmp_path / "list.csv"
     listed.write_text(f"model_id\n{llama_dir}\n")
-    poisoned = run_models(listed, tmp_path, "--max-retries", "0")
+    poisoned = run_models(listed, tmp_path, "--max-retries", "0", "--run-id", "run-s")
     assert poisoned.returncode == 3
     result = results(poisoned.stdout)[key]
     assert (result["status"], result["retryable"]) == ("failed", False)
@@ -164,10 +165,40 @@ def test_a_model_that_killed_its_worker_is_found_by_the_next_one(
     assert not store.exists(marker_key(key)) and not store.exists(attempt_key(key))
 
     store.put_bytes(attempt_key(key), note)
-    retried = run_models(listed, tmp_path, "--max-retries", "1")
+    retried = run_models(listed, tmp_path, "--max-retries", "1", "--run-id", "run-s")
     assert retried.returncode == 0, retried.stderr
     assert store.exists(marker_key(key)) and not store.exists(attempt_key(key))
     assert not store.exists(failure_key(key))
+
+    store.delete(marker_key(key))
+    store.put_bytes(attempt_key(key), note)
+    another_run = run_models(listed, tmp_path, "--max-retries", "0")  # run-b
+    assert another_run.returncode == 0, another_run.stderr
+    assert store.exists(marker_key(key)) and not store.exists(attempt_key(key))
+
+
+@pytest.mark.parametrize("bad_key", ["..", "a/b", "a\u0000b", "k" * 300],
+                         ids=["dotdot", "slash", "nul", "300-chars"])
+def test_a_bad_request_is_refused_and_the_worker_serves_the_next(
+    llama_dir: Path, tmp_path: Path, bad_key: str
+) -> None:
+    """A request whose key could name no store folder is one logged error line: no
+    traceback, nothing written for it, and the next request is analysed by the same worker,
+    which exits 0 at the end of its input."""
+    out = tmp_path / "out"
+    worker = Served(out)
+    assert worker.next_event()["event"] == "ready"
+    assert worker.proc.stdin is not None
+    worker.proc.stdin.write(json.dumps({"op": "analyse", "key": bad_key,
+                                        "model": str(llama_dir)}) + "\n")
+    key = model_key(str(llama_dir))
+    worker.send(Request(key, str(llama_dir)))
+    assert worker.next_event() == {"event": "start", "key": key}
+    assert worker.next_event()["status"] == "done"
+    _, err = worker.proc.communicate(timeout=60)
+    assert worker.proc.returncode == 0, err
+    assert "Traceback" not in err and err.count("ignored a bad request line") == 1
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("_")) == [key]
 
 
 def test_sigterm_stops_a_serving_worker_that_waits_for_work(tmp_path: Path) -> None:

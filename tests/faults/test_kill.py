@@ -3,6 +3,7 @@ finishes, no model twice, nothing written before the kill rewritten."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -57,3 +58,35 @@ def test_controller_killed_mid_run_loses_nothing(
     assert all(done.get(k, 0) <= 1 for k in written)
     assert all(done.get(k, 0) == 1 for k in keys if k not in written)
     assert not list(out.rglob("*.tmp"))
+
+
+def test_a_poison_models_note_goes_with_its_record_and_the_rerun_tries_it_again(
+    model_list: Path, keys: list[str], tmp_path: Path
+) -> None:
+    """SIGKILL the worker under the first model with --max-retries 0: the model is recorded
+    as a poison model (not retryable), and its attempt note goes with the record. The same
+    command again (failed models are retried by default, as the record says) analyses it:
+    the note of the earlier run does not count against this one."""
+    out = tmp_path / "results"
+    note = out / "_attempts" / f"{keys[0]}.json"
+    proc = subprocess.Popen(esd_sweep_argv(*run_args(model_list, str(out), "--max-retries", "0")),
+                            cwd=REPO_ROOT, env=os.environ | ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not note.exists():
+        assert proc.poll() is None, "the sweep ended before the first model started"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)  # `start` reaches the controller; the model takes seconds to analyse
+    os.kill(json.loads(note.read_text())["pid"], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    record = json.loads((out / "_failures" / f"{keys[0]}.json").read_text())
+    assert record["retryable"] is False and "poison model" in record["error"]
+    assert "--retry-failed tries again" in record["error"]
+    assert sorted(p.name for p in out.glob("_attempts/*")) == []
+
+    again = esd_sweep(*run_args(model_list, str(out), "--max-retries", "0"))
+    assert again.returncode == 0, again.stderr
+    assert all_whole(out, keys)
+    assert sorted(p.name for p in out.glob("_failures/*.json")) == []
