@@ -39,7 +39,8 @@ from esd_worker.flags import (
 )
 from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
-from esd_worker.naming import normalize_model_ref
+from esd_worker.modellist import dotdot_problem
+from esd_worker.naming import is_local_path, normalize_model_ref, symlink_before_dotdot
 from esd_worker.ratelimit import TokenBucket
 from esd_worker.redact import redact
 from esd_worker.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
@@ -155,16 +156,25 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     # A local --model is keyed and recorded by its absolute path, as a list's row is: `./m`
     # run in two folders is two models, `/m/` and `/m` one.
     return WorkerSettings(
-        model=normalize_model_ref(args.model) if args.model else "(batch)",
+        model=_model_ref(args.model, "--model") if args.model else "(batch)",
         output=args.output,
         analysis=analysis_from_args(args),
-        base_model=normalize_model_ref(args.base_model) if args.base_model else None,
+        base_model=_model_ref(args.base_model, "--base-model") if args.base_model else None,
         relation=args.relation or "",
         device=args.device,
         save_eigs=not args.no_eigs,
         trust_remote_code=args.trust_remote_code,
         parallel_gpu=args.parallel_gpu,
     )
+
+
+def _model_ref(ref: str, flag: str) -> str:
+    """A model flag's reference in its one spelling; UsageError for a local path whose '..'
+    would leave a symlink (a list row with it is refused the same way)."""
+    link = symlink_before_dotdot(ref) if is_local_path(ref.strip()) else None
+    if link is not None:
+        raise UsageError(f"{flag} {dotdot_problem(ref.strip(), link)}")
+    return normalize_model_ref(ref)
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:

@@ -21,7 +21,7 @@ from typing import IO
 from esd_worker.echo import echo, has_control, quoted
 from esd_worker.errors import ModelListError
 from esd_worker.listcsv import csv_records, open_text, read_url
-from esd_worker.naming import is_local_path, local_path, model_key
+from esd_worker.naming import is_local_path, local_path, model_key, symlink_before_dotdot
 from esd_worker.redact import REDACTED
 
 RELATIONS: tuple[str, ...] = (
@@ -177,6 +177,9 @@ def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
         path = local_path(ref)
         if len(path) > _PATH_MAX:
             return ref, None, f"longer than {_PATH_MAX} characters, so no path: {quoted(ref)}"
+        link = symlink_before_dotdot(ref)
+        if link is not None:
+            return path, None, dotdot_problem(ref, link)
         return path, None, None
     if ":" in ref:
         # Checked before the split at '@': 'https://bob:PASS' (the part before the '@')
@@ -236,6 +239,14 @@ def _adapter_base_problem(model_id: str) -> str | None:
             "and source_model is empty"
         )
     return None
+
+
+def dotdot_problem(ref: str, link: str) -> str:
+    """Why a local path whose '..' leaves the symlink `link` is refused (the OS would read
+    another directory than the one its text names)."""
+    return (f"{quoted(ref)}: its '..' steps out of the symlink {quoted(link)}, which the OS "
+            "resolves from the link's target, not from where the link is: write the path "
+            "without '..'")
 
 
 def _source_problem(source: str) -> str | None:

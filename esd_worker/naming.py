@@ -1,8 +1,9 @@
 """Model ids, revisions, local paths and the stable `model_key` derived from them.
 
 Owns what a reference is: a hub id (`org/name[@rev]`, kept exactly as written) or a local
-path (made absolute here, and only here). No I/O: a path is made absolute against the
-working directory and the home directory, never looked up on disk.
+path (made absolute here, and only here). A path is made absolute against the working
+directory and the home directory as text; the disk is looked at only to find a '..' that
+would leave a symlink (`symlink_before_dotdot`), where the text and the OS disagree.
 """
 
 from __future__ import annotations
@@ -36,6 +37,32 @@ def local_path(path: str) -> str:
     # POSIX lets a leading '//' mean something else, so normpath keeps it; on Linux it
     # is '/', and one directory must not have two keys.
     return "/" + normal.lstrip("/") if normal.startswith("//") else normal
+
+
+def symlink_before_dotdot(path: str) -> str | None:
+    """The symlink a '..' of `path` steps back out of, or None when there is none.
+
+    `local_path` folds '..' as text (`link/../g` is `./g`); the OS goes to the parent of
+    the link's target instead, another directory. Where the two part ways the path must be
+    refused, or another model would be analysed under the name given. Only a '..' that
+    follows a symlink (after the folds before it) parts them; `link/x/..` is the link
+    either way. The one look at the disk in this module: lstat of the components a '..'
+    follows (a missing one is no link: the worker reports the missing model)."""
+    expanded = os.path.expanduser(path)
+    if ".." not in expanded.split("/"):
+        return None
+    folded: list[str] = []
+    for part in os.path.join(os.getcwd(), expanded).split("/"):
+        if part in ("", "."):
+            continue
+        if part != "..":
+            folded.append(part)
+        elif folded:
+            here = "/" + "/".join(folded)
+            if os.path.islink(here):
+                return here
+            folded.pop()
+    return None
 
 
 def normalize_model_ref(ref: str) -> str:

@@ -237,6 +237,25 @@ def test_a_local_base_is_named_as_its_row_is(in_work_dir: Path) -> None:
     ]
 
 
+def test_a_dotdot_out_of_a_symlink_refuses_the_row(in_work_dir: Path) -> None:
+    """`./link/../m` names <work>/m as text but <elsewhere>/m to the OS (link points into
+    <elsewhere>/deep): another model's weights under the name given. The row is refused with
+    its line, as model_id and as source_model; `./link/x/..` (the link itself) is kept."""
+    deep = in_work_dir / "elsewhere" / "deep"
+    for folder in (deep / "x", in_work_dir / "elsewhere" / "m", in_work_dir / "work" / "m"):
+        folder.mkdir(parents=True)
+    (in_work_dir / "work" / "link").symlink_to(deep)
+    path = write_list(in_work_dir, HEADER + "./link/../m,,\n./lora,adapter,./link/../m\n"
+                      "./link/x/..,,\n")
+    result = read_model_list(path)
+    assert [r.model_id for r in result.rows] == [str(in_work_dir / "work" / "link")]
+    assert [p.line for p in result.problems] == [2, 3]
+    assert all("steps out of the symlink" in p.message and "/work/link" in p.message
+               for p in result.problems)
+    (problem,) = make_single("./link/../m").problems
+    assert "steps out of the symlink" in problem.message
+
+
 def test_make_single_makes_a_local_path_absolute(in_work_dir: Path) -> None:
     (row,) = make_single("./m/").rows
     assert row.model_id == row.ref == str(in_work_dir / "work" / "m")

@@ -15,6 +15,7 @@ from esd_worker.naming import (
     model_key,
     normalize_model_ref,
     split_model_ref,
+    symlink_before_dotdot,
 )
 
 KEY_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
@@ -158,3 +159,51 @@ def test_spellings_of_one_directory_share_a_key(in_work_dir: Path) -> None:
     assert keys == {model_key(str(work / "m"))}
     os.chdir(in_work_dir)
     assert model_key(normalize_model_ref("./m")) != model_key(str(work / "m"))
+
+
+@pytest.fixture
+def linked(in_work_dir: Path) -> Path:
+    """<tmp>/work/link → <tmp>/elsewhere/deep (holding `x` and `g`), <tmp>/work/real/x and
+    <tmp>/work/g, <tmp>/elsewhere/g: `link/../g` is <tmp>/elsewhere/g to the OS and
+    <tmp>/work/g to a text fold."""
+    for folder in ("elsewhere/deep/x", "elsewhere/deep/g", "elsewhere/g", "work/real/x",
+                   "work/g"):
+        (in_work_dir / folder).mkdir(parents=True)
+    os.symlink(in_work_dir / "elsewhere" / "deep", in_work_dir / "work" / "link")
+    return in_work_dir
+
+
+@pytest.mark.parametrize(
+    ("path", "link"),
+    [
+        pytest.param("./link/../g", "{tmp}/work/link", id="out-of-a-link"),
+        pytest.param("{tmp}/work/link/../g", "{tmp}/work/link", id="absolute"),
+        pytest.param("./link/x/../../g", "{tmp}/work/link", id="two-levels-out"),
+        pytest.param("./link/./../g", "{tmp}/work/link", id="dot-between"),
+        pytest.param("./link/x/../g", None, id="stays-inside-the-link"),
+        pytest.param("./real/x/../../g", None, id="no-link"),
+        pytest.param("./missing/../g", None, id="missing-component"),
+        pytest.param("./link/g", None, id="no-dotdot"),
+        pytest.param("../work/link/x/..", None, id="leading-dotdot-then-inside"),
+    ],
+)
+def test_a_dotdot_that_leaves_a_symlink_is_found(linked: Path, path: str,
+                                                 link: str | None) -> None:
+    """Where the text fold (local_path) and the OS part ways: a '..' right after a symlink
+    (after earlier folds) goes to the target's parent for the OS. Only that '..' is named;
+    one inside the link's target, or after real directories, means the same to both."""
+    found = symlink_before_dotdot(path.format(tmp=linked))
+    assert found == (None if link is None else link.format(tmp=linked))
+    if found is None and Path(path.format(tmp=linked)).exists():
+        assert os.path.samefile(local_path(path.format(tmp=linked)),
+                                path.format(tmp=linked))
+
+
+def test_a_home_that_is_a_link_is_not_a_problem(in_work_dir: Path) -> None:
+    """HOME itself a symlink (common on shared clusters): `~/models/../m` folds to `~/m`,
+    which is where the OS goes too, since '..' leaves `models`, a real directory."""
+    real_home = in_work_dir / "data-home"
+    (real_home / "models").mkdir(parents=True)
+    (real_home / "m").mkdir()
+    os.symlink(real_home, in_work_dir / "home")
+    assert symlink_before_dotdot("~/models/../m") is None

@@ -52,3 +52,24 @@ def test_every_spelling_of_a_directory_is_one_model(
     marker = read_result(out, row.key).marker
     assert (marker["model"], marker["model_id"], marker["model_key"]) == (
         absolute, absolute, row.key)
+
+
+@pytest.mark.parametrize("flag", ["--model", "--base-model"])
+def test_a_dotdot_out_of_a_symlink_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], work_dir: Path, tmp_path: Path, flag: str
+) -> None:
+    """`./link/../m` with link → <tmp>/elsewhere/deep is <tmp>/elsewhere/m to the OS, a
+    different model from the <work>/m its text names: exit 2 before anything is read or
+    written, one line naming the link."""
+    deep = tmp_path / "elsewhere" / "deep"
+    deep.mkdir(parents=True)
+    make_tensor_model(tmp_path / "elsewhere" / "m", {"w": torch.ones(4, 4)})
+    (work_dir / "link").symlink_to(deep)
+    args = (["--model", "./link/../m"] if flag == "--model"
+            else ["--model", "./m", "--relation", "adapter", "--base-model", "./link/../m"])
+    out = tmp_path / "out"
+    code = cli.main(["--device", "cpu", *args, "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{flag} " in err and "steps out of the symlink" in err and "/work/link" in err
+    assert not out.exists()
