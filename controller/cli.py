@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="how many models of the list are done, to do, failed")
     _add_source_flags(status)
+    add_flag(status, "--bad-rows", action="store_true",
+             help="print every bad row of the list (file:line: problem), one a line, instead "
+             "of the counts (the log shows the first few)")
     _add_common(status)
 
     report = sub.add_parser(
@@ -337,7 +340,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    print(json.dumps(redact_data(models_status(settings_from_args(args))), indent=2))
+    settings = settings_from_args(args)
+    if args.bad_rows:
+        # Each line one row, bounded and redacted (RowProblem's str: esd_worker.echo).
+        models_status(settings, on_problem=print)
+        return 0
+    print(json.dumps(redact_data(models_status(settings)), indent=2))
     return 0
 
 
@@ -346,8 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(verbose=args.verbose, fmt=args.log_format)
     if args.command == "run":
         log_dir = args.log_dir or _default_log_dir(args.output_dir)
-        # Held until the run starts (_run): a run refused before that writes nothing.
-        args.log = None if log_dir is None else HeldLog(
+        # Held until the run starts (_run): a run refused before that writes nothing, and
+        # a dry run, which starts nothing, writes no log (its lines are on stderr).
+        args.log = None if log_dir is None or args.dry_run else HeldLog(
             log_dir / "esd-sweep.log", verbose=args.verbose, fmt=args.log_format)
     code, message = _dispatch(args)
     if message:

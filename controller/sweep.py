@@ -36,6 +36,7 @@ from controller.recorder import Recorder
 from controller.results.summary import KnownMarkers, write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
+from esd_worker.echo import LineCap
 from esd_worker.errors import StorePathError, UsageError
 from esd_worker.layout import SUMMARY_KEY, Marker, run_report_key
 from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
@@ -43,6 +44,9 @@ from esd_worker.records import utc_now
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
+
+# Where the bad rows not shown in the log are (LineCap's last line says so).
+ALL_BAD_ROWS_HINT = " (`esd-sweep status --bad-rows` lists every one)"
 
 BackendOpener = Callable[[SweepSettings, WorkerSpec], Backend]
 
@@ -194,14 +198,19 @@ def model_source(settings: SweepSettings) -> ListFile | _Single:
 def plan_models(settings: SweepSettings, store: Store,
                 items: Callable[[], Iterable[ModelRow | RowProblem]], *,
                 skip_failed: bool | None = None,
-                on_done: Callable[[Marker], None] | None = None) -> ListPlan:
-    """The plan of the listed models against the store; bad rows logged one line each.
+                on_done: Callable[[Marker], None] | None = None,
+                on_problem: Callable[[RowProblem], None] | None = None) -> ListPlan:
+    """The plan of the listed models against the store. Bad rows: each given to
+    on_problem; by default the first SHOWN_LINES logged one line each, then one line that
+    counts the rest (a list of garbage must not flood the log: esd_worker.echo).
     on_done: given each marker the plan read and found done (ListPlan)."""
+    shown = LineCap(lambda line: log.error("%s", line), what="bad row(s)",
+                    hint=ALL_BAD_ROWS_HINT)
     plan = ListPlan(
         items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
-        limit=settings.limit, on_problem=lambda problem: log.error("%s", problem),
-        on_done=on_done).scan()
+        limit=settings.limit, on_problem=on_problem or shown, on_done=on_done).scan()
+    shown.close()
     if plan.counts.bad_rows and settings.strict:
         raise SweepError(
             f"{plan.counts.bad_rows} bad row(s) in the model list and --strict is set: "
@@ -212,12 +221,15 @@ def plan_models(settings: SweepSettings, store: Store,
     return plan
 
 
-def models_status(settings: SweepSettings) -> dict[str, Any]:
-    """What `esd-sweep status` prints: done / to do / failed for the list against the store."""
+def models_status(settings: SweepSettings, *,
+                  on_problem: Callable[[RowProblem], None] | None = None) -> dict[str, Any]:
+    """What `esd-sweep status` prints: done / to do / failed for the list against the store.
+    on_problem: given every bad row (`status --bad-rows`) instead of the capped log."""
     store = _open_store(settings.output, writing=False)
     source = model_source(settings)
     try:
-        counts = plan_models(settings, store, source.items, skip_failed=True).counts
+        counts = plan_models(settings, store, source.items, skip_failed=True,
+                             on_problem=on_problem).counts
     finally:
         source.close()
     return {

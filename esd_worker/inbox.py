@@ -14,6 +14,7 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
+from esd_worker.echo import LineCap
 from esd_worker.modellist import ModelRow, base_first, read_model_list
 from esd_worker.naming import split_model_ref
 from esd_worker.protocol import DRAIN, Request, parse_op
@@ -31,11 +32,15 @@ def request_for(row: ModelRow, attempt: int = 1) -> Request:
 def requests_from_list(url: str) -> list[Request]:
     """The requests of a model-list CSV (local path or store URL), bases before adapters.
 
-    Bad rows are logged and left out (the controller's `status` lists them too).
+    Bad rows are left out; the first few are logged (`esd-sweep status --bad-rows` lists
+    every one).
     """
     models = read_model_list(url)
+    shown = LineCap(lambda line: log.error("%s", line), what="bad row(s)",
+                    hint=" (`esd-sweep status --bad-rows` lists every one)")
     for problem in models.problems:
-        log.error("%s", problem)
+        shown(problem)
+    shown.close()
     return [request_for(row) for row in base_first(models.rows)]
 
 
