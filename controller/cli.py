@@ -22,7 +22,7 @@ from controller.doctor import add_doctor_flags, run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.exporter import add_exporter_flags, run_exporter
 from controller.gpurule import add_gpu_rule_flags, gpu_rule_from_args
-from controller.gpus import GpuSettings
+from controller.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, MAX_CHECKS, GpuSettings
 from controller.lease import add_wait_lock_flag
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
@@ -33,10 +33,20 @@ from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
 from esd_worker.flags import (
+    HOUR_S,
+    MAX_GPUS,
+    MAX_PREFETCH,
+    MAX_RETRIES,
+    MAX_ROWS,
+    MAX_THREADS,
+    Parser,
+    UsageExit,
     add_analysis_flags,
     add_flag,
     analysis_from_args,
-    parse_size,
+    float_in,
+    int_in,
+    size_in,
 )
 from esd_worker.layout import SUMMARY_KEY, run_report_key
 from esd_worker.logs import LOG_FORMATS, setup_logging
@@ -61,7 +71,8 @@ def _add_source_flags(
              help="base_model_relation of --single-model")
     add_flag(p, "--source-model", metavar="ID[@REV]|DIR",
              help="base model of --single-model when it is an adapter")
-    add_flag(p, "--limit", type=int, metavar="N", help="only the first N valid rows")
+    add_flag(p, "--limit", type=int_in(1, MAX_ROWS), metavar="N",
+             help="only the first N valid rows")
     add_flag(output or p, "--output-dir", "--output", required=True, metavar="URL",
              help="result store: a directory, file:// URL or s3://bucket/prefix")
     add_analysis_flags(analysis or p)
@@ -81,7 +92,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="esd-sweep",
         description="Weight-spectrum (ESD) analysis of many models: plan what is missing, "
         "run it on this machine's GPUs (or CPU), record failures, summarise.",
@@ -115,10 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(running, "--backend", choices=("local", "kubernetes"), default="local",
              help="local: subprocesses on this machine's GPUs or CPU; kubernetes: Indexed "
              "Jobs over shards of the list (docs/kubernetes.md)")
-    add_flag(running, "--max-retries", type=int, default=2, metavar="N",
+    add_flag(running, "--max-retries", type=int_in(0, MAX_RETRIES), default=2, metavar="N",
              help="extra attempts for transient failures (network, storage, GPU OOM, "
              "evictions; default 2)")
-    add_flag(running, "--retry-backoff", type=float, default=5.0, metavar="S",
+    add_flag(running, "--retry-backoff", type=float_in(0, HOUR_S, unit="seconds"),
+             default=5.0, metavar="S",
              help="local: first retry delay in seconds, doubled each attempt, with jitter "
              "(default 5)")
     add_flag(running, "--overwrite", action="store_true", help="recompute models that are done")
@@ -135,26 +147,31 @@ def build_parser() -> argparse.ArgumentParser:
              help="let workers run model code from the hub to find layers (off by default)")
     add_flag(local, "--device", choices=DEVICES, default="auto",
              help="auto: free GPUs when NVML sees any, else CPU; cpu; cuda (GPUs required)")
-    add_flag(local, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
+    add_flag(local, "--gpu-mem-threshold", "--gpu-memory-threshold",
+             type=GPU_MEM_THRESHOLD_MIB, default=500.0,
              metavar="MIB", help="a GPU is free while its used memory stays under this "
              "(MiB, default 500)")
-    add_flag(local, "--max-checks", "--max-check", type=int, default=10, metavar="N",
+    add_flag(local, "--max-checks", "--max-check", type=int_in(1, MAX_CHECKS), default=10,
+             metavar="N",
              help="consecutive free polls before a GPU is used (default 10)")
-    add_flag(local, "--gpu-poll-interval", type=float, default=1.0, metavar="S",
+    add_flag(local, "--gpu-poll-interval", type=float_in(0, HOUR_S, above=True,
+                                                           unit="seconds"),
+             default=1.0, metavar="S",
              help="seconds between GPU memory polls (default 1)")
-    add_flag(local, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
+    add_flag(local, "--gpu-list", "--gpus", type=GPU_INDEX, nargs="+", metavar="ID",
              help="NVML GPU indices (as nvidia-smi numbers them) to use, in order of "
              "preference, within an inherited CUDA_VISIBLE_DEVICES (default: all allowed)")
-    add_flag(local, "--max-gpus", type=int, metavar="N", help="use at most N GPUs")
+    add_flag(local, "--max-gpus", type=int_in(1, MAX_GPUS), metavar="N",
+             help="use at most N GPUs")
     add_gpu_rule_flags(local)  # --gpus-per-job, its rule, --parallel-gpu/--no-parallel-gpu
-    add_flag(local, "--cpu-workers", type=int, default=1, metavar="N",
+    add_flag(local, "--cpu-workers", type=int_in(1, MAX_THREADS), default=1, metavar="N",
              help="models analysed at once on the CPU when no GPU is used (default 1)")
-    add_flag(local, "--worker-reuse", type=int, default=None, metavar="N",
+    add_flag(local, "--worker-reuse", type=int_in(1, MAX_ROWS), default=None, metavar="N",
              help="replace a long-lived worker after N models (default: never)")
-    add_flag(running, "--prefetch", type=int, default=1, metavar="N",
+    add_flag(running, "--prefetch", type=int_in(0, MAX_PREFETCH), default=1, metavar="N",
              help="models each worker downloads ahead while it analyses one (default 1; 0: "
              "none)")
-    add_flag(running, "--cache-budget", type=parse_size, default=None, metavar="BYTES",
+    add_flag(running, "--cache-budget", type=size_in(0), default=None, metavar="BYTES",
              help="disk per worker for the model in progress and those ahead, e.g. 50G "
              "(default: half the free space where downloads go)")
     add_flag(running, "--cache-dir", default=None, metavar="DIR",
@@ -230,8 +247,6 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         single = make_single(args.single_model, relation=args.relation,
                              source_model=args.source_model)
         problems.extend(str(problem) for problem in single.problems)
-    if args.limit is not None and args.limit < 1:
-        problems.append(f"--limit: must be >= 1, got {args.limit}")
     gpu = GpuSettings()
     gpu_rule = gpu_rule_from_args(args, problems)
     local = LocalSettings()
@@ -250,21 +265,11 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
             gpu.validate()
         except ValueError as e:
             problems.append(str(e))
-        if args.cpu_workers < 1:
-            problems.append(f"--cpu-workers: must be >= 1, got {args.cpu_workers}")
-        if args.max_retries < 0:
-            problems.append(f"--max-retries: must be >= 0, got {args.max_retries}")
-        if args.worker_reuse is not None and args.worker_reuse < 1:
-            problems.append(f"--worker-reuse: must be >= 1, got {args.worker_reuse}")
-        if args.prefetch < 0:
-            problems.append(f"--prefetch: must be >= 0, got {args.prefetch}")
-        if args.retry_backoff < 0:
-            problems.append(f"--retry-backoff: must be >= 0, got {args.retry_backoff}")
         log_dir = args.log_dir or _default_log_dir(args.output_dir)
         local = LocalSettings(
-            max_retries=max(args.max_retries, 0),
-            backoff_s=max(args.retry_backoff, 0.0),
-            cpu_workers=max(args.cpu_workers, 1),
+            max_retries=args.max_retries,
+            backoff_s=args.retry_backoff,
+            cpu_workers=args.cpu_workers,
             log_dir=log_dir,
             worker_reuse=args.worker_reuse,
         )
@@ -350,7 +355,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageExit as e:  # the parser has said why on stderr, naming the flag
+        return _refused(sys.argv[1:] if argv is None else argv, e.message)
     setup_logging(verbose=args.verbose, fmt=args.log_format)
     if args.command == "run":
         log_dir = args.log_dir or _default_log_dir(args.output_dir)
@@ -369,6 +377,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(redact(f"esd-sweep: error: cannot write --report {report_file}: {e}"),
                   file=sys.stderr)
             return code or EXIT_USAGE
+    return code
+
+
+def _refused(argv: Sequence[str], message: str) -> int:
+    """A command line argparse refused: exit 2, and for `run --report FILE` that FILE too
+    (CI reads it whatever went wrong). Nothing else is written."""
+    code = EXIT_USAGE
+    if list(argv[:1]) != ["run"]:
+        return code
+    only_report = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_flag(only_report, "--report", type=Path)
+    try:
+        report_file = only_report.parse_known_args(argv[1:])[0].report
+    except argparse.ArgumentError:  # --report without its file
+        return code
+    if report_file is not None:
+        try:
+            write_report_file(report_file, None, code, message)
+        except OSError as e:
+            print(redact(f"esd-sweep: error: cannot write --report {report_file}: {e}"),
+                  file=sys.stderr)
     return code
 
 

@@ -28,9 +28,9 @@ from typing import IO, Any
 from controller.checks import FAIL, PASS, SKIP, Check, exit_status, report_json
 from controller.doctor_local import WORKER_TIMEOUT_S, check_gpus, check_worker
 from controller.errors import SweepError
-from controller.gpus import GpuSettings
+from controller.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, GpuSettings
 from esd_worker.errors import WorkerError
-from esd_worker.flags import add_flag
+from esd_worker.flags import HOUR_S, add_flag, float_in
 from esd_worker.redact import redact
 from esd_worker.settings import DEVICES
 from esd_worker.store import LocalStore, open_store
@@ -52,16 +52,18 @@ def add_doctor_flags(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--device", choices=DEVICES, default="auto",
              help="auto: GPUs when NVML sees any (none is not a failure); cuda: GPUs "
              "required; cpu: no GPU needed")
-    add_flag(p, "--gpu-mem-threshold", "--gpu-memory-threshold", type=float, default=500.0,
+    add_flag(p, "--gpu-mem-threshold", "--gpu-memory-threshold", type=GPU_MEM_THRESHOLD_MIB,
+             default=500.0,
              metavar="MIB", help="a GPU is free while its used memory is under this "
              "(MiB, default 500)")
-    add_flag(p, "--gpu-list", "--gpus", type=int, nargs="+", metavar="ID",
+    add_flag(p, "--gpu-list", "--gpus", type=GPU_INDEX, nargs="+", metavar="ID",
              help="the GPUs a sweep would use (default: all in the allocation)")
     add_flag(p, "--output-dir", "--output", metavar="URL",
              help="check that this result store is writable (default: not checked)")
     add_flag(p, "--backend", choices=("local", "kubernetes"), default="local",
              help="kubernetes: also check the API, RBAC, GPU nodes and the telemetry")
-    add_flag(p, "--worker-timeout", type=float, default=WORKER_TIMEOUT_S, metavar="S",
+    add_flag(p, "--worker-timeout", type=float_in(0, HOUR_S, above=True, unit="seconds"),
+             default=WORKER_TIMEOUT_S, metavar="S",
              help=f"seconds the worker's self-check may take (default {WORKER_TIMEOUT_S:g})")
     add_flag(p, "--json", action="store_true",
              help="print the checks as one JSON document (ok, exit_code, checks: name, "

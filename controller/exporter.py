@@ -60,7 +60,7 @@ from typing import Any
 
 from controller.backends.kubernetes.telemetry import FB_FREE, FB_TOTAL, FB_USED
 from controller.gpus import NvmlUnavailable
-from esd_worker.flags import add_flag
+from esd_worker.flags import PORT, add_flag
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def default_hostname() -> str:
 
 def add_exporter_flags(parser: argparse.ArgumentParser) -> None:
     """The gpu-exporter subcommand's flags."""
-    add_flag(parser, "--port", type=int, default=DEFAULT_PORT, metavar="PORT",
+    add_flag(parser, "--port", type=PORT, default=DEFAULT_PORT, metavar="PORT",
              help=f"port to serve /metrics on (default {DEFAULT_PORT}, as dcgm-exporter)")
     add_flag(parser, "--listen", default="0.0.0.0", metavar="ADDR",
              help="address to listen on (default 0.0.0.0: all IPv4 interfaces; '::' for IPv6)")

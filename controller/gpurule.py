@@ -38,7 +38,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from esd_worker.flags import add_flag, add_parallel_gpu_flags
+from esd_worker.flags import (
+    MAX_GPUS_PER_MODEL,
+    MINUTE_S,
+    WEEK_S,
+    add_flag,
+    add_parallel_gpu_flags,
+    float_in,
+    int_in,
+)
 
 GRAM_S_4096 = 0.089  # s: one 4096x4096 float32 Gram's eigvalsh on an H100 (measured)
 MATRIX_AREA = 2.0  # a transformer's matrices average ~2 n² (see the module docstring)
@@ -72,18 +80,8 @@ def single_gpu_minutes(params: int, width: int) -> float:
     return SECONDS_PER_PARAM_WIDTH * params * width / 60
 
 
-def parse_gpus_per_job(text: str) -> int | None:
-    """argparse type of --gpus-per-job: "auto" (None) or a whole number >= 0."""
-    if text.strip().lower() == AUTO:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of GPUs or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 or 'auto', got {value}")
-    return value
+# argparse type of --gpus-per-job: "auto" (None) or a whole number of GPUs.
+parse_gpus_per_job = int_in(0, MAX_GPUS_PER_MODEL, word=AUTO)
 
 
 def add_gpu_rule_flags(group: Any) -> None:
@@ -94,11 +92,14 @@ def add_gpu_rule_flags(group: Any) -> None:
              help="GPUs per model (default auto: 1, or several for a model estimated above "
              "--multi-gpu-minutes on one GPU, from its parameters and largest matrix read "
              "before download); N: every model gets N")
-    add_flag(group, "--multi-gpu-minutes", type=float, default=DEFAULT_MULTI_GPU_MINUTES,
+    add_flag(group, "--multi-gpu-minutes",
+             type=float_in(0, WEEK_S // MINUTE_S, above=True, unit="minutes"),
+             default=DEFAULT_MULTI_GPU_MINUTES,
              metavar="M", help="auto: a model estimated above M GPU-minutes on one GPU gets "
              f"ceil(estimate / M) GPUs (default {DEFAULT_MULTI_GPU_MINUTES:g}: no model up to "
              "~90B parameters is split)")
-    add_flag(group, "--max-gpus-per-job", type=int, default=DEFAULT_MAX_GPUS_PER_JOB,
+    add_flag(group, "--max-gpus-per-job", type=int_in(1, MAX_GPUS_PER_MODEL),
+             default=DEFAULT_MAX_GPUS_PER_JOB,
              metavar="N", help="auto: the most GPUs one model gets, also on Kubernetes "
              f"(default {DEFAULT_MAX_GPUS_PER_JOB}: one node's GPUs)")
     add_parallel_gpu_flags(group)

@@ -14,10 +14,16 @@ from typing import Any
 
 from controller.allocation import VARIABLE, Allocation, needs_uuids, parse_visible_devices
 from controller.errors import InfrastructureError, SweepError
+from esd_worker.flags import MAX_GPUS, float_in, int_in
 
 log = logging.getLogger(__name__)
 
 _MIB = float(2**20)
+MAX_CHECKS = 10**6  # --max-checks: at a poll a second, eleven days of waiting
+# The flags' types (run and doctor): a threshold above 10 TiB, or a GPU index past 1023,
+# is no GPU's.
+GPU_MEM_THRESHOLD_MIB = float_in(0, 10**7, above=True, unit="MiB")
+GPU_INDEX = int_in(0, MAX_GPUS - 1)
 
 
 class NvmlUnavailable(Exception):

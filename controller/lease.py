@@ -50,7 +50,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from controller.errors import EXIT_USAGE, InfrastructureError, SweepError
 from esd_worker.errors import StoreError, StorePermanentError
-from esd_worker.flags import add_flag
+from esd_worker.flags import WEEK_S, add_flag, float_in
 from esd_worker.layout import LEASE_KEY
 from esd_worker.records import utc_now
 from esd_worker.store import LocalStore, Store
@@ -464,18 +464,9 @@ def output_lease(store: Store, *, command: str, run_id: str | None,
 
 def add_wait_lock_flag(parser: argparse.ArgumentParser | Any) -> None:
     """--wait-lock [SECONDS] (run, refit)."""
-    add_flag(parser, "--wait-lock", type=_seconds, nargs="?", const=math.inf, default=None,
+    add_flag(parser, "--wait-lock", type=float_in(0, WEEK_S, unit="seconds"), nargs="?",
+             const=math.inf, default=None,
              metavar="SECONDS",
              help="when another sweep holds the output, wait for it (up to SECONDS; without "
              "a number, as long as it takes) instead of exiting 2. A crashed holder frees a "
              f"local output at once, an S3 one {LEASE_TTL_S:.0f}s after its last renewal")
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 from esd_worker import __version__
 from esd_worker.errors import (
     ERROR_PREFIX,
-    EXIT_USAGE,
     Terminated,
     UsageError,
     WorkerError,
@@ -31,11 +29,17 @@ from esd_worker.errors import (
     failure_message,
 )
 from esd_worker.flags import (
+    HUB_RATE,
+    MAX_PREFETCH,
+    MAX_RETRIES,
+    MAX_ROWS,
+    Parser,
     add_analysis_flags,
     add_flag,
     add_parallel_gpu_flags,
     analysis_from_args,
-    parse_size,
+    int_in,
+    size_in,
 )
 from esd_worker.hub import set_rate_limit
 from esd_worker.logs import LOG_FORMATS, setup_logging
@@ -60,27 +64,8 @@ cannot be used (--device cuda without CUDA), 3 wrong numbers or a device error. 
 takes shard N of URL, URL/N.csv, N from --shard-index or {SHARD_INDEX_ENV}."""
 
 
-def _hub_rate(text: str) -> float:
-    """argparse type of --hub-rate: a finite number > 0."""
-    try:
-        rate = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (math.isfinite(rate) and rate > 0):
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
-    return rate
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line on stderr (the usage is in --help)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE,
-                  redact(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog=PROG,
         description="Analyse the weight spectra (ESD, power-law fits) of one model, or of many "
         "in one process, and write <model_key>/layers.csv, eigs.npz and result.json (last) "
@@ -123,22 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
     add_flag(p, "--trust-remote-code", action="store_true",
              help="allow model code from the hub to build the layer map (off by default)")
-    add_flag(p, "--hub-rate", type=_hub_rate, default=None, metavar="R",
+    add_flag(p, "--hub-rate", type=HUB_RATE, default=None, metavar="R",
              help="at most R hub requests a second from this process (model info, each file "
              "download), bursts of up to max(1, R); a 429 holds them all (default: no limit)")
     batch = p.add_argument_group("many models (--models, --shards, --serve)")
-    add_flag(batch, "--shard-index", default=None, metavar="N",
+    add_flag(batch, "--shard-index", type=int_in(0, MAX_ROWS), default=None, metavar="N",
              help=f"with --shards: the shard to take (default ${SHARD_INDEX_ENV})")
     add_flag(batch, "--run-id", default="", help="stamped on the failure records written")
-    add_flag(batch, "--max-retries", type=int, default=2,
+    add_flag(batch, "--max-retries", type=int_in(0, MAX_RETRIES), default=2,
              help="a model that killed more than this many workers is recorded as a "
              "permanent failure (poison model) and not started again (default 2)")
     add_flag(batch, "--overwrite", action="store_true", help="analyse models that are done")
     add_flag(batch, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record")
-    add_flag(batch, "--prefetch", type=int, default=1, metavar="N",
+    add_flag(batch, "--prefetch", type=int_in(0, MAX_PREFETCH), default=1, metavar="N",
              help="models downloaded ahead while one is analysed (default 1; 0: none)")
-    add_flag(batch, "--cache-budget", type=parse_size, default=None, metavar="BYTES",
+    add_flag(batch, "--cache-budget", type=size_in(0), default=None, metavar="BYTES",
              help="disk for the model in progress and those ahead, e.g. 50G (default: half "
              "the free space where downloads go)")
     add_flag(batch, "--cache-dir", type=Path, default=None, metavar="DIR",
@@ -235,7 +220,8 @@ def _shard(args: argparse.Namespace) -> Shard | None:
     """The shard of --shards (before the store is asked anything: a pod without its index
     fails at once), None for the other ways of giving work."""
     if args.shards is not None:
-        return locate_shard(args.shards, args.shard_index)
+        index = None if args.shard_index is None else str(args.shard_index)
+        return locate_shard(args.shards, index)
     if args.shard_index is not None:
         raise UsageError("--shard-index goes with --shards")
     return None

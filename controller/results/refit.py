@@ -50,7 +50,7 @@ from controller.results.reader import (
 )
 from controller.results.summary import summary_rows, summary_to_csv
 from esd_worker.errors import UsageError
-from esd_worker.flags import add_fit_flags, add_flag
+from esd_worker.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
 from esd_worker.layout import DamagedResult, model_file_key, refit_record_key, summary_key
 from esd_worker.powerlaw import (
     METRIC_COLUMNS,
@@ -298,7 +298,7 @@ def add_refit_flags(parser: argparse.ArgumentParser) -> None:
              help="results location with eigs.npz: a directory, file:// URL or s3://…; the "
              "refit tables are written next to the originals")
     add_fit_flags(parser)
-    add_flag(parser, "--min-evals", type=int, default=None, metavar="N",
+    add_flag(parser, "--min-evals", type=MIN_EVALS, default=None, metavar="N",
              help="mark layers whose smaller side is below N too_small (default: as analysed; "
              "layers analysed as too_small have no eigenvalues and stay so)")
     add_flag(parser, "--tag", metavar="TAG",
@@ -306,7 +306,7 @@ def add_refit_flags(parser: argparse.ArgumentParser) -> None:
              "from the settings, e.g. refit-DKS-1e-05-100)")
     add_flag(parser, "--model-key", action="append", default=[], metavar="KEY",
              help="refit only this model (repeatable; default: every model with eigs.npz)")
-    add_flag(parser, "--threads", type=int, default=0, metavar="N",
+    add_flag(parser, "--threads", type=int_in(0, MAX_THREADS), default=0, metavar="N",
              help="layers fitted at once (default: one per CPU)")
     add_wait_lock_flag(parser)
 

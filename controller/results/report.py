@@ -53,13 +53,14 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
-from esd_worker.flags import add_flag
+from esd_worker.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
 from esd_worker.layout import REPORT_PREFIX, DamagedResult, is_tag
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_PLOTS = 50
+MAX_ESD_LAYERS = 10**6  # --esd-layers: more than any model has (0: all)
 
 
 @dataclass(frozen=True)
@@ -244,13 +245,15 @@ def add_report_flags(parser: argparse.ArgumentParser) -> None:
              help="write the report here instead of <results>/report/")
     add_flag(parser, "--tag", metavar="TAG",
              help="report on the refit tables layers.<TAG>.csv instead of layers.csv")
-    add_flag(parser, "--max-model-plots", type=int, default=DEFAULT_MAX_MODEL_PLOTS,
+    add_flag(parser, "--max-model-plots", type=int_in(0, MAX_ROWS),
+             default=DEFAULT_MAX_MODEL_PLOTS,
              metavar="N", help="per-model plots for at most N models (default "
              f"{DEFAULT_MAX_MODEL_PLOTS}; 0: none); the tables always hold every model")
-    add_flag(parser, "--esd-layers", type=int, default=DEFAULT_ESD_LAYERS, metavar="N",
+    add_flag(parser, "--esd-layers", type=int_in(0, MAX_ESD_LAYERS),
+             default=DEFAULT_ESD_LAYERS, metavar="N",
              help=f"layers per ESD plot, chosen at α quantiles (default {DEFAULT_ESD_LAYERS}; "
              "0: all)")
-    add_flag(parser, "--threads", type=int, default=16, metavar="N",
+    add_flag(parser, "--threads", type=int_in(1, MAX_THREADS), default=16, metavar="N",
              help="concurrent reads from the store (default 16)")
 
 

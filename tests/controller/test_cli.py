@@ -33,8 +33,9 @@ def error_lines(stderr: str) -> list[str]:
                      "--single-model: source_model: empty revision", id="single-model-base"),
         pytest.param(["status", "--single-model", "org/x y"],
                      "--single-model: malformed model id", id="status-single-model"),
-        pytest.param(["run", "--model-list", "{list}", "--limit", "0"],
-                     "--limit: must be >= 1", id="usage-error"),
+        pytest.param(["run", "--model-list", "{list}", "--single-model", "org/a"],
+                     "give exactly one of --model-list FILE and --single-model ID",
+                     id="usage-error"),
     ],
 )
 def test_a_refused_command_writes_nothing(

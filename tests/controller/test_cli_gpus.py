@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from controller.cli import build_parser, main, settings_from_args
-from controller.errors import SweepError
 from controller.gpurule import GpuRule
 from controller.settings import SweepSettings
 
@@ -43,21 +42,20 @@ def test_no_parallel_gpu_makes_auto_give_one() -> None:
     assert settings_for("--no-parallel-gpu", "--gpus-per-job", "2").applied_gpu_rule.base == 2
 
 
-@pytest.mark.parametrize(("flags", "fragment"), [
-    (("--multi-gpu-minutes", "0"), "--multi-gpu-minutes: must be > 0"),
-    (("--max-gpus-per-job", "0"), "--max-gpus-per-job: must be >= 1"),
-], ids=["threshold", "cap"])
-def test_bad_values_are_named(flags: tuple[str, ...], fragment: str) -> None:
-    with pytest.raises(SweepError, match=fragment):
-        settings_for(*flags)
-
-
-def test_a_gpu_count_that_is_not_a_number_is_a_usage_error(
-        capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "why"), [
+    (("--multi-gpu-minutes", "0"), "must be a number > 0 and <= 10080 minutes, got '0'"),
+    (("--max-gpus-per-job", "0"), "must be a whole number from 1 to 64, got '0'"),
+    (("--gpus-per-job", "many"), "must be a whole number from 0 to 64, or 'auto', got 'many'"),
+], ids=["threshold", "cap", "not-a-number"])
+def test_bad_values_are_usage_errors_naming_the_flag(
+        flags: tuple[str, ...], why: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by the flag's range (esd_worker.flags.Number) as argparse's usage error: a
+    week of minutes, at most 64 GPUs a model (several nodes'), or auto."""
     with pytest.raises(SystemExit) as e:
-        settings_for("--gpus-per-job", "many")
+        settings_for(*flags)
     assert e.value.code == 2
-    assert "expected a number of GPUs or 'auto'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"argument {flags[0]}" in err and why in err
 
 
 def test_local_dry_run_marks_the_model_that_gets_several_gpus(

@@ -18,7 +18,17 @@ from typing import Any
 from controller import __version__
 from controller.backends.kubernetes.jobs import JobSettings
 from controller.shards import ResourceClass, disk_for, memory_for
-from esd_worker.flags import add_flag, parse_size
+from esd_worker.flags import (
+    DAY_S,
+    HOUR_S,
+    HUB_RATE,
+    PORT,
+    WEEK_S,
+    add_flag,
+    float_in,
+    int_in,
+    size_in,
+)
 
 DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
@@ -27,6 +37,8 @@ DEFAULT_TELEMETRY_PORT = 9400
 AUTO = "auto"  # --memory-request / --ephemeral-storage-request: sized from the weights
 PER_MODEL_DEADLINE_S = 6 * 3600  # --active-deadline of one-Job-per-model pods by default
 MIN_TTL_S = 60  # the controller reads a finished Job's status before the TTL removes it
+MAX_JOB_S = 30 * DAY_S  # --active-deadline, --ttl-after-finished: longer is a unit slip
+MAX_JOBS = 10**5  # --max-active-jobs, --max-pending, --max-parallel (GPUs)
 
 
 def default_image() -> str:
@@ -293,31 +305,34 @@ def add_cluster_flags(g: Any) -> None:
     add_flag(g, "--ephemeral-storage-request", default=AUTO, metavar="Q|auto",
              help="disk for downloads, also the cache volume's sizeLimit (default auto: "
              "sized from the weights' bytes)")
-    add_flag(g, "--active-deadline", "--job-deadline", dest="active_deadline", type=int,
+    add_flag(g, "--active-deadline", "--job-deadline", dest="active_deadline",
+             type=int_in(1, MAX_JOB_S, unit="seconds"),
              metavar="S", help="seconds a worker pod may run once on a node; time pending "
              "does not count (default: 21600 with --shard-size 1, none for shard pods)")
-    add_flag(g, "--ttl-after-finished", type=int, default=24 * 3600, metavar="S",
+    add_flag(g, "--ttl-after-finished", type=int_in(MIN_TTL_S, MAX_JOB_S, unit="seconds"),
+             default=24 * 3600, metavar="S",
              help="seconds a finished worker Job is kept (default 86400)")
-    add_flag(g, "--shard-size", type=int, default=0, metavar="N",
+    add_flag(g, "--shard-size", type=int_in(0, 10**6), default=0, metavar="N",
              help="models per shard at most (default 0: auto, shards balanced by bytes, up "
              "to 1000 models each); 1: one Job per model instead of Indexed Jobs")
-    add_flag(g, "--max-parallel", type=int, default=100, metavar="GPUS",
+    add_flag(g, "--max-parallel", type=int_in(1, MAX_JOBS), default=100, metavar="GPUS",
              help="sharded runs: GPUs (CPU-only: pods) in use at once, all classes "
              "(default 100)")
-    add_flag(g, "--hub-rate", type=float, default=3.0, metavar="PER_S",
+    add_flag(g, "--hub-rate", type=HUB_RATE, default=3.0, metavar="PER_S",
              help="hub requests per second for the whole sweep, shared by its pods "
              "(default 3: the hub's free tier allows 1000 per 5 minutes)")
-    add_flag(g, "--large-model-size", type=parse_size, default=30 * 10**9, metavar="BYTES",
+    add_flag(g, "--large-model-size", type=size_in(1), default=30 * 10**9, metavar="BYTES",
              help="models bigger than this run in the gpu-large class: more memory and disk "
              "(default 30G)")
-    add_flag(g, "--poll-interval", type=float, default=10.0, metavar="S",
+    add_flag(g, "--poll-interval", type=float_in(0, HOUR_S, above=True, unit="seconds"),
+             default=10.0, metavar="S",
              help="sharded runs: seconds between looks at the Indexed Jobs (default 10)")
-    add_flag(g, "--max-active-jobs", type=int, default=100, metavar="N",
+    add_flag(g, "--max-active-jobs", type=int_in(1, MAX_JOBS), default=100, metavar="N",
              help="--shard-size 1: unfinished Jobs of this sweep at once (default 100)")
     add_flag(g, "--allow-pending", action="store_true",
              help="autoscaling clusters: submit Jobs even when telemetry sees no node with "
              "room, so they wait pending and the autoscaler adds nodes")
-    add_flag(g, "--max-pending", type=int, metavar="N",
+    add_flag(g, "--max-pending", type=int_in(1, MAX_JOBS), metavar="N",
              help="with --allow-pending: at most N Jobs not running yet")
     add_flag(g, "--do-not-disrupt", action="store_true",
              help="pods carry karpenter.sh/do-not-disrupt (no consolidation under a worker)")
@@ -327,13 +342,14 @@ def add_cluster_flags(g: Any) -> None:
              help=f"label selector of the GPU exporter pods (default {DEFAULT_TELEMETRY_SELECTOR})")
     add_flag(g, "--telemetry-namespace", metavar="NS",
              help="namespace of the exporter pods (default: --namespace)")
-    add_flag(g, "--telemetry-port", type=int, default=DEFAULT_TELEMETRY_PORT, metavar="PORT",
+    add_flag(g, "--telemetry-port", type=PORT, default=DEFAULT_TELEMETRY_PORT, metavar="PORT",
              help=f"exporter port (default {DEFAULT_TELEMETRY_PORT})")
     add_flag(g, "--telemetry-url", action="append", default=[], metavar="URL",
              help="scrape these /metrics URLs instead of exporter pods (repeatable)")
     add_flag(g, "--no-telemetry", action="store_true",
              help="no GPU telemetry: Jobs only request nvidia.com/gpu")
-    add_flag(g, "--pending-timeout", type=float, default=600.0, metavar="S",
+    add_flag(g, "--pending-timeout", type=float_in(0, WEEK_S, above=True, unit="seconds"),
+             default=600.0, metavar="S",
              help="report why a Job is not running after S seconds (default 600)")
     add_flag(g, "--allow-local-output", action="store_true",
              help="accept a local --output-dir (a volume mounted at that path in every pod)")

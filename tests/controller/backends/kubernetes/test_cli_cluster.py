@@ -111,10 +111,10 @@ def test_bad_kubernetes_flags_are_all_reported(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     models = write_list(tmp_path / "m.csv", IDS)
     code = main(run_args(models, tmp_path / "o", "--cpu-request", "lots", "--node-selector",
-                         "nolabel", "--max-active-jobs", "0"))
+                         "nolabel", "--max-pending", "3"))  # without --allow-pending
     err = capsys.readouterr().err
     assert code == 2
-    assert "--cpu-request" in err and "--node-selector" in err and "--max-active-jobs" in err
+    assert "--cpu-request" in err and "--node-selector" in err and "--max-pending" in err
 
 
 @pytest.mark.parametrize(("flags", "named"), [
