@@ -1,22 +1,24 @@
 """Download the next models while the current one is analysed, within a disk budget, and evict
-what the worker downloaded into its own cache once no later model needs it.
+what the workers downloaded into their own cache once no later model needs it.
 
 Owns the read-ahead of a long-lived worker: which upcoming models to fetch (`depth` of them,
 each sized from the hub's file metadata before a byte is downloaded), the bytes held on disk
-against `budget`, and eviction (only with `own_cache`: a user's HF cache is never touched).
-Does not talk HTTP itself (esd_worker.resolve) nor decide what comes next (esd_worker.inbox).
+against `budget`, and when a model's repo may go (only with `own_cache`: never the user's HF
+cache). Which folders may be deleted, and sharing one cache between workers, is
+esd_worker.cachedir's. Does not talk HTTP itself (esd_worker.resolve) nor decide what comes
+next (esd_worker.inbox).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from esd_worker.cachedir import CacheDir, Hold
 from esd_worker.errors import TransientError
 from esd_worker.inbox import Inbox
 from esd_worker.protocol import Request
@@ -25,7 +27,6 @@ from esd_worker.resolve import (
     ResolvedModel,
     model_files,
     parse_model_ref,
-    repo_cache_dir,
     resolve_model,
 )
 
@@ -42,6 +43,7 @@ class _Entry:
     model_id: str
     size: int | None  # None while it is being sized
     result: Future[ResolvedModel] = field(default_factory=Future)
+    hold: Hold | None = None  # its repo's lock in the worker's own cache (own_cache only)
 
 
 class Prefetcher:
@@ -51,7 +53,8 @@ class Prefetcher:
     depth: models fetched ahead of the current one (0: none). budget: bytes on disk for the
     current model and those ahead; a model that does not fit waits (one that alone exceeds it
     is fetched when its turn comes). cache_dir: where downloads go (None: the user's HF
-    cache). own_cache: evict a model's repo from cache_dir once no queued model needs it.
+    cache). own_cache: evict a model's repo from cache_dir once no queued model needs it
+    (esd_worker.cachedir: only repos the workers created, none another worker holds).
     """
 
     def __init__(self, inbox: Inbox, *, depth: int = 1, budget: int | None = None,
@@ -61,6 +64,7 @@ class Prefetcher:
         self.budget = budget
         self.cache_dir = cache_dir
         self.own_cache = own_cache and cache_dir is not None
+        self._cache = CacheDir(cache_dir) if own_cache and cache_dir is not None else None
         self._entries: dict[str, _Entry] = {}
         self._current: set[str] = set()  # refs the model in progress uses
         self._lock = threading.Lock()
@@ -83,6 +87,7 @@ class Prefetcher:
                 return entry.result.result()
             except TransientError as e:  # it may have been the network then: try again now
                 log.info("prefetch of %s failed (%s); fetching again", ref, e)
+                self._let_go(entry, evict=False)
         if _local(ref):
             return resolve_model(ref)
         # Held from now on (its size once known), so the read-ahead leaves it room.
@@ -90,6 +95,7 @@ class Prefetcher:
         with self._lock:
             self._entries[ref] = entry
         try:
+            entry.hold = self._hold(entry.model_id)
             files = model_files(ref, cache_dir=self.cache_dir)
         except BaseException as e:
             entry.result.set_exception(e)
@@ -105,22 +111,35 @@ class Prefetcher:
             used, self._current = self._current | {request.model}, set()
             gone = [self._entries.pop(ref) for ref in used
                     if ref in self._entries and not self.inbox.needs(ref)]
-        if not self.own_cache:
-            return
         for entry in gone:
-            if self.inbox.needs_repo(entry.model_id) or not entry.result.done():
-                continue
-            folder = repo_cache_dir(entry.model_id, self.cache_dir)
-            if folder.is_dir():
-                log.info("evicting %s from the worker's cache (%s)", entry.model_id,
+            keep = self.inbox.needs_repo(entry.model_id) or not entry.result.done()
+            if self._let_go(entry, evict=not keep):
+                log.info("evicted %s from the worker's cache (%s)", entry.model_id,
                          _gib(entry.size or 0))
-                shutil.rmtree(folder, ignore_errors=True)
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:  # what a later run may need stays (the exit would free it too)
+            self._let_go(entry, evict=False)
+
+    def _hold(self, model_id: str) -> Hold | None:
+        return self._cache.hold(model_id) if self._cache is not None else None
+
+    def _let_go(self, entry: _Entry, *, evict: bool) -> bool:
+        """Release the entry's repo in the worker's cache; True when its folder was deleted."""
+        hold, entry.hold = entry.hold, None
+        if hold is None or self._cache is None:
+            return False
+        try:
+            return self._cache.release(hold, evict=evict)
+        except OSError as e:  # a failed eviction costs disk, never a model
+            log.warning("could not evict %s from %s: %s", entry.model_id, self._cache.root, e)
+            return False
 
     # -- the prefetch thread --------------------------------------------------------------------
 
@@ -168,6 +187,11 @@ class Prefetcher:
             entry = _Entry(ref, files.model_id, files.total_bytes)
             self._entries[ref] = entry
         log.info("prefetch: %s (%s)", ref, _gib(files.total_bytes))
+        try:
+            entry.hold = self._hold(entry.model_id)
+        except Exception as e:  # its turn will resolve it again and report the error
+            entry.result.set_exception(e)
+            return True
         self._download(entry, files)
         return True
 

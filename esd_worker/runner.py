@@ -113,9 +113,12 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
     from esd_worker.prefetch import Prefetcher  # no torch: downloads start during imports
 
     cache_dir: Path | None = args.cache_dir
-    prefetcher = Prefetcher(inbox, depth=args.prefetch,
-                            budget=args.cache_budget or _default_budget(cache_dir),
-                            cache_dir=cache_dir, own_cache=cache_dir is not None)
+    try:
+        prefetcher = Prefetcher(inbox, depth=args.prefetch,
+                                budget=args.cache_budget or _default_budget(cache_dir),
+                                cache_dir=cache_dir, own_cache=cache_dir is not None)
+    except OSError as e:  # the cache folder cannot be made or written
+        raise UsageError(f"--cache-dir {cache_dir}: {e.strerror or e}") from e
     if args.serve:
         inbox.read_from(sys.stdin)
     from esd_worker.analyze import analyse_model  # torch: after the store check

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from esd_worker.cachedir import CacheDir
 from tests.support import REPO_ROOT
 from tests.support.builders import make_llama, make_lora_adapter, worker_command
 from tests.support.hubserver import HubServer
@@ -122,3 +123,49 @@ def test_the_users_hf_cache_is_never_evicted(hub: HubServer, tmp_path: Path) -> 
     again = run(hub, home, tmp_path / "out2", MODELS[:2])  # another output: analysed again
     assert [e["status"] for _, e in again if e["event"] == "result"] == ["done", "done"]
     assert hub.calls("GET", kind="cdn") == []  # from the cache, no download
+
+
+def repo_files(folder: Path) -> dict[str, bytes]:
+    """Every file under a repo folder (snapshot links followed) and its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_cache_dir_holding_the_users_repos_keeps_them(hub: HubServer, tmp_path: Path) -> None:
+    """--cache-dir pointed at the user's own HF cache (model-0 downloaded there before, and a
+    repo of theirs the sweep never names): model-0 is read from it and left whole; only
+    model-1, which the worker downloaded, is evicted."""
+    home = tmp_path / "hf"
+    run(hub, home, tmp_path / "first", MODELS[:1])  # the user's earlier download
+    cache = home / "hub"
+    theirs = cache / "models--user--their-own" / "notes.txt"
+    theirs.parent.mkdir()
+    theirs.write_text("not the sweep's")
+    before = repo_files(cache / "models--esd-test--model-0")
+    assert any(name.endswith(".safetensors") for name in before)
+    hub.clear_log()
+    events = run(hub, tmp_path / "other-home", tmp_path / "out", MODELS[:2],
+                 "--cache-dir", str(cache))
+    assert [e["status"] for _, e in events if e["event"] == "result"] == ["done", "done"]
+    assert [r.repo for r in hub.calls("GET", kind="cdn")] == [MODELS[1]]
+    assert repo_files(cache / "models--esd-test--model-0") == before
+    assert theirs.read_text() == "not the sweep's"
+    assert not (cache / "models--esd-test--model-1").exists()
+
+
+def test_a_repo_another_worker_holds_is_not_evicted_under_it(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """Two workers share --cache-dir (the sweep's --cpu-workers, or one per GPU). This test
+    process is the other worker: it holds model-0, as a worker does that has it queued and
+    fetched ahead. The real worker analyses model-0 and leaves it; the other lets go last
+    and evicts it."""
+    cache = tmp_path / "shared-cache"
+    other = CacheDir(cache)
+    hold = other.hold(MODELS[0])
+    events = run(hub, tmp_path / "hf", tmp_path / "out", MODELS[:1], "--cache-dir", str(cache))
+    assert [e["status"] for _, e in events if e["event"] == "result"] == ["done"]
+    folder = cache / "models--esd-test--model-0"
+    assert any(name.endswith(".safetensors") for name in repo_files(folder))
+    assert other.release(hold, evict=True) is True
+    assert not folder.exists()
