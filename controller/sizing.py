@@ -2,7 +2,8 @@
 
 Owns where a size comes from: the model list's size_bytes column, a local directory's weight
 files, or the HF hub's file metadata (an HTTP adapter: stdlib urllib, rate-limited, bounded
-retries, a bounded number of lookups), else a default; and which files count as weights.
+retries, a bounded number of lookups), else a default; which files count as weights; and how
+the list's numeric columns are read (ListNumbers: a bad cell is unknown, said once).
 Its hub client also serves controller.weightmeta (the model info's parameter count, a
 safetensors header's bytes through a Range request), within the same limits. Does not
 download anything, parse headers (controller.weightmeta), decide which class or shard a
@@ -17,6 +18,7 @@ import fnmatch
 import http.client
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -27,12 +29,14 @@ from dataclasses import dataclass
 from typing import IO, Any, Literal
 from urllib.parse import quote, urlsplit
 
-from esd_worker.flags import parse_size
+from esd_worker.echo import quoted
+from esd_worker.flags import MAX_BYTES, parse_size
 from esd_worker.modellist import ModelRow, is_local_path
 
 log = logging.getLogger(__name__)
 
 SIZE_COLUMN = "size_bytes"  # an optional model-list column (ModelRow.metadata) that gives the size
+MAX_MODEL_BYTES = MAX_BYTES  # 1000T: a size_bytes past it is no model's
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 _ATTEMPTS = 4  # requests per lookup, in all, when the hub answers 429/5xx or is unreachable
@@ -207,7 +211,7 @@ class Sizer:
         self._lookups = 0
         self._failures_in_a_row = 0
         self._hub_down = False
-        self._bad_column_warned = False
+        self.cells = ListNumbers()  # also controller.weightmeta's (num_params, matrix_dim)
 
     def size(self, row: ModelRow) -> int:
         """The weights' bytes of `row` (an estimate: the default when nothing else is known)."""
@@ -246,17 +250,8 @@ class Sizer:
         return size if source in ("column", "local", "hub") else self.default_bytes
 
     def _column_size(self, row: ModelRow) -> int | None:
-        raw = list_cell(row.metadata, SIZE_COLUMN)
-        if not raw:
-            return None
-        try:
-            return parse_size(raw)
-        except argparse.ArgumentTypeError:
-            if not self._bad_column_warned:
-                self._bad_column_warned = True
-                log.warning("line %d: %s %r is not a size; such rows are sized as if it were "
-                            "empty", row.line, SIZE_COLUMN, raw)
-            return None
+        return self.cells.read(row, SIZE_COLUMN, parse_size, lo=0, hi=MAX_MODEL_BYTES,
+                               what="a size from 0 to 1000T bytes")
 
     def _local_size(self, row: ModelRow) -> tuple[int, Source]:
         directory = os.path.expanduser(row.model_id)
@@ -395,6 +390,43 @@ class Sizer:
                       _ATTEMPTS, wait)
             self._sleep(wait)
         raise AssertionError("unreachable")
+
+
+class ListNumbers:
+    """The numbers of the list's optional numeric columns (size_bytes here; num_params and
+    matrix_dim for controller.weightmeta). A cell that is not a finite number in its
+    column's range (NaN, inf, 1e999, negative, past any model, not a number) is unknown, as
+    if empty, never an error; the first such cell of each column is logged (its line, the
+    column, the cell, bounded), later ones are not: a list of millions of rows may have as
+    many bad cells. Thread-safe (the local backend asks from a look-ahead thread)."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def read(self, row: ModelRow, name: str, parse: Callable[[str], float | None], *,
+             lo: int, hi: int, what: str) -> int | None:
+        """`row`'s cell of column `name` through `parse` (None, ValueError, OverflowError or
+        ArgumentTypeError: not a number), when it is within lo..hi; else None. `what`
+        describes the range for the warning ("a size from 0 to 1000T bytes")."""
+        raw = list_cell(row.metadata, name)
+        if not raw:
+            return None
+        try:
+            value = parse(raw)
+            fits = value is not None and math.isfinite(value) and lo <= value <= hi
+        except (ValueError, OverflowError, argparse.ArgumentTypeError):
+            fits = False
+        if fits and value is not None:
+            return int(value)
+        with self._lock:
+            first = name not in self._warned
+            self._warned.add(name)
+        if first:
+            log.warning("line %d: %s %s is not %s: read as empty, as if the list had no %s "
+                        "for the model (further bad %s cells are not logged)", row.line, name,
+                        quoted(raw, limit=40), what, name, name)
+        return None
 
 
 def list_cell(metadata: Mapping[str, str], name: str) -> str:

@@ -23,18 +23,20 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from controller.gpurule import GpuRule, WeightShape, describe, width_from_params
-from controller.sizing import Sizer, list_cell, weight_files
+from controller.sizing import Sizer, weight_files
 from esd_worker.modellist import ModelRow, is_local_path, parse_ref
 
 log = logging.getLogger(__name__)
 
 PARAMS_COLUMN = "num_params"  # an optional model-list column: parameters ("70e9", "70B")
 WIDTH_COLUMN = "matrix_dim"  # an optional column: the smaller side of the largest matrix
+MAX_PARAMS = 10**15  # 1000T parameters: a num_params past it is no model's
+MAX_WIDTH = 10**7  # a matrix_dim past it is no model's matrix
 MAX_HEADER_BYTES = 25_000_000  # huggingface_hub's bound on a safetensors header
 FIRST_READ_BYTES = 100_001  # bytes=0-100000: one request holds ~97% of the hub's headers
 _WARNED = 5  # bad headers logged one by one; the rest only counted
@@ -152,17 +154,17 @@ class ShapeFinder:
     def needs_hub(self, row: ModelRow, listed: Listed | None = None) -> bool:
         """Whether shape(row) would ask the hub (the others are answered at once)."""
         target = _target(row, listed)
-        if target is None or _columns(row) or _columns(target):
+        if target is None or self._columns(row) or self._columns(target):
             return False
         return not is_local_path(target.model_id) and not self.sizer.offline
 
     def shape(self, row: ModelRow, listed: Listed | None = None) -> WeightShape | None:
         """`row`'s shape (its base's for an adapter, unless its own row has the columns)."""
         target = _target(row, listed)
-        columns = _columns(row) or (_columns(target) if target is not None else None)
+        columns = self._columns(row) or (self._columns(target) if target is not None else None)
         if target is None:
             return columns
-        width = _whole(target.metadata, WIDTH_COLUMN) or _whole(row.metadata, WIDTH_COLUMN)
+        width = self._width(target) or self._width(row)
         if columns is not None:
             shape: WeightShape | None = columns
         elif is_local_path(target.model_id):
@@ -172,6 +174,21 @@ class ShapeFinder:
         if shape is not None and width and shape.source != "column":
             shape = WeightShape(shape.params, width, shape.source)  # the list knows better
         return shape
+
+    def _columns(self, row: ModelRow) -> WeightShape | None:
+        """The shape the list's columns give: num_params, with matrix_dim or inferred."""
+        params = self.sizer.cells.read(row, PARAMS_COLUMN, _parse_count, lo=1, hi=MAX_PARAMS,
+                                       what="a parameter count from 1 to 1000T")
+        if params is None:
+            return None
+        width = self._width(row)
+        if width:
+            return WeightShape(params, width, "column")
+        return WeightShape(params, width_from_params(params), "column", width_inferred=True)
+
+    def _width(self, row: ModelRow) -> int | None:
+        return self.sizer.cells.read(row, WIDTH_COLUMN, _parse_count, lo=1, hi=MAX_WIDTH,
+                                     what=f"a matrix side from 1 to {MAX_WIDTH}")
 
     def _local(self, row: ModelRow) -> WeightShape | None:
         try:
@@ -315,27 +332,10 @@ def _target(row: ModelRow, listed: Listed | None) -> ModelRow | None:
     return (listed(base_row.key) if listed is not None else None) or base_row
 
 
-def _columns(row: ModelRow) -> WeightShape | None:
-    """The shape the list's columns give: num_params, with matrix_dim or inferred."""
-    params = _count(row.metadata, PARAMS_COLUMN)
-    if params is None:
-        return None
-    width = _whole(row.metadata, WIDTH_COLUMN)
-    if width:
-        return WeightShape(params, width, "column")
-    return WeightShape(params, width_from_params(params), "column", width_inferred=True)
-
-
-def _count(metadata: Mapping[str, str], name: str) -> int | None:
-    """A count such as 7000000000, 7e9, 7B or 1.5T (k, M, B, T: 10³ … 10¹²); None if empty
-    or not a count (the row is then looked up as if it had none)."""
-    match = _COUNT.fullmatch(list_cell(metadata, name))
+def _parse_count(text: str) -> float | None:
+    """A count such as 7000000000, 7e9, 7B or 1.5T (k, M, B, T: 10³ … 10¹²); None if it is
+    not one (its range is ListNumbers.read's)."""
+    match = _COUNT.fullmatch(text)
     if match is None:
         return None
-    value = float(match.group(1)) * _SCALE[match.group(2).lower()]
-    return int(value) if math.isfinite(value) and value >= 1 else None
-
-
-def _whole(metadata: Mapping[str, str], name: str) -> int | None:
-    value = _count(metadata, name)
-    return value if value is not None and value >= 1 else None
+    return float(match.group(1)) * _SCALE[match.group(2).lower()]

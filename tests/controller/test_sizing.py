@@ -33,10 +33,11 @@ NO_HUB = "http://127.0.0.1:9"  # the discard port: nothing answers there
 
 
 def make_row(ref: str, relation: str = "", source: str | None = None,
-             metadata: Mapping[str, str] | None = None) -> ModelRow:
+             metadata: Mapping[str, str] | None = None, line: int = 0) -> ModelRow:
     model_id, revision, problem = parse_ref(ref)
     assert problem is None, problem
-    return ModelRow(model_id, revision, relation, source, metadata=dict(metadata or {}))
+    return ModelRow(model_id, revision, relation, source, line=line,
+                    metadata=dict(metadata or {}))
 
 
 def make_dir(path: Path, files: Mapping[str, int]) -> Path:
@@ -192,6 +193,31 @@ def test_bad_column_falls_through_to_the_hub(hub: HubServer, org: str, fake_time
     with caplog.at_level(logging.WARNING, logger="controller.sizing"):
         assert [sizer.size(r) for r in rows] == [300, DEFAULT]
     assert sum("is not a size" in r.getMessage() for r in caplog.records) == 1  # once
+
+
+BAD_SIZES = {
+    "nan": "NaN", "inf": "inf", "1e999": "1e999", "1e999-with-unit": "1e999G",
+    "negative": "-5", "words": "lots", "past-any-model": "1e30", "2000T": "2000T",
+    "400-digits": "9" * 400,
+}
+
+
+@pytest.mark.parametrize("cell", BAD_SIZES.values(), ids=BAD_SIZES.keys())
+def test_a_bad_size_cell_is_unknown_and_said_once(
+    fake_time: FakeTime, cell: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No size from 0 to 1000T bytes (nan and 1e999 once raised ValueError / OverflowError
+    from int(); 1e30 bytes is no model): sized as if the cell were empty, here the default
+    (offline), and one warning for the three rows, naming the first one's line, the column
+    and the cell."""
+    sizer = make_sizer(NO_HUB, fake_time, offline=True)
+    rows = [make_row(f"org/m{i}", metadata={SIZE_COLUMN: cell}, line=i + 2) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="controller.sizing"):
+        assert [sizer.size(r) for r in rows] == [DEFAULT] * 3
+    (warning,) = [r.getMessage() for r in caplog.records if SIZE_COLUMN in r.getMessage()]
+    assert warning.startswith(f"line 2: {SIZE_COLUMN} '{cell[:20]}")
+    assert "is not a size" in warning
+    assert sizer.stats == SizeStats(default=3)
 
 
 # --- local directories ----------------------------------------------------------------------

@@ -90,11 +90,11 @@ def count(tensors: Mapping[str, tuple[str, list[int]]]) -> int:
     return total
 
 
-def make_row(ref: str, relation: str = "", source: str | None = None,
+def make_row(ref: str, relation: str = "", source: str | None = None, line: int = 0,
              **metadata: str) -> ModelRow:
     model_id, revision, problem = parse_ref(ref)
     assert problem is None, problem
-    return ModelRow(model_id, revision, relation, source, metadata=metadata)
+    return ModelRow(model_id, revision, relation, source, line=line, metadata=metadata)
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +240,35 @@ def test_a_bad_column_falls_back_to_a_lookup(tmp_path: Path) -> None:
     finder = make_finder(None, FakeTime())
     shape = finder.shape(make_row(str(directory), num_params="lots"))
     assert shape == WeightShape(200, 10, "local")
+
+
+BAD_COUNTS = {
+    "nan": "nan", "inf": "inf", "1e999": "1e999", "negative": "-5", "zero": "0",
+    "words": "lots", "past-any-model": "1e30", "400-digits": "9" * 400,
+}
+
+
+@pytest.mark.parametrize("cell", BAD_COUNTS.values(), ids=BAD_COUNTS.keys())
+@pytest.mark.parametrize("column", ["num_params", "matrix_dim"])
+def test_a_bad_count_cell_is_unknown_and_said_once(
+    cell: str, column: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No count from 1 to 1000T parameters (10 million for a matrix's side): the shape is as
+    if the cell were empty (no num_params here: unknown, offline), and the column is warned
+    of once for three rows, naming the first one's line. Before: silently unknown."""
+    finder = make_finder(None, FakeTime())
+    rows = [make_row(f"org/m{i}", line=i + 2, **{column: cell}) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="controller"):
+        assert [finder.shape(r) for r in rows] == [None] * 3
+    (warning,) = [r.getMessage() for r in caplog.records if column in r.getMessage()]
+    assert warning.startswith(f"line 2: {column} '{cell[:20]}")
+
+
+def test_a_bad_width_beside_good_parameters_is_inferred() -> None:
+    """num_params alone decides; a bad matrix_dim is as if absent: the width is inferred."""
+    shape = make_finder(None, FakeTime()).shape(
+        make_row("org/m", num_params="7B", matrix_dim="1e999"))
+    assert shape == WeightShape(7 * B, width_from_params(7 * B), "column", width_inferred=True)
 
 
 def test_a_truncated_local_header_is_unknown_and_one_gpu(
