@@ -50,6 +50,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from controller.errors import EXIT_USAGE, InfrastructureError, SweepError
 from esd_worker.errors import StoreError, StorePermanentError
+from esd_worker.files import NotRegularFileError, open_regular
 from esd_worker.flags import WEEK_S, add_flag, float_in
 from esd_worker.layout import LEASE_KEY
 from esd_worker.records import utc_now
@@ -75,6 +76,13 @@ L = TypeVar("L")
 
 class LeaseHeldError(SweepError):
     """Another sweep holds the output (exit 2): the message says who and what to do."""
+
+    exit_code = EXIT_USAGE
+
+
+class LeaseFileError(SweepError):
+    """Something other than a regular file is at `<output>/_lease.json` (a symlink, a FIFO):
+    not used, exit 2, like any other output that cannot be this sweep's."""
 
     exit_code = EXIT_USAGE
 
@@ -218,8 +226,11 @@ class FileLease:
         for _ in range(100):  # another turn only when a holder let go between open and lock
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                # O_CLOEXEC (Python's default too): workers must not inherit the lock.
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # Only a regular file: a symlink planted at the name would have us truncate
+                # its target (open_regular). O_CLOEXEC: workers must not inherit the lock.
+                fd = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except NotRegularFileError as e:
+                raise LeaseFileError(f"cannot lock {path}: {e}") from e
             except OSError as e:
                 raise InfrastructureError(f"cannot lock {path}: {e.strerror or e}") from e
             try:

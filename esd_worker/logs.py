@@ -3,12 +3,14 @@ the log files of a run.
 
 Owns how a log line leaves the process: every handler redacts it (esd_worker.redact), files
 included, and log files are created owner-only (0600: even redacted, a log names private
-repos and paths). What counts as a secret is esd_worker.redact's.
+repos and paths) and only as regular files (a symlink or a FIFO planted at a log's name is
+refused: esd_worker.files). What counts as a secret is esd_worker.redact's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
@@ -20,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Literal, TextIO, cast
 
+from esd_worker.files import open_regular
 from esd_worker.redact import redact
 
 LOG_FORMATS = ("text", "json")
@@ -57,6 +60,12 @@ class LogFile(logging.FileHandler):
 
     failed = False
 
+    def _open(self) -> io.TextIOWrapper:
+        # As open_private: 0600, and a symlink or a FIFO at the name is refused (Python's
+        # own handler opens through a symlink).
+        return cast(io.TextIOWrapper, open(self.baseFilename, self.mode, encoding=self.encoding,
+                                           errors=self.errors, opener=_owner_only))
+
     def emit(self, record: logging.LogRecord) -> None:
         if not self.failed:
             super().emit(record)
@@ -82,12 +91,14 @@ def _formatter(fmt: str) -> logging.Formatter:
 def open_private(path: Path, mode: Literal["ab", "a+b"] = "ab") -> IO[bytes]:
     """A log file opened for appending, readable and writable by its owner only (0600),
     whatever the umask; a file an older version left readable to others is tightened.
-    OSError when it cannot be opened."""
+    esd_worker.files.NotRegularFileError when something other than a regular file is at the
+    path (a symlink: its target is neither opened nor chmod'ed); OSError when it cannot be
+    opened."""
     return cast(IO[bytes], open(path, mode, opener=_owner_only))
 
 
 def _owner_only(path: str, flags: int) -> int:
-    fd = os.open(path, flags, 0o600)
+    fd = open_regular(path, flags, 0o600)
     with contextlib.suppress(OSError):  # another user's file we may write: its mode is theirs
         os.fchmod(fd, 0o600)
     return fd
@@ -107,8 +118,7 @@ def setup_logging(
     handlers: list[logging.Handler] = [handler]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
-        open_private(log_file).close()  # created 0600 first: the handler appends to it
-        file_handler = LogFile(log_file, encoding="utf-8")
+        file_handler = LogFile(log_file, encoding="utf-8")  # opens it (_open): OSError here
         file_handler.setFormatter(
             RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
             if fmt == "text" else JsonFormatter()
