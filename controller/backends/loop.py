@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from controller.backends.base import Outcome, Task
 from controller.backends.needs import GpuNeeds
-from controller.backends.process import Attempt, Ended, LogDirError
+from controller.backends.process import Attempt, Ended, LogDirError, WorkerLogs
 from controller.backends.slots import Slot, Slots
 from controller.backends.tasks import Job, Outcomes, Running, Waiting
 from controller.errors import SweepError
@@ -46,10 +46,12 @@ class Loop:
         self.waiting = Waiting([Job(task, ready_since=now) for task in tasks])
         self.running = Running()
         spec = backend.spec
+        # One for the run: a full disk is said once, whichever worker's log found it.
+        self.logs = WorkerLogs(self.settings.log_dir)
         self.slots = Slots(
             lambda gpus: backend.serve_command(), depth=1 + (spec.prefetch if spec else 0),
             reuse=self.settings.worker_reuse,
-            log_dir=self.settings.log_dir, threads=backend.threads(), release=backend.release,
+            logs=self.logs, threads=backend.threads(), release=backend.release,
             on_start=self._started,
         )
         self.outcomes = outcomes
@@ -208,7 +210,7 @@ class Loop:
         argv = self.b.argv(task, self.b.device)
         try:
             job.running = Attempt(task.key, argv, number=job.attempts + 1, gpus=gpus,
-                                  env=task.env, log_dir=self.settings.log_dir,
+                                  env=task.env, logs=self.logs,
                                   threads=self.b.threads())
         except LogDirError as e:
             self.b.release(gpus)

@@ -1,9 +1,11 @@
 """One worker attempt as a local subprocess: start it, watch it, stop it, read how it ended.
 
 Owns the OS side of the local backend: argv lists (never a shell), the worker's environment
-(GPUs, threads), its own session and parent-death signal, the log file with one header per
-attempt, the output tail, SIGTERM → SIGKILL escalation, and what an exit status means for
-people. Does not decide what runs when, or whether to retry (controller.backends.local).
+(GPUs, threads), its own session and parent-death signal, the worker log files (`WorkerLogs`:
+one header per attempt, written until the disk refuses, then one warning: logging never
+stops the work), the output tail, SIGTERM → SIGKILL escalation, and what an exit status
+means for people. Does not decide what runs when, or whether to retry
+(controller.backends.local).
 """
 
 from __future__ import annotations
@@ -11,28 +13,98 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from esd_worker.errors import EXIT_MEANINGS, classify_exit, signal_name
 from esd_worker.logs import open_private
 from esd_worker.redact import redact
+
+log = logging.getLogger("controller.backends.local")
 
 STDERR_TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
 
 
 class LogDirError(OSError):
-    """The worker log under --log-dir cannot be written (the sweep stops: exit 2)."""
+    """The worker log under --log-dir cannot be opened (the sweep stops: exit 2)."""
+
+
+class WorkerLogs:
+    """The worker logs of one run: `<log_dir>/workers/<name>.log` (log_dir None: none).
+
+    Opened 0600 (a custom command's output goes there as it is, unredacted) and only as
+    regular files (esd_worker.logs.open_private). Written until a write fails (disk full,
+    quota, a file too large): then one warning, and the controller opens and writes none of
+    them for the rest of the run. A write or close never raises, so a thread that drains a
+    worker's stderr into a log keeps draining it (a worker whose pipe nobody reads blocks
+    for ever), and the tails kept in memory still reach the failure records. Shared by the
+    threads that read the workers' output.
+    """
+
+    def __init__(self, log_dir: Path | None) -> None:
+        self.log_dir = log_dir
+        self.failed = False
+        self._lock = threading.Lock()
+
+    def open(self, name: str, mode: Literal["ab", "a+b"] = "ab") -> tuple[IO[bytes], Path] | None:
+        """The log `name` opened for appending, and its path; None without a log dir, or
+        once a write failed (no more files in a folder that refuses them). LogDirError when
+        it cannot be opened (not a regular file, no permission)."""
+        if self.log_dir is None or self.failed:
+            return None
+        directory = self.log_dir / "workers"
+        path = directory / f"{safe_name(name)}.log"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            return open_private(path, mode), path
+        except OSError as e:
+            raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
+
+    def write(self, out: IO[bytes] | None, text: str) -> None:
+        """Append `text` to an open log, unless writing one has failed already."""
+        if out is None or self.failed:
+            return
+        try:
+            out.write(text.encode("utf-8", "replace"))
+            out.flush()
+        except ValueError:  # closed under us (the attempt was reaped): nothing to keep
+            pass
+        except OSError as e:
+            self._fail(e)
+
+    def close(self, out: IO[bytes] | None) -> None:
+        """Close a log; what a full disk left in its buffer is dropped, never raised."""
+        if out is None:
+            return
+        try:
+            out.close()
+        except ValueError:
+            pass
+        except OSError as e:  # close() flushes: the buffer a refused write left behind
+            self._fail(e)
+
+    def _fail(self, error: OSError) -> None:
+        with self._lock:
+            if self.failed:
+                return
+            self.failed = True
+        # Without a log dir the only files are the attempts' temporary ones (for the tail).
+        where = self.log_dir / "workers" if self.log_dir is not None else tempfile.gettempdir()
+        log.warning("worker logs in %s cannot be written (%s): no more worker output is logged "
+                    "there for this run; failure records keep each model's last lines", where,
+                    error.strerror or error)
 
 
 def describe_exit(returncode: int) -> tuple[str, bool]:
@@ -67,23 +139,30 @@ class Attempt:
     """One running worker process: output appended to its log under a header.
 
     start: the attempt's argv (a list), extra env, GPUs (CUDA_VISIBLE_DEVICES; empty: none
-    visible) and CPU threads (OMP_NUM_THREADS unless set). Raises LogDirError when the log
-    cannot be written, OSError/ValueError when the command cannot start.
+    visible) and CPU threads (OMP_NUM_THREADS unless set). Its output goes to the log `key`
+    of `logs` (none: a temporary file, for the tail). Raises LogDirError when the log cannot
+    be opened, OSError/ValueError when the command cannot start; a log that cannot be
+    written (a full disk) is no reason not to start.
     """
 
     def __init__(
         self, key: str, argv: Sequence[str], *, number: int, gpus: tuple[int, ...],
-        env: Mapping[str, str], log_dir: Path | None, threads: int | None,
+        env: Mapping[str, str], logs: WorkerLogs, threads: int | None,
     ) -> None:
         self.gpus = gpus
-        self.output, self.log_path = open_log(key, log_dir)
+        self._logs = logs
+        opened = logs.open(key, "a+b")  # closed when the attempt is reaped
+        self.output: IO[bytes]
+        self.log_path: Path | None
+        # No log (none asked for, or the folder refused a write): a temporary file all the
+        # same, for the tail.
+        self.output, self.log_path = opened or (tempfile.TemporaryFile(), None)  # noqa: SIM115
         header = (
             f"\n=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} "
             f"attempt {number} key={key} gpus={','.join(map(str, gpus)) or 'cpu'} ===\n"
             f"$ {redact(shlex.join(argv))}\n"
         )
-        self.output.write(header.encode("utf-8", "replace"))
-        self.output.flush()
+        logs.write(self.output, header)
         self._offset = self.output.tell()
         try:
             self.proc = subprocess.Popen(
@@ -92,8 +171,8 @@ class Attempt:
                 start_new_session=True, preexec_fn=die_with_parent(),
             )
         except (OSError, ValueError) as e:
-            self.output.write(f"could not start: {redact(str(e))}\n".encode("utf-8", "replace"))
-            self.output.close()
+            logs.write(self.output, f"could not start: {redact(str(e))}\n")
+            logs.close(self.output)
             raise
 
     @property
@@ -106,7 +185,7 @@ class Attempt:
     def ended(self) -> Ended:
         """How the (reaped) process ended; closes its log."""
         tail = read_tail(self.output, self._offset)
-        self.output.close()
+        self._logs.close(self.output)
         rc = self.proc.returncode
         error, retryable = describe_exit(rc)
         return Ended(rc if rc >= 0 else None, -rc if rc < 0 else None, tail, error, retryable)
@@ -117,7 +196,7 @@ class Attempt:
     def wait(self, timeout_s: float) -> None:
         """Wait for the process; SIGKILL it after `timeout_s`."""
         wait_or_kill(self.proc, timeout_s)
-        self.output.close()
+        self._logs.close(self.output)
 
 
 def signal_group(proc: subprocess.Popen[Any], sig: signal.Signals) -> None:
@@ -153,20 +232,6 @@ def worker_env(gpus: tuple[int, ...], threads: int | None,
     full_env.update(env)
     full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return full_env
-
-
-def open_log(key: str, log_dir: Path | None) -> tuple[IO[bytes], Path | None]:
-    """The attempt's output file: <log_dir>/workers/<key>.log (appended, 0600: a command's
-    output is written there as it is, unredacted), or a temp file."""
-    if log_dir is None:
-        return tempfile.TemporaryFile(), None
-    directory = log_dir / "workers"
-    path = directory / f"{safe_name(key)}.log"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        return open_private(path, "a+b"), path  # closed when the attempt is reaped
-    except OSError as e:
-        raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
 
 
 def safe_name(key: str) -> str:

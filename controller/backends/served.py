@@ -6,8 +6,10 @@ events read from its stdout by a thread, and its stderr split by the worker's mo
 begin/end lines into `<log_dir>/workers/<model_key>.log` (one header per attempt) and a
 tail per model (a crashed model's failure record). Lines outside any model (start-up)
 go to `<log_dir>/workers/_worker-<slot>.log`. Every line is redacted (esd_worker.redact)
-before it is kept or written, and the logs are 0600. Does not decide what to send or what
-an exit means (controller.backends.slots).
+before it is kept or written, and the logs are 0600. The stderr reader drains the pipe to
+the end whatever the log files do (a full disk: controller.backends.process.WorkerLogs),
+since a worker whose stderr nobody reads blocks. Does not decide what to send or what an
+exit means (controller.backends.slots).
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ from typing import IO, Any
 from controller.backends.process import (
     STDERR_TAIL_LINES,
     LogDirError,
+    WorkerLogs,
     die_with_parent,
-    safe_name,
     signal_group,
     wait_or_kill,
     worker_env,
 )
-from esd_worker.logs import open_private
 from esd_worker.protocol import DRAIN, MODEL_BEGIN, MODEL_END, Request, parse_event
 from esd_worker.redact import redact
 
@@ -47,28 +48,27 @@ _READER_JOIN_S = 5.0
 class ServedWorker:
     """A running `esd-worker --serve`: `send` models, `events` what it said since.
 
-    gpus: its CUDA_VISIBLE_DEVICES (empty: none visible); threads: OMP_NUM_THREADS unless set.
-    Raises LogDirError when the log directory cannot be written, OSError/ValueError when the
-    command cannot start.
+    gpus: its CUDA_VISIBLE_DEVICES (empty: none visible); threads: OMP_NUM_THREADS unless set;
+    logs: the run's worker logs. Raises LogDirError when its log cannot be opened,
+    OSError/ValueError when the command cannot start.
     """
 
     def __init__(
         self, argv: Sequence[str], *, slot: int, gpus: tuple[int, ...], env: Mapping[str, str],
-        log_dir: Path | None, threads: int | None,
+        logs: WorkerLogs, threads: int | None,
     ) -> None:
         self.argv = tuple(argv)
         self.slot = slot
         self.gpus = gpus
-        self.log_dir = log_dir
+        self.logs = logs
         self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
         self._tails: dict[str, deque[str]] = {}
         self._logs: dict[str, Path] = {}
         self._worker_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self._lock = threading.Lock()
         worker_log = self._open(f"_worker-{slot}")  # raises LogDirError first: nothing started
-        if worker_log is not None:
-            self._write(worker_log, f"=== {_now()} worker slot={slot} gpus="
-                        f"{','.join(map(str, gpus)) or 'cpu'} ===\n$ {redact(shlex.join(argv))}\n")
+        logs.write(worker_log, f"=== {_now()} worker slot={slot} gpus="
+                   f"{','.join(map(str, gpus)) or 'cpu'} ===\n$ {redact(shlex.join(argv))}\n")
         self.proc = subprocess.Popen(
             list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=worker_env(gpus, threads, env), start_new_session=True,
@@ -178,31 +178,34 @@ class ServedWorker:
                             self.slot, e, line)
 
     def _read_logs(self, worker_log: IO[bytes] | None) -> None:
+        # To the pipe's end, whatever the logs do: self.logs never raises on a write or close.
         assert self.proc.stderr is not None
         current: str | None = None
         out = worker_log
-        for raw in self.proc.stderr:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if line.startswith(MODEL_BEGIN):
-                current, attempt = _begin(line)
-                out = self._open_model(current, attempt) if current else worker_log
-                continue
-            if line.startswith(MODEL_END):
-                if out is not None and out is not worker_log:
-                    out.close()
-                current, out = None, worker_log
-                continue
-            line = redact(line)  # the worker's own logs are; a library's print may not be
-            with self._lock:
-                tail = self._tails.get(current) if current else self._worker_tail
-                if tail is not None:
-                    tail.append(line.rstrip())
-            if out is not None:
-                self._write(out, line + "\n")
-        if out is not None and out is not worker_log:
-            out.close()
-        if worker_log is not None:
-            worker_log.close()
+        try:
+            for raw in self.proc.stderr:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if line.startswith(MODEL_BEGIN):
+                    if out is not worker_log:  # a model that never said it ended
+                        self.logs.close(out)
+                    current, attempt = _begin(line)
+                    out = self._open_model(current, attempt) if current else worker_log
+                    continue
+                if line.startswith(MODEL_END):
+                    if out is not worker_log:
+                        self.logs.close(out)
+                    current, out = None, worker_log
+                    continue
+                line = redact(line)  # the worker's own logs are; a library's print may not be
+                with self._lock:
+                    tail = self._tails.get(current) if current else self._worker_tail
+                    if tail is not None:
+                        tail.append(line.rstrip())
+                self.logs.write(out, line + "\n")
+        finally:
+            if out is not worker_log:
+                self.logs.close(out)
+            self.logs.close(worker_log)
 
     def _open_model(self, key: str, attempt: int) -> IO[bytes] | None:
         with self._lock:
@@ -212,29 +215,16 @@ class ServedWorker:
         except LogDirError as e:  # the worker goes on; its tail is still kept
             log.error("%s", e)
             return None
-        if out is not None:
-            self._write(out, f"\n=== {_now()} attempt {attempt} key={key} gpus="
+        self.logs.write(out, f"\n=== {_now()} attempt {attempt} key={key} gpus="
                         f"{','.join(map(str, self.gpus)) or 'cpu'} worker pid={self.pid} ===\n")
         return out
 
     def _open(self, name: str) -> IO[bytes] | None:
-        if self.log_dir is None:
+        opened = self.logs.open(name)  # closed by the reader thread
+        if opened is None:
             return None
-        directory = self.log_dir / "workers"
-        path = directory / f"{safe_name(name)}.log"
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            out = open_private(path)  # closed by the reader thread
-        except OSError as e:
-            raise LogDirError(f"cannot write the worker log {path}: {e.strerror or e}") from e
-        self._logs[name] = path
+        out, self._logs[name] = opened
         return out
-
-    @staticmethod
-    def _write(out: IO[bytes], text: str) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            out.write(text.encode("utf-8", "replace"))
-            out.flush()
 
 
 def _begin(line: str) -> tuple[str | None, int]:

@@ -18,10 +18,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from controller.backends.process import Ended, describe_exit
+from controller.backends.process import Ended, WorkerLogs, describe_exit
 from controller.backends.served import ServedWorker
 from controller.backends.tasks import Job
 from esd_worker.errors import signal_name
@@ -68,13 +67,13 @@ class Slots:
     reuse: models after which a worker is replaced (None: never)."""
 
     def __init__(self, argv: Callable[[tuple[int, ...]], Sequence[str]], *, depth: int,
-                 reuse: int | None, log_dir: Path | None, threads: int | None,
+                 reuse: int | None, logs: WorkerLogs, threads: int | None,
                  release: Callable[[tuple[int, ...]], bool],
                  on_start: Callable[[Job, Slot], None] | None = None) -> None:
         self.argv = argv
         self.depth = max(1, depth)
         self.reuse = reuse
-        self.log_dir = log_dir
+        self.logs = logs
         self.threads = threads
         self.release = release
         self.on_start = on_start
@@ -133,7 +132,7 @@ class Slots:
         """Raises LogDirError / OSError / ValueError (the caller releases the GPUs)."""
         self._started += 1
         worker = ServedWorker(self.argv(gpus), slot=self._started, gpus=gpus, env={},
-                              log_dir=self.log_dir, threads=self.threads)
+                              logs=self.logs, threads=self.threads)
         log.info("worker %d started on %s pid=%d", self._started,
                  f"gpus={','.join(map(str, gpus))}" if gpus else "cpu", worker.pid)
         slot = Slot(worker, gpus)

@@ -10,6 +10,7 @@ Model names (the request's "model"):
     transient-*   a transient failure (exit 4): a retry may help
     poison-*      kills its worker (SIGKILL) every time
     crash-once-*  kills its worker the first time, is done the next
+    chatty-*      writes CHATTY_BYTES of log lines to stderr (four pipe buffers), then done
 Every start is appended to $FAKE_WORKER_STATE/starts as "<pid> <key> <attempt>" (the tests count
 workers and attempts from it), every worker's argv and CUDA_VISIBLE_DEVICES to
 $FAKE_WORKER_STATE/workers as a JSON line; the directory also holds crash-once flags.
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from esd_worker.inbox import Inbox
 from esd_worker.protocol import DONE, FAILED, Request, Result, begin_line, end_line, event_line
+
+CHATTY_BYTES = 256 * 1024  # a Linux pipe holds 64 KiB: a writer nobody reads blocks past it
 
 
 def analyse(request: Request, state: Path) -> Result:
@@ -44,6 +47,11 @@ def analyse(request: Request, state: Path) -> Result:
         time.sleep(1)
     if name.startswith("slow-"):
         time.sleep(30)
+    if name.startswith("chatty-"):
+        line = "chatter " + "x" * 120 + "\n"
+        for _ in range(CHATTY_BYTES // len(line) + 1):
+            sys.stderr.write(line)
+        sys.stderr.flush()
     if name.startswith("fail-"):
         print("esd-worker: error: model not found: " + name, file=sys.stderr, flush=True)
         return Result(request.key, FAILED, 3, f"PermanentModelError: model not found: {name}")
