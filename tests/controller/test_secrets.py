@@ -158,3 +158,45 @@ def test_model_secrets_stay_out_of_logs_and_records_and_results_follow_the_umask
     assert len(results) == 9  # one run report, two failure records
     for path in results:
         assert _mode(path) == result_mode, path
+
+
+# --- endpoint URLs with a password, on the local backend --------------------------------
+
+ENDPOINT_PASSWORD = "endpointPassW0rd"
+
+
+@pytest.mark.parametrize(
+    "extra", [pytest.param((), id="run"), pytest.param(("--dry-run",), id="dry-run")],
+)
+def test_endpoint_passwords_reach_local_workers_by_environment_only(
+    tmp_path: Path, extra: Sequence[str]
+) -> None:
+    """The local backend's workers inherit the environment, a password in HF_ENDPOINT or
+    AWS_ENDPOINT_URL included (that is how they reach a mirror that wants one), so the run
+    is not refused as a Kubernetes one is. The URLs are never in a worker's argv (the dry
+    run prints it), a log, a failure record or the run report: the hub double is asked
+    for the model (the worker used the endpoint), the model is missing there, and the
+    password is in no output."""
+    from tests.support.hubserver import HubServer
+
+    model_list = tmp_path / "models.csv"
+    model_list.write_text("model_id\norg/missing\n")
+    out = tmp_path / "out"
+    with HubServer() as hub:
+        endpoint = hub.url.replace("://", f"://user:{ENDPOINT_PASSWORD}@", 1)
+        env = hub.env(tmp_path / "hf") | {
+            "HF_ENDPOINT": endpoint, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+            "AWS_ENDPOINT_URL": f"http://user:{ENDPOINT_PASSWORD}@127.0.0.1:9"}
+        run = subprocess.run(
+            _controller("run", "--model-list", str(model_list), "--output-dir", str(out),
+                        "--device", "cpu", "--max-retries", "0", *extra),
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+        asked = [r for r in hub.requests if "org/missing" in r.path]
+    assert run.returncode == (0 if extra else 1), run.stderr
+    if not extra:
+        assert asked, "the worker did not use HF_ENDPOINT"
+        assert (out / "_failures").is_dir()
+    else:
+        assert "esd_worker.cli --model org/missing" in run.stdout
+    written = [path.read_text(errors="replace") for path in _every_file(tmp_path)]
+    assert ENDPOINT_PASSWORD not in "\n".join([run.stdout, run.stderr, *written])

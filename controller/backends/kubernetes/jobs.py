@@ -60,6 +60,9 @@ _RESERVED_ENV = frozenset({
 })
 # Names that say "this is a credential": those belong in a Secret, not in the Job object.
 _SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
+# A URL with an '@' after its scheme: user:password@ or a token as the user. Any '@', not
+# only one before the first '/': a password may hold '/' (AWS secret keys do).
+_URL_USERINFO = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.\-]*://[^@]*@")
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class JobSettings:
     s3_secret: a Secret with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally
     AWS_SESSION_TOKEN (by reference; absent keys leave room for IRSA / pod identity).
     env: extra non-secret environment (e.g. AWS_ENDPOINT_URL, AWS_REGION); names that look
-    like credentials are refused.
+    like credentials are refused, and so are URLs holding a user name or password.
     hf_cache_pvc: a PersistentVolumeClaim mounted at /cache (HF_HOME=/cache/hf) shared by
     Jobs; None = an emptyDir per pod.
     kueue_queue: LocalQueue name; the Job is created suspended and Kueue admits it.
@@ -195,6 +198,14 @@ class JobSettings:
                            "not in the Job")
             if not isinstance(value, str) or _CONTROL.search(value):
                 out.append(f"env: the value of {key} must be a single-line string")
+            elif _URL_USERINFO.search(value):
+                # Refused, not stripped: the workers would then reach the endpoint without
+                # the credentials the user meant them to have. The value is not repeated.
+                out.append(f"env: {key} holds a user name or password (user:password@ in "
+                           "its URL), which anyone who can read a Job would read: give the "
+                           "URL without it, and credentials through Secrets: S3 keys with "
+                           "--s3-secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the hub "
+                           "token with --hf-token-secret")
         if self.kueue_queue is not None and not (self.kueue_queue
                                                  and is_label_value(self.kueue_queue)):
             out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
