@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from esd_worker.echo import has_control, quoted
 from esd_worker.errors import UsageError
 from esd_worker.powerlaw import FIX_FINGERS
 
@@ -90,6 +91,12 @@ class WorkerSettings:
         problems: list[str] = []
         if not self.model.strip():
             problems.append("model: must not be empty")
+        for name, ref in (("model", self.model), ("base_model", self.base_model)):
+            # A list row like it is refused (esd_worker.modellist); a raw newline would
+            # print in every log line naming the model, as lines of their own.
+            if ref is not None and has_control(ref):
+                problems.append(f"{name}: control characters are not allowed in a model "
+                                f"id: {quoted(ref)}")
         if not self.output.strip():
             problems.append("output: must not be empty")
         if self.device not in DEVICES:

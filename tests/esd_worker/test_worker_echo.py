@@ -1,0 +1,41 @@
+"""`esd-worker --model/--base-model` holding a control character: a usage error whose one line
+shows the value escaped, never a raw newline that forges a log line of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from esd_worker import cli
+from esd_worker.errors import EXIT_USAGE
+
+pytestmark = pytest.mark.usefixtures("restore_logging")
+
+FORGED = "kind: Secret"
+
+
+@pytest.mark.parametrize(
+    ("flags", "shown"),
+    [
+        pytest.param(("--model", f"/models/x\n{FORGED}"), f"'/models/x\\n{FORGED}'",
+                     id="newline-in-path"),
+        pytest.param(("--model", f"org/m@main\n{FORGED}"), f"'org/m@main\\n{FORGED}'",
+                     id="newline-in-revision"),
+        pytest.param(("--model", "org/m\x1b[2J"), "'org/m\\x1b[2J'", id="esc-in-id"),
+        pytest.param(("--model", "org/m", "--base-model", f"org/b\r{FORGED}"),
+                     f"'org/b\\r{FORGED}'", id="cr-in-base"),
+    ],
+)
+def test_a_control_character_in_a_model_flag_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: tuple[str, ...], shown: str
+) -> None:
+    """The worker used to take the value as it was: a hub id was looked up (its retries
+    logged with the raw newline), a path was looked for. A list row with the same value is
+    refused (esd_worker.modellist), so is the flag: exit 2 before any lookup, the value
+    escaped as esd_worker.echo shows it."""
+    code = cli.main(["--device", "cpu", "--output", str(tmp_path / "out"), *flags])
+    err = capsys.readouterr().err
+    assert not [line for line in err.splitlines() if line.startswith(FORGED)], err
+    assert code == EXIT_USAGE
+    assert "control characters are not allowed" in err and shown in err
