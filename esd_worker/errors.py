@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import signal as _signal
 
+from esd_worker.echo import echo
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_PERMANENT = 3
 EXIT_TRANSIENT = 4
 EXIT_GPU_OOM = 5
+FAILURE_CHARS = 2000  # a failure line at most (echo adds the count of what was cut)
 
 
 class WorkerError(Exception):
@@ -159,4 +162,6 @@ def failure_message(error: BaseException, model: str) -> str:
     else:  # a bug in the worker, not a model problem (the caller logs the traceback)
         text = (f"internal error analysing {model}: {type(error).__name__}: {error} "
                 "(a bug: see the traceback above)")
-    return " ".join(text.split())
+    # One line, bounded, with no control character, whatever the error names (a model's
+    # config values, a path): the controller's log and the failure record show it as is.
+    return echo(" ".join(text.split()), limit=FAILURE_CHARS)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from esd_worker import cli
-from esd_worker.errors import EXIT_USAGE
+from esd_worker.errors import EXIT_USAGE, FAILURE_CHARS, PermanentModelError, failure_message
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -39,3 +39,22 @@ def test_a_control_character_in_a_model_flag_is_a_usage_error(
     assert not [line for line in err.splitlines() if line.startswith(FORGED)], err
     assert code == EXIT_USAGE
     assert "control characters are not allowed" in err and shown in err
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        pytest.param(PermanentModelError(f"model_type 'x\x1b[2J\u2028{FORGED}' unknown"),
+                     f"model_type 'x\\x1b[2J {FORGED}' unknown", id="esc-and-separator"),
+        pytest.param(PermanentModelError(f"bad\n{FORGED}"), f"bad {FORGED}", id="newline"),
+        pytest.param(PermanentModelError("x" * 50_000),
+                     "x" * FAILURE_CHARS + "… [48,000 more characters]", id="50k-characters"),
+    ],
+)
+def test_a_failure_line_is_one_bounded_line(error: Exception, expected: str) -> None:
+    """What a model's files say (a config value, an id) reaches the worker's error line, the
+    controller's log and the failure record through failure_message: whitespace folds to
+    one space as before (U+2028 is whitespace to str.split), other control characters
+    are escaped (ESC, which would clear a terminal), and the line is cut at
+    FAILURE_CHARS with the count of the rest."""
+    assert failure_message(error, "org/m") == expected
