@@ -80,6 +80,60 @@ class LeaseHeldError(SweepError):
     exit_code = EXIT_USAGE
 
 
+class LeaseLostError(InfrastructureError):
+    """This sweep's S3 lease was taken over while it ran (exit 3): it stopped writing the
+    output, which is another sweep's now."""
+
+
+class Tenure:
+    """Whether this process may still write the output it holds the lease of.
+
+    `lost` once the lease is lost: an S3 lease another sweep took over after this one failed
+    to renew it within its TTL (paused, cut off from the store). A lock on a local file is
+    never lost. Callbacks given to `when_lost` run once, in the thread that finds the loss
+    (the renewal thread): they must only ask for a stop, not wait for one.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lost = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def when_lost(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the lease is lost (now, if it is already)."""
+        with self._lock:
+            if not self._lost.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def lose(self) -> None:
+        with self._lock:
+            if self._lost.is_set():
+                return
+            self._lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one failed reaction must not keep the others from running
+                log.exception("reacting to the loss of the lease on %s", self.url)
+
+    def check(self) -> None:
+        """LeaseLostError when the lease is lost: call before each write of the output."""
+        if self.lost:
+            raise LeaseLostError(
+                f"the lease on {self.url} was lost (not renewed within its TTL, then taken "
+                "over): this process stopped writing there; run the same command again once "
+                "the other sweep has ended"
+            )
+
+
 class LeaseFileError(SweepError):
     """Something other than a regular file is at `<output>/_lease.json` (a symlink, a FIFO):
     not used, exit 2, like any other output that cannot be this sweep's."""
@@ -321,8 +375,8 @@ def observe(store: ConditionalStore) -> Seen | None:
 class ObjectLease:
     """The lease object while this sweep holds it: renewed in the background until released.
 
-    lost: another sweep took it over (this one failed to renew it within its TTL); it is
-    then neither renewed nor deleted.
+    lost (tenure.lost): another sweep took it over (this one failed to renew it within its
+    TTL); it is then neither renewed nor deleted, and `tenure` tells the sweep to stop.
     """
 
     def __init__(self, store: ConditionalStore, owner: Owner, etag: str, *,
@@ -330,12 +384,16 @@ class ObjectLease:
         self.store = store
         self.owner = owner
         self.etag = etag
-        self.lost = False
+        self.tenure = Tenure(store.url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if renew:
             self._thread = threading.Thread(target=self._renew, name="esd-lease", daemon=True)
             self._thread.start()
+
+    @property
+    def lost(self) -> bool:
+        return self.tenure.lost
 
     @classmethod
     def claim(cls, store: ConditionalStore, owner: Owner, seen: Seen | None, *,
@@ -383,10 +441,10 @@ class ObjectLease:
                 wait = min(every, RENEW_RETRY_S)
                 continue
             if etag is None:
-                self.lost = True
                 log.error("lease on %s lost: not renewed within %.0fs and taken over (or "
                           "deleted); another sweep may be writing this output now",
                           self.store.url, self.owner.ttl_s)
+                self.tenure.lose()
                 return
             self.etag = etag
             wait = every
@@ -459,12 +517,15 @@ def _take(attempt: Callable[[], L | Held], url: str, wait_s: float | None,
 
 @contextlib.contextmanager
 def output_lease(store: Store, *, command: str, run_id: str | None,
-                 wait_s: float | None = None, take: bool = True) -> Iterator[None]:
+                 wait_s: float | None = None, take: bool = True,
+                 ttl_s: float = LEASE_TTL_S) -> Iterator[Tenure]:
     """Hold the output's lease for the block (take=False: hold none, e.g. --dry-run); it is
-    released however the block ends (an error, Ctrl+C)."""
-    lease = take_lease(store, command=command, run_id=run_id, wait_s=wait_s) if take else None
+    released however the block ends (an error, Ctrl+C). Yields the Tenure that says when
+    the lease is lost: the block stops writing then (a lock on a file is never lost)."""
+    lease = (take_lease(store, command=command, run_id=run_id, wait_s=wait_s, ttl_s=ttl_s)
+             if take else None)
     try:
-        yield
+        yield lease.tenure if isinstance(lease, ObjectLease) else Tenure(store.url)
     finally:
         if lease is not None:
             lease.release()

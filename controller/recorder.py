@@ -30,6 +30,8 @@ class Recorder:
     not listed: millions of keys); failed: key → the record written
     (kept for custom commands too, which get no record in the store); durations: key →
     seconds of the last attempt; waits: seconds each task waited for a slot.
+    writing: whether outcomes still go to the store (`stop_writing`: the output's lease was
+    lost, and another sweep's records must not be overwritten); they are tallied either way.
     """
 
     store: Store
@@ -40,6 +42,11 @@ class Recorder:
     durations: dict[str, float] = field(default_factory=dict)
     waits: list[float] = field(default_factory=list)
     done_recorded: int = 0
+    writing: bool = True
+
+    def stop_writing(self) -> None:
+        """From now on tally outcomes without touching the store (safe from any thread)."""
+        self.writing = False
 
     @property
     def done_count(self) -> int:
@@ -68,7 +75,7 @@ class Recorder:
         elif outcome.status == "done":
             self.done.append(key)
             self.durations[key] = round(outcome.duration_s, 3)
-            if model:
+            if model and self.writing:
                 clear_failure(self.store, key)
             log.info("model=%s key=%s done in %.1fs on %s", task.label, key,
                      outcome.duration_s, outcome.where)
@@ -76,7 +83,7 @@ class Recorder:
         record = self._record(outcome, error, retryable)
         self.failed[key] = record
         self.durations[key] = round(outcome.duration_s, 3)
-        if model:
+        if model and self.writing:
             write_failure(self.store, record)
             if outcome.exit_code is None or outcome.signal is not None:
                 # A worker that died under the model (or was killed) left its attempt note;
@@ -87,7 +94,6 @@ class Recorder:
         last = redact(next(tail, ""))  # records are redacted; this log line must be too
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s%s", task.label, key,
                   outcome.attempts, outcome.where, error, f" | {last}" if last else "")
-
 
     def _record(self, outcome: Outcome, error: str, retryable: bool) -> FailureRecord:
         task = outcome.task

@@ -15,6 +15,7 @@ from controller.backends.kubernetes.settings import ClusterSettings
 from controller.backends.local import LocalSettings
 from controller.gpurule import GpuRule
 from controller.gpus import GpuSettings
+from controller.lease import LEASE_TTL_S
 from esd_worker.settings import AnalysisSettings
 
 
@@ -34,7 +35,9 @@ class SweepSettings:
     summary: rebuild summary.csv at the end (it reads every done model's marker: a list of
     millions may leave it to a later `esd-sweep report`).
     wait_lock_s: when another sweep holds the output (controller.lease), seconds to wait for
-    it (math.inf: as long as it takes); None: exit 2 at once.
+    it (math.inf: as long as it takes); None: exit 2 at once. lease_ttl_s: seconds an S3
+    lease lives unrenewed (renewed every third of it); not a flag: every sweep on one output
+    must agree on it.
     parallel_gpu: a worker with several GPUs spreads one model's layers over them (False:
     --no-parallel-gpu, one GPU used whatever it is given).
     gpu_rule: GPUs per model (controller.gpurule: --gpus-per-job N|auto,
@@ -72,6 +75,7 @@ class SweepSettings:
     cache_dir: str | None = None
     summary: bool = True
     wait_lock_s: float | None = None
+    lease_ttl_s: float = LEASE_TTL_S
     parallel_gpu: bool = True
     gpu_rule: GpuRule = field(default_factory=GpuRule)
 

@@ -24,12 +24,13 @@ from controller.backends.local import LocalBackend
 from controller.commands import read_commands
 from controller.errors import (
     EXIT_ALL_DONE,
+    EXIT_INFRA,
     EXIT_INTERRUPTED,
     EXIT_SOME_FAILED,
     InfrastructureError,
     SweepError,
 )
-from controller.lease import output_lease
+from controller.lease import Tenure, output_lease
 from controller.plan import ListPlan
 from controller.progress import Progress
 from controller.recorder import Recorder
@@ -74,15 +75,17 @@ def run_sweep(
     started = _Started()
     store = _open_store(settings.output, writing=True)
     with output_lease(store, command="esd-sweep run", run_id=started.run_id,
-                      wait_s=settings.wait_lock_s, take=not settings.dry_run):
+                      wait_s=settings.wait_lock_s, take=not settings.dry_run,
+                      ttl_s=settings.lease_ttl_s) as tenure:
         started.restart()
-        return _sweep(settings, store, started, on_plan=on_plan, opener=opener, out=out)
+        return _sweep(settings, store, started, tenure, on_plan=on_plan, opener=opener,
+                      out=out)
 
 
-def _sweep(settings: SweepSettings, store: Store, started: _Started, *,
+def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Tenure, *,
            on_plan: Callable[[ListPlan], None] | None, opener: BackendOpener,
            out: TextIO | None) -> SweepResult:
-    """run_sweep once the output is this sweep's (controller.lease)."""
+    """run_sweep once the output is this sweep's (controller.lease), until it is not."""
     source = model_source(settings)
     try:
         known = KnownMarkers()  # the done markers the plan reads: summary.csv reuses them
@@ -99,13 +102,13 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, *,
         if settings.dry_run:
             return _dry_run(backend, work, plan, started.run_id, store.url, out or sys.stdout)
         recorder = Recorder(store, started.run_id)
-        interrupted = execute(backend, work, recorder)
-        summary_rows = 0 if not settings.summary else write_summary(
+        interrupted = execute(backend, work, recorder, tenure)
+        summary_rows = 0 if not settings.summary or tenure.lost else write_summary(
             store, plan.rows(), parameters=settings.analysis.as_dict(), known=known)
     finally:
         source.close()
     result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
-                     summary_rows=summary_rows, interrupted=interrupted)
+                     summary_rows=summary_rows, interrupted=interrupted, tenure=tenure)
     log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
              started.run_id, recorder.done_count, len(recorder.failed), len(recorder.cancelled),
              counts.done, run_report_key(started.run_id),
@@ -122,12 +125,13 @@ def run_commands(settings: SweepSettings) -> SweepResult:
     started = _Started()
     store = _open_store(settings.output, writing=True)
     with output_lease(store, command="esd-sweep run", run_id=started.run_id,
-                      wait_s=settings.wait_lock_s):
+                      wait_s=settings.wait_lock_s, ttl_s=settings.lease_ttl_s) as tenure:
         started.restart()
-        return _run_commands(settings, store, started)
+        return _run_commands(settings, store, started, tenure)
 
 
-def _run_commands(settings: SweepSettings, store: Store, started: _Started) -> SweepResult:
+def _run_commands(settings: SweepSettings, store: Store, started: _Started,
+                  tenure: Tenure) -> SweepResult:
     """run_commands once the output is this sweep's (controller.lease)."""
     assert settings.commands is not None
     try:
@@ -138,10 +142,10 @@ def _run_commands(settings: SweepSettings, store: Store, started: _Started) -> S
     backend = LocalBackend.from_settings(settings, worker_spec(settings, started.run_id,
                                                                store.url))
     recorder = Recorder(store, started.run_id)
-    interrupted = execute(backend, tasks, recorder)
+    interrupted = execute(backend, tasks, recorder, tenure)
     counts = {"models": len(tasks), "bad_rows": 0, "already_done": 0, "skipped_failed": 0}
     return _finish(settings, store, started, backend, recorder, counts, mode="custom",
-                   summary_rows=0, interrupted=interrupted)
+                   summary_rows=0, interrupted=interrupted, tenure=tenure)
 
 
 def worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerSpec:
@@ -249,9 +253,15 @@ def _counts(plan: ListPlan) -> dict[str, int]:
             "skipped_failed": c.skipped_failed}
 
 
-def execute(backend: Backend, tasks: Work, recorder: Recorder) -> bool:
-    """Run the tasks on the backend under Ctrl+C handling; True when interrupted."""
+def execute(backend: Backend, tasks: Work, recorder: Recorder,
+            tenure: Tenure | None = None) -> bool:
+    """Run the tasks on the backend under Ctrl+C handling; True when interrupted.
+
+    tenure: when the output's lease is lost, the recorder stops writing and the backend
+    gets a stop request (no task starts; those running finish, as after one Ctrl+C)."""
     progress = Progress(len(tasks))
+    if tenure is not None:
+        tenure.when_lost(lambda: _lease_lost(backend, recorder))
     try:
         with _Interrupts(backend) as interrupts:
             backend.run(tasks, recorder, progress)
@@ -259,6 +269,13 @@ def execute(backend: Backend, tasks: Work, recorder: Recorder) -> bool:
     finally:
         progress.close()
         backend.close()
+
+
+def _lease_lost(backend: Backend, recorder: Recorder) -> None:
+    recorder.stop_writing()
+    log.error("stopping: the output is another sweep's now; no task starts, the running ones "
+              "finish, and nothing more is recorded (exit 3)")
+    backend.request_stop()
 
 
 class _Started:
@@ -300,9 +317,10 @@ def _open_store(url: str, *, writing: bool) -> Store:
 def _finish(
     settings: SweepSettings, store: Store, started: _Started, backend: Backend,
     recorder: Recorder, counts: dict[str, int], *, mode: str, summary_rows: int,
-    interrupted: bool,
+    interrupted: bool, tenure: Tenure,
 ) -> SweepResult:
-    """Write the run report and decide the exit status."""
+    """Write the run report (its own key: written even once the lease is lost) and decide
+    the exit status."""
     report = run_report(
         run_id=started.run_id, started_at=started.at, finished_at=utc_now(), output=store.url,
         mode=mode, backend=backend.name, backend_report=backend.report(),
@@ -310,8 +328,12 @@ def _finish(
         summary_rows=summary_rows, runtime_s=time.perf_counter() - started.clock,
         interrupted=interrupted,
     )
+    if tenure.lost:
+        report["lease_lost"] = True
     write_run_report(store, started.run_id, report)
-    if interrupted:
+    if tenure.lost:
+        code = EXIT_INFRA
+    elif interrupted:
         code = EXIT_INTERRUPTED
     elif recorder.failed or counts["bad_rows"]:
         code = EXIT_SOME_FAILED

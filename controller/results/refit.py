@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
-from controller.lease import add_wait_lock_flag, output_lease
+from controller.lease import Tenure, add_wait_lock_flag, output_lease
 from controller.results.reader import (
     ModelResult,
     check_tag,
@@ -215,10 +215,11 @@ class RefitResult:
     alpha_means: tuple[tuple[str, int, float | None, float | None], ...] = ()
 
 
-def refit_store(settings: RefitSettings) -> RefitResult:
+def refit_store(settings: RefitSettings, *, tenure: Tenure | None = None) -> RefitResult:
     """Refit every model (or settings.keys) with eigs.npz; write its layers.<tag>.csv, then
     summary.<tag>.csv and refits/<tag>.json. Models without eigs.npz are left out (logged);
-    none with eigs.npz at all is a ResultsError."""
+    none with eigs.npz at all is a ResultsError. tenure: the output's lease; once it is lost
+    nothing more is written (LeaseLostError, exit 3)."""
     settings.validate()
     t0 = time.perf_counter()
     started = datetime.now(timezone.utc)
@@ -249,6 +250,8 @@ def refit_store(settings: RefitSettings) -> RefitResult:
                 evals_thresh=settings.evals_thresh, bins=settings.bins,
                 min_evals=settings.min_evals, pool=pool if threads > 1 else None,
             )
+            if tenure is not None:
+                tenure.check()
             store.put_bytes(model_file_key(result.key, table_name(tag)), layers_to_csv(rows))
             counts += n
             new = ModelResult(result.key, result.marker, layers_from_rows(rows))
@@ -269,6 +272,8 @@ def refit_store(settings: RefitSettings) -> RefitResult:
     if skipped:
         log.warning("%d model(s) without eigs.npz not refit: %s", len(skipped),
                     ", ".join(skipped[:5]))
+    if tenure is not None:
+        tenure.check()
     store.put_bytes(summary_name(tag), summary_to_csv(summaries))
     seconds = time.perf_counter() - t0
     record = {
@@ -324,8 +329,8 @@ def run_refit(args: argparse.Namespace) -> int:
     )
     settings.validate()  # a bad flag is said at once, not after waiting for the lease
     with output_lease(open_results(settings.results), command="esd-sweep refit",
-                      run_id=None, wait_s=args.wait_lock):
-        result = refit_store(settings)
+                      run_id=None, wait_s=args.wait_lock) as tenure:
+        result = refit_store(settings, tenure=tenure)
     print(format_refit(result))
     return 0
 

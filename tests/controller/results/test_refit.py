@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from controller.errors import ResultsError
+from controller.errors import EXIT_INFRA, ResultsError, describe_error
+from controller.lease import LeaseLostError, Tenure
 from controller.results import refit
 from controller.results.refit import (
     STATUS_NO_EIGS,
@@ -373,3 +374,18 @@ def test_cli_refit(
     assert main(["refit", "--output-dir", str(tmp_path / "bare")]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "no eigs.npz" in err[0]
+
+
+def test_a_refit_whose_lease_is_lost_writes_nothing_more(
+    example: Path, tmp_path: Path
+) -> None:
+    """The lease is lost before the first table (as a refit paused past an S3 lease's TTL
+    finds it): no layers.<tag>.csv, no summary, no record; LeaseLostError (exit 3)."""
+    copy = copy_example(example, tmp_path / "results")
+    tenure = Tenure(str(copy))
+    tenure.lose()
+    with pytest.raises(LeaseLostError) as raised:
+        refit_store(RefitSettings(results=str(copy), tag="lost"), tenure=tenure)
+    assert describe_error(raised.value) is not None
+    assert describe_error(raised.value)[0] == EXIT_INFRA  # type: ignore[index]
+    assert not list(copy.rglob("*lost*"))
