@@ -185,8 +185,20 @@ def list_failure_keys(store: Store) -> dict[str, str]:
 # -- reading and writing a model's files ---------------------------------------------------------
 
 
+def load_marker(model_key: str, data: bytes) -> Marker:
+    """The marker in folder `model_key` from its bytes; MarkerError when they are not a
+    marker this version reads (esd_worker.marker), or are another folder's: its model_key
+    is not `model_key` (a copied or forged file; its model_key would name other files)."""
+    marker = Marker.from_json(data)
+    if marker.model_key != model_key:
+        shown = marker.model_key if len(marker.model_key) <= 80 else marker.model_key[:80] + "…"
+        raise MarkerError(f"its model_key {shown!r} is not its folder's")
+    return marker
+
+
 def parse_marker(model_key: str, data: bytes | None) -> Marker | None:
-    """The marker from its bytes; None for None, and for bytes that are not a marker.
+    """The marker from its bytes (load_marker); None for None, and for bytes that are not a
+    marker of this folder.
 
     An unreadable marker is logged (naming the key) and counts as missing, so the model
     runs again and its worker writes a good one.
@@ -194,7 +206,7 @@ def parse_marker(model_key: str, data: bytes | None) -> Marker | None:
     if data is None:
         return None
     try:
-        return Marker.from_json(data)
+        return load_marker(model_key, data)
     except MarkerError as e:
         log.warning("model_key=%s marker %s ignored: %s", model_key, marker_key(model_key), e)
         return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,10 @@ from typing import Any
 
 LAYERS_NAME = "layers.csv"
 MARKER_SCHEMA = 1
+# A name the marker gives one of the model's files: a plain name in the model's folder (what
+# the worker and refit write: layers.csv, layers.<tag>.csv, eigs.npz), never a path: a
+# marker naming `../../x` must not have report, refit or compare read it.
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
 
 
 class MarkerError(ValueError):
@@ -145,8 +150,13 @@ class Marker:
         refused rather than half understood. Keys this version does not know are ignored.
         """
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(data.decode("utf-8"), parse_constant=_not_finite,
+                             parse_float=_finite)
+        except MarkerError:
+            raise
+        except RecursionError:
+            raise MarkerError("not JSON this version reads: nested too deep") from None
+        except (UnicodeDecodeError, ValueError) as e:  # also a number of over 4300 digits
             raise MarkerError(f"not JSON: {e}") from e
         if not isinstance(doc, dict):
             raise MarkerError("not a JSON object")
@@ -181,12 +191,13 @@ class Marker:
             layer_discovery=_get(doc, "layer_discovery", str, None),
             architecture=_get(doc, "architecture", str, None),
             discovery_note=_get(doc, "discovery_note", str, None),
-            layer_count=_get(doc, "layer_count", int, None),
-            status_counts=dict(_get(doc, "status_counts", Mapping, {})),
-            summary=_get(doc, "summary", Mapping, None),
-            layers_name=_get(outputs, "layers", str, None) or LAYERS_NAME,
-            eigs_name=_get(outputs, "eigs", str, None),
-            timings=dict(_get(doc, "timings", Mapping, {})),
+            layer_count=_count(doc, "layer_count"),
+            status_counts=_numbers(_get(doc, "status_counts", Mapping, {}), "status_counts",
+                                   counts=True),
+            summary=_summary(doc),
+            layers_name=_file_name(outputs, "layers") or LAYERS_NAME,
+            eigs_name=_file_name(outputs, "eigs"),
+            timings=_numbers(_get(doc, "timings", Mapping, {}), "timings"),
             device=_get(doc, "device", Mapping, None),
             versions=dict(_get(doc, "versions", Mapping, {})),
             started_at=_get(doc, "started_at", str, None),
@@ -200,15 +211,71 @@ class Marker:
             self.layers_name, self.eigs_name)
 
 
+def _not_finite(constant: str) -> Any:
+    """json's hook for NaN and ±Infinity, which no marker holds (to_json refuses them)."""
+    raise MarkerError(f"{constant} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    """json's hook for a number with a fraction or exponent: 1e999 would be infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise MarkerError(f"{_shown(text)} is not a finite number")
+    return value
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value` for a message, at most `limit` characters of its repr: a marker's field may
+    be of any length, and the message goes to the log."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _file_name(outputs: Mapping[str, Any], name: str) -> str | None:
+    value = _get(outputs, name, str, None, where="outputs.")
+    if value is not None and not _FILE_NAME.fullmatch(value):
+        raise MarkerError(f"outputs.{name} is not a file name: {_shown(value)}")
+    return value
+
+
+def _count(doc: Mapping[str, Any], name: str) -> int | None:
+    value = _get(doc, name, int, None)
+    if value is not None and value < 0:
+        raise MarkerError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _numbers(values: Mapping[str, Any], where: str, *, counts: bool = False) -> dict[str, Any]:
+    """`values` when each is a number or null (counts: a whole number >= 0), as the worker
+    writes them; MarkerError naming the first that is not."""
+    for key, value in values.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if counts:
+            fits = number and isinstance(value, int) and value >= 0
+        else:
+            fits = value is None or number
+        if not fits:
+            kind = "a count" if counts else "a number or null"
+            raise MarkerError(f"{where}.{_shown(key, 40)} must be {kind}, got {_shown(value)}")
+    return dict(values)
+
+
+def _summary(doc: Mapping[str, Any]) -> dict[str, Any] | None:
+    summary = _get(doc, "summary", Mapping, None)
+    return None if summary is None else _numbers(summary, "summary")
+
+
 def _seals(doc: Mapping[str, Any]) -> dict[str, FileSeal]:
     seals = {}
     for name, entry in doc.items():
+        if not _FILE_NAME.fullmatch(str(name)):
+            raise MarkerError(f"files: {_shown(name)} is not a file name")
         if not isinstance(entry, Mapping):
-            raise MarkerError(f"files.{name} must be an object, got {entry!r}")
+            raise MarkerError(f"files.{name} must be an object, got {_shown(entry)}")
         size = _need(entry, "size", int, where=f"files.{name}.")
         digest = _need(entry, "sha256", str, where=f"files.{name}.")
         if size < 0 or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise MarkerError(f"files.{name} is not a size and a SHA-256: {dict(entry)!r}")
+            raise MarkerError(f"files.{name} is not a size and a SHA-256: {_shown(dict(entry))}")
         seals[str(name)] = FileSeal(size=size, sha256=digest)
     return seals
 
@@ -228,7 +295,7 @@ def _get(doc: Mapping[str, Any], name: str, kind: type, default: Any, *, where: 
         return default
     # bool is an int subclass: keep them apart.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise MarkerError(f"{where}{name} must be {kind.__name__}, got {value!r}")
+        raise MarkerError(f"{where}{name} must be {kind.__name__}, got {_shown(value)}")
     return value
 
 

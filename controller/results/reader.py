@@ -31,14 +31,15 @@ from esd_worker.layout import (
     LAYERS_NAME,
     DamagedResult,
     Marker,
+    MarkerError,
     check_data,
     fetch_all,
     is_tag,
     layers_name,
     list_markers,
+    load_marker,
     marker_key,
     model_file_key,
-    read_markers,
     refit_record_key,
 )
 from esd_worker.naming import model_key, split_model_ref
@@ -149,8 +150,9 @@ def read_model_markers(
 ) -> dict[str, Marker]:
     """model_key → marker of every model of the store (or of `keys`), sorted by key.
 
-    No marker at all, or a key in `keys` without one, is a ResultsError; unreadable markers
-    are left out (esd_worker.layout logs them).
+    No marker at all, or a key in `keys` without one, is a ResultsError; a marker that is
+    not one this version reads (esd_worker.layout.load_marker: malformed, a name that is a
+    path, another folder's) leaves its model out with one warning line, as damage does.
     """
     present = list_markers(store)
     if not present:
@@ -164,8 +166,17 @@ def read_model_markers(
                 f"no result for model key(s) {', '.join(missing)} in {store.url}"
             )
         wanted = sorted(asked)
-    markers = read_markers(store, wanted, threads=threads)
-    return {k: m for k in wanted if (m := markers.get(k)) is not None}
+    markers: dict[str, Marker] = {}
+    blobs = fetch_all(store, [marker_key(k) for k in wanted], threads=threads)
+    for key, data in zip(wanted, blobs, strict=True):
+        if data is None:  # deleted since the listing
+            continue
+        try:
+            markers[key] = load_marker(key, data)
+        except MarkerError as e:
+            warn_damaged(key, DamagedResult(f"{marker_key(key)} is not a marker this version "
+                                            f"reads: {e}"))
+    return markers
 
 
 def iter_results(

@@ -152,11 +152,54 @@ def test_marker_parameters_compare_as_stored() -> None:
                      "layer_count must be int", id="bad-type"),
         pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "base_model": {}}',
                      "lacks 'base_model.model'", id="base-without-model"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"outputs": {"layers": "../../x"}}', "outputs.layers is not a file name",
+                     id="table-a-path"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"outputs": {"eigs": ""}}', "outputs.eigs is not a file name",
+                     id="eigs-empty"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"files": {"a/b": {"size": 1, "sha256": "x"}}}', "is not a file name",
+                     id="seal-a-path"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "layer_count": -1}',
+                     "layer_count must be >= 0", id="negative-count"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "layer_count": NaN}',
+                     "NaN is not a JSON number", id="nan"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "layer_count": 1e999}',
+                     "'1e999' is not a finite number", id="1e999"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", "layer_count": '
+                     + b"9" * 5000 + b"}", "not JSON", id="5000-digits"),
+        pytest.param(b'{"schema": 1, "adapter": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                     "nested too deep", id="nested"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"status_counts": {"ok": 1.5}}', "status_counts.'ok' must be a count",
+                     id="count-not-whole"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"summary": {"alpha_mean": "3"}}', "summary.'alpha_mean' must be a number",
+                     id="summary-a-string"),
+        pytest.param(b'{"schema": 1, "model": "m", "model_key": "k", '
+                     b'"timings": {"total_s": true}}', "timings.'total_s' must be a number",
+                     id="timing-a-bool"),
     ],
 )
 def test_marker_refuses_what_it_cannot_read(doc: bytes, problem: str) -> None:
+    """Each is no marker a worker writes: a name that is a path would be read outside the
+    model's folder, NaN and 1e999 have no JSON form (to_json refuses them), a number of
+    5000 digits or a nesting 100,000 deep would end the reader with ValueError or
+    RecursionError, and the summary and timings go into summary.csv as numbers."""
     with pytest.raises(MarkerError, match=re.escape(problem)):
         Marker.from_json(doc)
+
+
+def test_a_marker_of_another_folder_is_not_this_folders(
+    store: LocalStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A marker copied (or forged) into folder `b` still says `a`: its names would lead to
+    a's files, so `b` has no readable marker (and runs again)."""
+    store.put_bytes(marker_key("b"), make_marker("a").to_json())
+    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
+        assert read_marker(store, "b") is None
+    assert "its model_key 'a' is not its folder's" in caplog.text
 
 
 def test_marker_ignores_keys_it_does_not_know() -> None:

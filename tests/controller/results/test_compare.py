@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import shutil
 from pathlib import Path
@@ -152,6 +153,8 @@ def test_no_common_model_says_how_to_pair(example: Path, tmp_path: Path) -> None
     shutil.copytree(example / keys["base"], other / keys["base"])
     (other / keys["base"] / "result.json").rename(other / keys["base"] / "moved.json")
     shutil.copytree(example / keys["finetune"], other / "x-0123456789")
+    marker = other / "x-0123456789" / "result.json"  # a model of its own: its folder's key
+    marker.write_text(json.dumps(json.loads(marker.read_text()) | {"model_key": "x-0123456789"}))
     with pytest.raises(ResultsError, match="--pair A_KEY:B_KEY"):
         compare_results(CompareSettings(a=str(example), b=str(other)))
 

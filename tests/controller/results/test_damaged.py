@@ -10,9 +10,11 @@ damaged model on one warning line, print no traceback and never read the damaged
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -133,4 +135,124 @@ def test_compare_leaves_the_damaged_model_out(
     assert len(warnings_naming(captured.err, key)) == 1, captured.err
     diff = out.read_text()
     others = [k for r, k in keys_by_relation(store).items() if r != "base"]
+    assert key not in diff and all(k in diff for k in others)
+
+
+# -- malformed markers ----------------------------------------------------------------------
+#
+# A marker whose content no worker writes: keys that step out of the model's folder, wrong
+# types, missing fields, numbers JSON has no place for. Before: `../../x` as the table's name
+# stopped report, refit and compare with exit 3 ("invalid store key"), a NUL in it with a
+# traceback; wrong types inside were taken silently. Each leaves its model out with one line.
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def setting(path: str, value: Any) -> Edit:
+    """Set the marker's field `path` ("outputs.layers") to `value`."""
+    *parents, name = path.split(".")
+
+    def edit(doc: dict[str, Any]) -> None:
+        for parent in parents:
+            doc = doc[parent]
+        doc[name] = value
+    return edit
+
+
+def dropping(name: str) -> Edit:
+    return lambda doc: doc.pop(name)
+
+
+MARKER_EDITS: dict[str, Edit] = {
+    "table-out-of-the-store": setting("outputs.layers", "../../x"),
+    "table-of-another-model": setting("outputs.layers", "../other--model-0123456789/layers.csv"),
+    "table-in-a-subfolder": setting("outputs.layers", "sub/layers.csv"),
+    "table-dot-dot": setting("outputs.layers", ".."),
+    "table-with-a-nul": setting("outputs.layers", "layers\u0000.csv"),
+    "table-not-a-string": setting("outputs.layers", ["layers.csv"]),
+    "eigs-out-of-the-store": setting("outputs.eigs", "../../eigs.npz"),
+    "eigs-empty-name": setting("outputs.eigs", ""),
+    "seal-of-a-path": setting("files", {"../../x": {"size": 1, "sha256": "0" * 64}}),
+    "key-out-of-the-store": setting("model_key", "../x"),
+    "key-of-another-folder": setting("model_key", "other--model-0123456789"),
+    "layer-count-a-string": setting("layer_count", "9"),
+    "layer-count-negative": setting("layer_count", -1),
+    "status-counts-not-counts": setting("status_counts", {"ok": "many"}),
+    "summary-not-numbers": setting("summary.alpha_mean", "abc"),
+    "summary-a-list": setting("summary", ["alpha_mean"]),
+    "timings-not-numbers": setting("timings.total_s", {"s": 1}),
+    "no-model": dropping("model"),
+    "schema-a-string": setting("schema", "1"),
+}
+# Malformed as text: what json.dumps would not write.
+
+
+def replacing(pattern: str, new: str) -> Callable[[str], str]:
+    """The marker's text with its one match of `pattern` replaced by `new`."""
+    def change(text: str) -> str:
+        changed, n = re.subn(pattern, lambda _: new, text)
+        assert n == 1, pattern
+        return changed
+    return change
+
+
+MARKER_TEXTS: dict[str, Callable[[str], str]] = {
+    "nan": replacing(r'"layer_count": \d+', '"layer_count": NaN'),
+    "1e999": replacing(r'"layer_count": \d+', '"layer_count": 1e999'),
+    "5000-digits": replacing(r'"layer_count": \d+', '"layer_count": ' + "9" * 5000),
+    "nested-100000-deep": replacing(r'"adapter": null',
+                                    '"adapter": ' + "[" * 100_000 + "]" * 100_000),
+    "not-an-object": lambda text: "[]",
+    "not-utf8": lambda text: "\udcff",
+}
+MARKER_CASES = {**{k: ("edit", v) for k, v in MARKER_EDITS.items()},
+                **{k: ("text", v) for k, v in MARKER_TEXTS.items()}}
+
+
+def malformed_copy(master: Path, tmp_path: Path, how: str, change: Any) -> tuple[Path, str]:
+    """A copy of the example whose base model's marker is changed; (store, that key)."""
+    store = tmp_path / "results"
+    shutil.copytree(master, store)
+    key = keys_by_relation(store)["base"]
+    marker = store / key / "result.json"
+    if how == "edit":
+        doc = json.loads(marker.read_text())
+        change(doc)
+        marker.write_text(json.dumps(doc, indent=2))
+    else:
+        text = change(json.dumps(json.loads(marker.read_text())))
+        marker.write_bytes(text.encode("utf-8", "surrogateescape"))
+    return store, key
+
+
+@pytest.mark.parametrize(("how", "change"), MARKER_CASES.values(), ids=MARKER_CASES.keys())
+def test_a_malformed_marker_leaves_its_model_out_of_report_refit_and_compare(
+    master: Path, tmp_path: Path, how: str, change: Any,
+    capsys: pytest.CaptureFixture[str], restore_logging: None,
+) -> None:
+    """Each command exits 0 for the other two models, names the malformed one on one line
+    (what to delete to have it analysed again) and never follows the marker's names."""
+    from controller.cli import main
+
+    store, key = malformed_copy(master, tmp_path, how, change)
+    others = [k for r, k in keys_by_relation(master).items() if r != "base"]
+
+    assert main(["report", "--output-dir", str(store), "--max-model-plots", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(warnings_naming(err, key)) == 1, err
+    assert f"delete {key}/result.json" in warnings_naming(err, key)[0]
+    summary = (store / "report" / "summary.csv").read_text()
+    assert key not in summary and all(k in summary for k in others)
+
+    assert main(["refit", "--output-dir", str(store), "--tag", "again"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(warnings_naming(err, key)) == 1, err
+    record = json.loads((store / "refits" / "again.json").read_text())
+    assert sorted(record["models"]) == sorted(others)
+
+    out = tmp_path / "diff.csv"
+    assert main(["compare", str(master), str(store), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(warnings_naming(err, key)) == 1, err
+    diff = out.read_text()
     assert key not in diff and all(k in diff for k in others)
