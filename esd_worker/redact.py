@@ -104,6 +104,18 @@ def redact_data(value: Any) -> Any:
     return value
 
 
+# A URL with an '@' after its scheme. Any '@', not only one before the first '/': a
+# password may hold '/' (AWS secret keys do) and '@' when pasted unencoded.
+_USERINFO = re.compile(r"\s*[A-Za-z][A-Za-z0-9+.\-]*://[^@]*@")
+
+
+def has_userinfo(url: str) -> bool:
+    """Whether `url` is a URL carrying a user name, password or token before an '@' (for a
+    value that would be stored where others read it, as a Kubernetes Job's env: refused,
+    not stripped, since the workers would then lack the credentials meant for them)."""
+    return _USERINFO.match(url) is not None
+
+
 def without_userinfo(url: str) -> str:
     """`url` without its user:password@ part, everything else as given: for a URL that is
     still used (an endpoint in a message, a store URL in a Job's argv, where anyone who can

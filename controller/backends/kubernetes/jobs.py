@@ -38,6 +38,7 @@ from controller.backends.kubernetes.names import (
 )
 from esd_worker.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.naming import split_model_ref
+from esd_worker.redact import has_userinfo
 
 CONTAINER_NAME = "worker"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -60,9 +61,6 @@ _RESERVED_ENV = frozenset({
 })
 # Names that say "this is a credential": those belong in a Secret, not in the Job object.
 _SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
-# A URL with an '@' after its scheme: user:password@ or a token as the user. Any '@', not
-# only one before the first '/': a password may hold '/' (AWS secret keys do).
-_URL_USERINFO = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.\-]*://[^@]*@")
 
 
 @dataclass(frozen=True)
@@ -198,14 +196,9 @@ class JobSettings:
                            "not in the Job")
             if not isinstance(value, str) or _CONTROL.search(value):
                 out.append(f"env: the value of {key} must be a single-line string")
-            elif _URL_USERINFO.search(value):
-                # Refused, not stripped: the workers would then reach the endpoint without
-                # the credentials the user meant them to have. The value is not repeated.
-                out.append(f"env: {key} holds a user name or password (user:password@ in "
-                           "its URL), which anyone who can read a Job would read: give the "
-                           "URL without it, and credentials through Secrets: S3 keys with "
-                           "--s3-secret (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), the hub "
-                           "token with --hf-token-secret")
+            elif has_userinfo(value):  # the value is not repeated
+                out.append(f"env: {key} holds user:password@, readable in the Job: give the "
+                           "URL without it, S3 keys in --s3-secret, the token in --hf-token-secret")
         if self.kueue_queue is not None and not (self.kueue_queue
                                                  and is_label_value(self.kueue_queue)):
             out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
@@ -215,7 +208,6 @@ class JobSettings:
         if self.log_format not in ("json", "text"):
             out.append(f"log_format: {self.log_format!r} must be json or text")
         return out
-
 
 
 def sweep_labels(settings: JobSettings) -> dict[str, str]:
@@ -405,8 +397,7 @@ def pod_spec(
                    else {"key": key, "operator": "Equal", "value": value, "effect": effect}
                    for key, value, effect in settings.tolerations]
     if settings.gpus_per_job > 0:
-        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists",
-                               "effect": "NoSchedule"})
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     if tolerations:
         spec["tolerations"] = tolerations
     if settings.node_selector:
