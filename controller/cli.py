@@ -32,6 +32,7 @@ from controller.runlog import HeldLog
 from controller.settings import SweepSettings
 from controller.sweep import models_status, run_commands, run_sweep
 from esd_worker.errors import WorkerError
+from esd_worker.files import write_atomic
 from esd_worker.flags import (
     HOUR_S,
     MAX_GPUS,
@@ -421,7 +422,9 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
 
     Always: exit_code, ok, error, run_id (None when no run started), counts and failures
     (empty without a run); with a run: summary / run_report (store URLs) and the report.
-    Every string is redacted (esd_worker.redact); the file follows the umask.
+    Every string is redacted (esd_worker.redact); the file follows the umask. Written
+    whole, never through a symlink planted at its name or a temporary one
+    (esd_worker.files.write_atomic): the folder may be a CI workspace others write.
     """
     doc: dict[str, Any] = {"exit_code": code, "ok": code == 0, "error": error or None,
                            "run_id": None, "counts": {}, "failures": {}, "summary": None,
@@ -439,10 +442,8 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
             "report": report,
         })
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     text = json.dumps(redact_data(doc), indent=2, default=lambda v: redact(str(v)))
-    tmp.write_text(text + "\n", encoding="utf-8")
-    tmp.replace(path)
+    write_atomic(path, (text + "\n").encode("utf-8"))
 
 
 if __name__ == "__main__":  # pragma: no cover

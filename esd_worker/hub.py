@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from esd_worker.errors import PermanentModelError, TransientError, WorkerError
+from esd_worker.files import write_atomic
 from esd_worker.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -213,9 +214,9 @@ def download_files(
         # hf_hub_download records refs only for what it resolved itself; it was given the sha.
         ref_path = folder / "refs" / (ref or "main")
         ref_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ref_path.with_name(f".{ref_path.name}.{os.getpid()}.tmp")
-        tmp.write_text(sha)  # no newline: huggingface_hub reads the file verbatim
-        tmp.replace(ref_path)
+        # Written whole and never through a symlink planted in a cache others may write
+        # (a team's --cache-dir); no newline: huggingface_hub reads the file verbatim.
+        write_atomic(ref_path, sha.encode("ascii"))
     return folder / "snapshots" / sha
 
 

@@ -3,8 +3,9 @@ the log files of a run.
 
 Owns how a log line leaves the process: every handler redacts it (esd_worker.redact), files
 included, and log files are created owner-only (0600: even redacted, a log names private
-repos and paths) and only as regular files (a symlink or a FIFO planted at a log's name is
-refused: esd_worker.files). What counts as a secret is esd_worker.redact's.
+repos and paths) and only as regular files of our own (a symlink, a FIFO or another user's
+file planted at a log's name is refused: esd_worker.files). What counts as a secret is
+esd_worker.redact's.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ class LogFile(logging.FileHandler):
     failed = False
 
     def _open(self) -> io.TextIOWrapper:
-        # As open_private: 0600, and a symlink or a FIFO at the name is refused (Python's
-        # own handler opens through a symlink).
+        # As open_private: 0600, and a symlink, a FIFO or another user's file at the name is
+        # refused (Python's own handler opens through a symlink).
         return cast(io.TextIOWrapper, open(self.baseFilename, self.mode, encoding=self.encoding,
                                            errors=self.errors, opener=_owner_only))
 
@@ -92,14 +93,15 @@ def open_private(path: Path, mode: Literal["ab", "a+b"] = "ab") -> IO[bytes]:
     """A log file opened for appending, readable and writable by its owner only (0600),
     whatever the umask; a file an older version left readable to others is tightened.
     esd_worker.files.NotRegularFileError when something other than a regular file is at the
-    path (a symlink: its target is neither opened nor chmod'ed); OSError when it cannot be
-    opened."""
+    path (a symlink: its target is neither opened nor chmod'ed), NotOwnedFileError when
+    another user's file is (it is left as it is: they could read what we append); OSError
+    when it cannot be opened."""
     return cast(IO[bytes], open(path, mode, opener=_owner_only))
 
 
 def _owner_only(path: str, flags: int) -> int:
-    fd = open_regular(path, flags, 0o600)
-    with contextlib.suppress(OSError):  # another user's file we may write: its mode is theirs
+    fd = open_regular(path, flags, 0o600, owned=True)
+    with contextlib.suppress(OSError):  # ours, but on a file system without modes
         os.fchmod(fd, 0o600)
     return fd
 

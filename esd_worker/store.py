@@ -9,12 +9,12 @@ import abc
 import errno
 import os
 import re
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from esd_worker.errors import StoreError, StorePathError, UsageError, WorkerError
+from esd_worker.files import write_atomic
 
 # Lenient on purpose (older AWS buckets and S3-compatible stores allow more); the store has the
 # last word. No ':' so that `s3://host:9000/...` is caught: endpoints go in AWS_ENDPOINT_URL.
@@ -85,28 +85,6 @@ class Store(abc.ABC):
         """Fail fast, before hours of work, when the store cannot be written as configured."""
 
 
-def _read_umask() -> int:
-    """The process umask. Linux shows it in /proc/self/status; elsewhere the only way is to
-    set it and set it back, and os.umask is process-wide: a file another thread creates
-    meanwhile gets the mask set here, hence the strictest (077), once, at import."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
-# mkstemp creates 0600 whatever the umask: results follow the umask instead, as the files
-# of any other tool (0644 under 022, 0640 under 027), so a shared results folder or a web
-# server can read them. Logs, which may hold secrets, are esd_worker.logs' (0600).
-_FILE_MODE = 0o666 & ~_read_umask()
-
-
 class LocalStore(Store):
     """A directory on this machine (or a shared filesystem)."""
 
@@ -139,17 +117,11 @@ class LocalStore(Store):
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    os.fchmod(f.fileno(), _FILE_MODE)
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            # Results follow the umask, as the files of any other tool (0644 under 022, 0640
+            # under 027), so that a shared results folder or a web server can read them;
+            # logs, which may hold secrets, are esd_worker.logs' (0600). A symlink planted
+            # at the key's name is replaced, its target untouched (write_atomic).
+            write_atomic(path, data, 0o666)
         except OSError as e:
             raise local_store_error(f"write {path}", e) from e
 

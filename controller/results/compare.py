@@ -24,6 +24,7 @@ from controller.results.reader import (
     number,
     open_results,
 )
+from esd_worker.files import write_atomic
 from esd_worker.flags import add_flag
 from esd_worker.powerlaw import METRIC_COLUMNS
 from esd_worker.results import table_to_csv
@@ -207,7 +208,8 @@ def compare_results(settings: CompareSettings) -> Comparison:
     if settings.out is not None:
         try:
             settings.out.parent.mkdir(parents=True, exist_ok=True)
-            settings.out.write_bytes(diff_to_csv(rows, settings.metrics))
+            # Whole, and never through a symlink planted at its name (write_atomic).
+            write_atomic(settings.out, diff_to_csv(rows, settings.metrics))
         except OSError as e:
             raise ResultsError(f"cannot write {settings.out}: {e.strerror or e}") from e
     return Comparison(tuple(pairs), tuple(rows), settings.metrics)

@@ -87,3 +87,26 @@ def test_the_log_file_gets_the_lines_logged_before_it_opened(tmp_path: Path) -> 
     assert lines == ["before 0", "before 1",
                      "1 line(s) logged before this one are not in this file (they went to "
                      "stderr)", "after"]
+
+
+@pytest.mark.parametrize("planted", ["report.json.tmp", "report.json"],
+                         ids=["old-temporary-name", "the-report-itself"])
+def test_the_report_never_writes_through_a_planted_link(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, planted: str
+) -> None:
+    """--report FILE.json is often written into a folder others may write (a CI workspace):
+    a symlink planted at its temporary name (before: the fixed `<FILE>.json.tmp`, written
+    through, so the file it named was overwritten with the report) or at its own name leaves
+    the file the link names as it was; the report lands at its name as a regular file."""
+    folder = tmp_path / "ci"
+    folder.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"the victim's own file\n")
+    (folder / planted).symlink_to(victim)
+    report_file = folder / "report.json"
+    code = main(["run", "--model-list", "m.csv", "--output-dir", str(tmp_path / "o"),
+                 "--report", str(report_file), "--retry-backoff", "nan"])
+    assert code == EXIT_USAGE, capsys.readouterr().err
+    assert victim.read_bytes() == b"the victim's own file\n"
+    assert not report_file.is_symlink()
+    assert json.loads(report_file.read_text())["exit_code"] == EXIT_USAGE

@@ -30,7 +30,7 @@ FAST = {"attempts": 4, "backoff_s": 0.05}  # our retries, without the waits of p
 
 # Runs in the child: argv[1] is a JSON job, stdout one JSON line of what happened.
 _CLIENT = r"""
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 from esd_worker.errors import WorkerError
 from esd_worker.resolve import RetryPolicy, model_files, resolve_model
@@ -39,6 +39,10 @@ job = json.loads(sys.argv[1])
 retry = RetryPolicy(**job["retry"]) if job.get("retry") else None
 cache = Path(job["cache_dir"]) if job.get("cache_dir") else None
 out, files = {"resolved": []}, None
+for link, target in job.get("plant", []):  # "{pid}": a name guessed from this process's id
+    link = Path(link.format(pid=os.getpid()))
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
 start = time.monotonic()
 try:
     for step in job["steps"]:
@@ -65,9 +69,12 @@ def hub(llama_dir: Path) -> Iterator[HubServer]:
 
 def _client(hub: HubServer, home: Path, ref: str = REPO, steps: tuple[str, ...] = ("resolve",),
             *, retry: dict[str, Any] | None = None, cache_dir: Path | None = None,
-            offline: bool = False) -> dict[str, Any]:
+            offline: bool = False, plant: tuple[tuple[str, Path], ...] = ()) -> dict[str, Any]:
+    """plant: symlinks (name, target) made in the child before it starts; "{pid}" in a
+    name is the child's process id."""
     job = {"ref": ref, "steps": list(steps), "retry": retry or FAST,
-           "cache_dir": str(cache_dir) if cache_dir else None}
+           "cache_dir": str(cache_dir) if cache_dir else None,
+           "plant": [(name, str(target)) for name, target in plant]}
     env = hub.env(home) | {"PYTHONPATH": str(REPO_ROOT)}
     if offline:
         env["HF_HUB_OFFLINE"] = "1"
@@ -125,6 +132,25 @@ def test_pinned_revision(hub: HubServer, llama_dir: Path, tmp_path: Path, pin: s
         assert (refs / pin).read_text() == want
     api = hub.calls(kind="api")
     assert len(api) == 1 and api[0].path.endswith(f"/revision/{revision}")
+
+
+def test_a_ref_is_never_written_through_a_planted_link(hub: HubServer, llama_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """A --cache-dir others may write (one cache for a team's workers): symlinks planted at
+    the ref's temporary name (before: `.<ref>.<pid>.tmp`, the pid guessable, written
+    through, so the file it named got the commit) and at the ref itself leave the files they
+    name as they were; refs/v2 is a regular file holding the commit."""
+    v2 = hub.add_repo(REPO, llama_dir, revision="v2")
+    cache = tmp_path / "cache"
+    refs = cache / "models--esd-test--tiny-llama" / "refs"
+    victims = [tmp_path / "victim-tmp.txt", tmp_path / "victim-ref.txt"]
+    for victim in victims:
+        victim.write_bytes(b"the victim's own file\n")
+    out = _client(hub, tmp_path / "home", f"{REPO}@v2", cache_dir=cache,
+                  plant=((str(refs / ".v2.{pid}.tmp"), victims[0]), (str(refs / "v2"), victims[1])))
+    assert out["resolved"] == [{"dir": str(refs.parent / "snapshots" / v2), "sha": v2}]
+    assert [victim.read_bytes() for victim in victims] == [b"the victim's own file\n"] * 2
+    assert not (refs / "v2").is_symlink() and (refs / "v2").read_text() == v2
 
 
 @pytest.mark.parametrize(

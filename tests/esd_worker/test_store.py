@@ -314,3 +314,17 @@ def test_store_module_does_not_import_boto3() -> None:
 def test_check_is_optional_for_stores() -> None:
     """Store.check() has a default (nothing to check), so other stores need not define it."""
     assert "check" not in Store.__abstractmethods__
+
+
+def test_put_replaces_a_planted_link_and_leaves_its_target(store: LocalStore,
+                                                           tmp_path: Path) -> None:
+    """A results folder others may write: a symlink at a key's name is replaced by the
+    object (rename acts on the name), so the file it named keeps its bytes."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"the victim's own file\n")
+    (store.root / "m").mkdir(parents=True)
+    (store.root / "m" / "result.json").symlink_to(victim)
+    store.put_bytes("m/result.json", b"{}")
+    assert victim.read_bytes() == b"the victim's own file\n"
+    assert not (store.root / "m" / "result.json").is_symlink()
+    assert store.get_bytes("m/result.json") == b"{}"

@@ -6,7 +6,8 @@ Whoever can write a shared results folder could otherwise make another user's sw
 `_lease.json` or a log's name to it; a FIFO there made the sweep wait for a reader forever.
 A refused lease or run log stops the run before it starts (exit 2, one line naming the
 file), as any other unusable lease or log does; a model's own log is left out with one line
-and the model is analysed.
+and the model is analysed. A regular file another user created at a log's name is refused the
+same way (they could read every line appended to it).
 """
 
 from __future__ import annotations
@@ -90,3 +91,49 @@ def test_a_planted_lease_or_log_is_refused_and_its_target_left_alone(
     if kind == "dangling":
         assert not target.exists()
     assert path.is_symlink() or path.is_fifo()  # refused, not replaced nor removed
+
+
+OTHER_UID = 65534  # nobody
+
+
+@pytest.mark.parametrize(
+    ("planted", "exit_code"),
+    [("logs/esd-sweep.log", 2), ("logs/workers/_worker-1.log", 2),
+     ("logs/workers/{key}.log", 0)],
+    ids=["run-log", "worker-log", "model-log"],
+)
+def test_a_log_another_user_created_is_refused_and_left_alone(
+    tiny_models: list[Path], keys: list[str], tmp_path: Path, planted: str, exit_code: int,
+) -> None:
+    """A regular file at a log's name that another user created (0666 in a shared results
+    folder) would get our log lines, which name private repos and paths even redacted, where
+    that user reads them (before: appended to, exit 0; as root even chmod'ed, still theirs).
+    It is refused as a symlink is: the run's and a worker's log stop the run (exit 2, one
+    line naming the file), a model's log is left out and the model analysed; the file keeps
+    its bytes, mode and owner."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's file takes root (chown), and these tests do "
+                    "not run as root here")
+    models = write_model_list(tmp_path / "models.csv", [(str(tiny_models[0]), "", "")])
+    out = tmp_path / "results"
+    path = out / planted.format(key=keys[0])
+    path.parent.mkdir(parents=True)
+    path.write_bytes(PRECIOUS)
+    path.chmod(0o666)
+    os.chown(path, OTHER_UID, -1)
+
+    done = esd_sweep(*run_args(models, str(out)), timeout=120)
+
+    assert done.returncode == exit_code, done.stderr
+    assert "Traceback" not in done.stderr
+    refusals = [line for line in done.stderr.splitlines() if "another user" in line]
+    assert len(refusals) == 1, done.stderr
+    assert str(path) in refusals[0]
+    if exit_code == 2:
+        assert refusals[0] == done.stderr.strip().splitlines()[-1]
+        assert not (out / keys[0] / "result.json").exists()
+    else:
+        assert whole(LocalStore(out), keys[0])
+    found = path.stat()
+    assert (path.read_bytes(), found.st_mode & 0o777, found.st_uid) == (
+        PRECIOUS, 0o666, OTHER_UID)

@@ -200,3 +200,18 @@ def test_cli_compare(
     assert main(["compare", str(example), "--pair", "nocolon"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "A_KEY:B_KEY" in err[0]
+
+
+def test_out_never_writes_through_a_planted_link(example: Path, tmp_path: Path) -> None:
+    """--out FILE.csv in a folder others may write: a symlink planted at its name is
+    replaced by the table, and the file it names keeps its bytes (before: the table was
+    written through the link, over that file)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"the victim's own file\n")
+    out = tmp_path / "shared" / "diff.csv"
+    out.parent.mkdir()
+    out.symlink_to(victim)
+    compare_results(CompareSettings(a=str(example), tag_a=MID, tag_b=DKS, out=out))
+    assert victim.read_bytes() == b"the victim's own file\n"
+    assert not out.is_symlink()
+    assert list(_rows(out)[0]) == list(diff_columns(compare.DEFAULT_METRICS))
