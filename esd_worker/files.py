@@ -100,7 +100,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -
     `<name>.tmp` was one, a pid another) is passed over, and the file it names is never
     written. A symlink at `path` itself is replaced, not followed: rename(2) acts on the
     name, so the link goes and the file it named keeps its bytes (a folder there: OSError).
+    Only a link to a regular file (or to nothing) is replaced: one to a device, a FIFO or a
+    process's descriptor (`/dev/stdout`) is NotRegularFileError, as is a FIFO or a device at
+    the name, since replacing it would remove a system file when run as root.
     """
+    _check_replaceable(path)
     folder, name = os.path.split(os.fspath(path))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for _ in range(_TEMP_TRIES):
@@ -122,6 +126,25 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _check_replaceable(path: str | os.PathLike[str]) -> None:
+    """NotRegularFileError unless `path` is missing, a regular file, a folder (rename's own
+    error), or a symlink to a regular file or to nothing."""
+    try:
+        here = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(here) or stat.S_ISDIR(here):
+        return
+    if not stat.S_ISLNK(here):
+        raise NotRegularFileError(path, _describe(here))
+    try:
+        there = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # a dangling link: replaced, its target never created
+    if not stat.S_ISREG(there):
+        raise NotRegularFileError(path, f"a symbolic link to {_describe(there)}")
 
 
 def _other_kind(path: str | os.PathLike[str]) -> str | None:

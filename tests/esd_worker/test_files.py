@@ -138,6 +138,30 @@ def test_write_atomic_replaces_the_name_never_what_a_link_names(tmp_path: Path,
         {"report.json"} | ({"target.txt"} if kind == "symlink" else set()))
 
 
+@pytest.mark.parametrize(("kind", "refused_as"), [
+    ("fifo", "a FIFO"),
+    ("link-to-fifo", "a symbolic link to a FIFO"),
+    ("link-to-dev-null", "a symbolic link to a device"),
+])
+def test_write_atomic_never_replaces_a_device_or_a_pipe(tmp_path: Path, kind: str,
+                                                         refused_as: str) -> None:
+    """`--out /dev/stdout` (a link to a pipe or a terminal) or a FIFO at the name: replacing
+    it would, run as root, remove a system file; it is refused and left as it was."""
+    path = tmp_path / "out.csv"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-fifo":
+        os.mkfifo(tmp_path / "pipe")
+        path.symlink_to(tmp_path / "pipe")
+    else:
+        path.symlink_to(os.devnull)
+    with pytest.raises(NotRegularFileError, match=refused_as):
+        write_atomic(path, b"new\n")
+    assert path.is_symlink() or path.is_fifo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        {"out.csv"} | ({"pipe"} if kind == "link-to-fifo" else set()))
+
+
 @pytest.mark.parametrize(("umask", "mode", "expected"),
                          [(0o022, 0o666, 0o644), (0o027, 0o666, 0o640), (0o022, 0o600, 0o600)],
                          ids=["022", "027", "private"])
