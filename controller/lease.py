@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from controller.errors import EXIT_USAGE, InfrastructureError, SweepError
+from controller.tenure import Tenure
 from esd_worker.errors import StoreError, StorePermanentError
 from esd_worker.files import NotRegularFileError, open_regular
 from esd_worker.flags import WEEK_S, add_flag, float_in
@@ -78,60 +79,6 @@ class LeaseHeldError(SweepError):
     """Another sweep holds the output (exit 2): the message says who and what to do."""
 
     exit_code = EXIT_USAGE
-
-
-class LeaseLostError(InfrastructureError):
-    """This sweep's S3 lease was taken over while it ran (exit 3): it stopped writing the
-    output, which is another sweep's now."""
-
-
-class Tenure:
-    """Whether this process may still write the output it holds the lease of.
-
-    `lost` once the lease is lost: an S3 lease another sweep took over after this one failed
-    to renew it within its TTL (paused, cut off from the store). A lock on a local file is
-    never lost. Callbacks given to `when_lost` run once, in the thread that finds the loss
-    (the renewal thread): they must only ask for a stop, not wait for one.
-    """
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._lost = threading.Event()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
-
-    @property
-    def lost(self) -> bool:
-        return self._lost.is_set()
-
-    def when_lost(self, callback: Callable[[], None]) -> None:
-        """Call `callback` when the lease is lost (now, if it is already)."""
-        with self._lock:
-            if not self._lost.is_set():
-                self._callbacks.append(callback)
-                return
-        callback()
-
-    def lose(self) -> None:
-        with self._lock:
-            if self._lost.is_set():
-                return
-            self._lost.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:  # one failed reaction must not keep the others from running
-                log.exception("reacting to the loss of the lease on %s", self.url)
-
-    def check(self) -> None:
-        """LeaseLostError when the lease is lost: call before each write of the output."""
-        if self.lost:
-            raise LeaseLostError(
-                f"the lease on {self.url} was lost (not renewed within its TTL, then taken "
-                "over): this process stopped writing there; run the same command again once "
-                "the other sweep has ended"
-            )
 
 
 class LeaseFileError(SweepError):

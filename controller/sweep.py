@@ -30,13 +30,14 @@ from controller.errors import (
     InfrastructureError,
     SweepError,
 )
-from controller.lease import Tenure, output_lease
+from controller.lease import output_lease
 from controller.plan import ListPlan
 from controller.progress import Progress
 from controller.recorder import Recorder
 from controller.results.summary import KnownMarkers, write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
+from controller.tenure import Tenure
 from esd_worker.echo import LineCap
 from esd_worker.errors import StorePathError, UsageError
 from esd_worker.layout import SUMMARY_KEY, Marker, run_report_key

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
-from controller.lease import Tenure, add_wait_lock_flag, output_lease
+from controller.lease import add_wait_lock_flag, output_lease
 from controller.results.reader import (
     ModelResult,
     check_tag,
@@ -49,6 +49,7 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
+from controller.tenure import Tenure
 from esd_worker.errors import UsageError
 from esd_worker.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
 from esd_worker.layout import DamagedResult, model_file_key, refit_record_key, summary_key

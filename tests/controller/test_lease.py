@@ -25,8 +25,6 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.local import LocalSettings
-from controller.errors import EXIT_INFRA
 from controller.lease import (
     EXPIRED,
     FREE,
@@ -35,18 +33,14 @@ from controller.lease import (
     FileLease,
     Held,
     LeaseHeldError,
-    LeaseLostError,
     ObjectLease,
     Owner,
     Seen,
-    Tenure,
     decide,
     make_owner,
     observe,
     take_lease,
 )
-from controller.settings import SweepSettings
-from controller.sweep import run_sweep
 from esd_worker.layout import LEASE_KEY
 from esd_worker.s3 import S3Store
 from esd_worker.store import LocalStore, open_store
@@ -492,75 +486,3 @@ def test_a_worker_outliving_a_crashed_sweep_does_not_hold_its_output(tmp_path: P
         lease.release()
     finally:
         os.kill(holder.worker_pid, signal.SIGKILL)
-
-
-def test_a_sweep_that_loses_its_s3_lease_stops_dispatching_and_exits_3(
-    s3_server: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Twenty one-second models on one worker (the protocol's stand-in worker); once two have
-    started, another sweep's record replaces the lease object, as a takeover after a pause
-    past the TTL does. The sweep's next renewal (every 0.5 s with a 1.5 s TTL) finds it lost:
-    no more than the model in flight and one more start, nothing recorded from then on, no
-    summary.csv, the other sweep's lease left alone, exit 3 and the run report says why."""
-    store = make_store(s3_server)
-    monkeypatch.setenv("FAKE_WORKER_STATE", str(tmp_path))
-    starts = tmp_path / "starts"
-    models = tmp_path / "models.csv"
-    models.write_text("model_id\n" + "".join(f"wait-{i}\n" for i in range(20)))
-    settings = SweepSettings(
-        output=store.url, model_list=models, device="cpu", lease_ttl_s=1.5,
-        worker_cmd=(sys.executable, "-m", "tests.support.served_worker"),
-        local=LocalSettings(max_retries=0), log_dir=tmp_path / "logs")
-    taken: list[int] = []
-
-    def take_over() -> None:
-        deadline = time.monotonic() + 60
-        while not starts.exists() or len(starts.read_text().splitlines()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        seen = observe(store)
-        assert seen is not None and seen.owner is not None
-        other = json.loads(seen.owner.to_json()) | {"token": "sweep-b", "pid": 1}
-        store.put_bytes(LEASE_KEY, json.dumps(other).encode())
-        taken.append(len(starts.read_text().splitlines()))
-        taken.append(len(list(store.list_keys("_failures/"))))
-
-    thread = threading.Thread(target=take_over)
-    thread.start()
-    result = run_sweep(settings)
-    thread.join(10)
-    [started_then, recorded_then] = taken
-    assert result.exit_code == EXIT_INFRA
-    assert started_then <= len(starts.read_text().splitlines()) <= started_then + 1
-    assert len(list(store.list_keys("_failures/"))) <= started_then
-    assert len(list(store.list_keys("_failures/"))) >= recorded_then
-    assert not store.exists("summary.csv")
-    (run,) = store.list_keys("runs/")
-    assert json.loads(store.get_bytes(run) or b"")["lease_lost"] is True
-    seen = observe(store)
-    assert seen is not None and seen.owner is not None and seen.owner.token == "sweep-b"
-
-
-def test_a_tenure_calls_each_reaction_once_whenever_it_was_registered(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """Registered before the loss: called when it comes, once however often it is found;
-    registered after: called at once. A reaction that fails is logged and the others run."""
-    tenure = Tenure("s3://bucket/out")
-    calls: list[str] = []
-
-    def broken() -> None:
-        raise RuntimeError("boom")
-
-    tenure.when_lost(lambda: calls.append("first"))
-    tenure.when_lost(broken)
-    tenure.when_lost(lambda: calls.append("second"))
-    tenure.check()  # not lost: no error
-    assert calls == []
-    tenure.lose()
-    tenure.lose()
-    assert calls == ["first", "second"] and "boom" in caplog.text
-    tenure.when_lost(lambda: calls.append("late"))
-    assert calls == ["first", "second", "late"]
-    with pytest.raises(LeaseLostError, match="s3://bucket/out was lost"):
-        tenure.check()

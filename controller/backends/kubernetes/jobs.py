@@ -36,6 +36,7 @@ from controller.backends.kubernetes.names import (
     model_key_label,
     output_annotation,
 )
+from controller.backends.kubernetes.quantities import quantity_problem
 from esd_worker.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from esd_worker.naming import split_model_ref
 from esd_worker.redact import has_userinfo
@@ -49,7 +50,6 @@ HF_HOME = "/cache/hf"
 TMP_DIR = "/tmp"
 RUN_AS_USER = 1000
 
-_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE]\d+)?")
 _ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 _RELATION = re.compile(r"[a-z]{0,32}")
@@ -147,9 +147,9 @@ class JobSettings:
             ("memory_limit", self.memory_limit),
             ("ephemeral_storage_request", self.ephemeral_storage_request),
         ):
-            if quantity is not None and not _QUANTITY.fullmatch(quantity):
-                out.append(f"{name}: {quantity!r} is not a Kubernetes quantity "
-                           "(e.g. 2, 500m, 16Gi)")
+            problem = None if quantity is None else quantity_problem(name, quantity)
+            if problem:
+                out.append(problem)
         for name, number, low in (
             ("backoff_limit", self.backoff_limit, 0),
             ("active_deadline_s", self.active_deadline_s, 1),

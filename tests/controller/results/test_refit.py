@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from controller.errors import EXIT_INFRA, ResultsError, describe_error
-from controller.lease import LeaseLostError, Tenure
 from controller.results import refit
 from controller.results.refit import (
     STATUS_NO_EIGS,
@@ -29,6 +28,7 @@ from controller.results.refit import (
     refit_store,
     refit_tag,
 )
+from controller.tenure import LeaseLostError, Tenure
 from esd_worker.layout import Marker
 from esd_worker.naming import model_key
 from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics

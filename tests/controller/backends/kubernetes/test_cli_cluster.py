@@ -127,6 +127,9 @@ def test_bad_kubernetes_flags_are_all_reported(tmp_path: Path,
     (["--job-deadline", "0"], "--active-deadline"),
     (["--memory-request", "lots"], "--memory-request"),
     (["--ephemeral-storage-request", "big"], "--ephemeral-storage-request"),
+    (["--memory-request", "1e999"], "--memory-request"),
+    (["--memory-request", "16Ei"], "--memory-request"),
+    (["--cpu-request", "1e16"], "--cpu-request"),
 ], ids=lambda v: v if isinstance(v, str) else "-".join(v))
 def test_bad_pod_flags_exit_2_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], named: str,
