@@ -41,6 +41,24 @@ def plant(path: Path, kind: str, target: Path) -> None:
     path.symlink_to(target)
 
 
+def sweep_refusing(models: Path, out: Path, path: Path, why: str, exit_code: int,
+                   key: str) -> None:
+    """Run the sweep and check its one refusal of `path`: exit 2 (its last line, nothing
+    analysed), or the model analysed whole without that file (exit 0)."""
+    done = esd_sweep(*run_args(models, str(out)), timeout=120)
+    assert done.returncode == exit_code, done.stderr
+    assert "Traceback" not in done.stderr
+    refusals = [line for line in done.stderr.splitlines() if why in line]
+    assert len(refusals) == 1, done.stderr
+    assert str(path) in refusals[0]
+    if exit_code == 2:
+        assert refusals[0] == done.stderr.strip().splitlines()[-1]
+        assert refusals[0].startswith("esd-sweep: error: ")
+        assert not (out / key / "result.json").exists()
+    else:
+        assert whole(LocalStore(out), key)
+
+
 @pytest.mark.parametrize(
     ("planted", "kind", "exit_code"),
     [
@@ -72,19 +90,7 @@ def test_a_planted_lease_or_log_is_refused_and_its_target_left_alone(
     target = tmp_path / "victim" / "precious.txt"
     plant(path, kind, target)
 
-    done = esd_sweep(*run_args(models, str(out)), timeout=120)
-
-    assert done.returncode == exit_code, done.stderr
-    assert "Traceback" not in done.stderr
-    refusals = [line for line in done.stderr.splitlines() if "not a regular file" in line]
-    assert len(refusals) == 1, done.stderr
-    assert str(path) in refusals[0]
-    if exit_code == 2:
-        assert refusals[0] == done.stderr.strip().splitlines()[-1]
-        assert refusals[0].startswith("esd-sweep: error: ")
-        assert not (out / keys[0] / "result.json").exists()
-    else:
-        assert whole(LocalStore(out), keys[0])
+    sweep_refusing(models, out, path, "not a regular file", exit_code, keys[0])
     if kind == "symlink":
         assert target.read_bytes() == PRECIOUS
         assert target.stat().st_mode & 0o777 == PRECIOUS_MODE
@@ -122,18 +128,7 @@ def test_a_log_another_user_created_is_refused_and_left_alone(
     path.chmod(0o666)
     os.chown(path, OTHER_UID, -1)
 
-    done = esd_sweep(*run_args(models, str(out)), timeout=120)
-
-    assert done.returncode == exit_code, done.stderr
-    assert "Traceback" not in done.stderr
-    refusals = [line for line in done.stderr.splitlines() if "another user" in line]
-    assert len(refusals) == 1, done.stderr
-    assert str(path) in refusals[0]
-    if exit_code == 2:
-        assert refusals[0] == done.stderr.strip().splitlines()[-1]
-        assert not (out / keys[0] / "result.json").exists()
-    else:
-        assert whole(LocalStore(out), keys[0])
+    sweep_refusing(models, out, path, "another user", exit_code, keys[0])
     found = path.stat()
     assert (path.read_bytes(), found.st_mode & 0o777, found.st_uid) == (
         PRECIOUS, 0o666, OTHER_UID)
