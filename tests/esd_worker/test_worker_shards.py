@@ -88,9 +88,11 @@ def test_the_index_picks_the_shard(llama_dir: Path, gpt2_dir: Path, tmp_path: Pa
     pytest.param([], "", ["no shard index for {folder}"], id="empty-env"),
     pytest.param([], "x", ["shard index 'x' (JOB_COMPLETION_INDEX) of {folder}",
                            "whole number >= 0"], id="env-not-a-number"),
-    pytest.param(["--shard-index", "-1"], "0", ["shard index '-1' (--shard-index) of {folder}"],
+    # The flag's value is argparse's to check (esd_worker.flags.Number), naming the flag.
+    pytest.param(["--shard-index", "-1"], "0", ["--shard-index", "whole number", "'-1'"],
                  id="negative-flag"),
-    pytest.param(["--shard-index", "1.0"], None, ["shard index '1.0'"], id="not-whole"),
+    pytest.param(["--shard-index", "1.0"], None, ["--shard-index", "whole number", "'1.0'"],
+                 id="not-whole"),
     pytest.param(["--shard-index", "2"], None, ["shard 2 of {folder} cannot run",
                                                 "model list not found: {folder}/2.csv"],
                  id="no-such-shard"),
@@ -101,7 +103,8 @@ def test_a_shard_that_cannot_run_is_a_usage_error(
     llama_dir: Path, tmp_path: Path, argv: list[str], index_env: str | None,
     fragments: list[str]
 ) -> None:
-    """Exit 2 (the controller's FailIndex), one line naming the folder and the index, no
+    """Exit 2 (the controller's FailIndex), one line naming the folder and the index (a bad
+    --shard-index value: the flag and the value), no
     traceback, nothing analysed or written."""
     folder = write_shards(tmp_path / "shards", [str(llama_dir)])
     (folder / "1.csv").write_text("name,size\nx,1\n")
