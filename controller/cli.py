@@ -371,13 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if message:
         print(f"esd-sweep: error: {redact(message)}", file=sys.stderr)
     report_file = getattr(args, "report", None)
-    if args.command == "run" and report_file is not None:
-        try:
-            write_report_file(report_file, getattr(args, "result", None), code, message)
-        except OSError as e:
-            print(redact(f"esd-sweep: error: cannot write --report {report_file}: {e}"),
-                  file=sys.stderr)
-            return code or EXIT_USAGE
+    if args.command == "run" and report_file is not None and not _report(
+            report_file, getattr(args, "result", None), code, message):
+        return code or EXIT_USAGE
     return code
 
 
@@ -394,12 +390,18 @@ def _refused(argv: Sequence[str], message: str) -> int:
     except argparse.ArgumentError:  # --report without its file
         return code
     if report_file is not None:
-        try:
-            write_report_file(report_file, None, code, message)
-        except OSError as e:
-            print(redact(f"esd-sweep: error: cannot write --report {report_file}: {e}"),
-                  file=sys.stderr)
+        _report(report_file, None, code, message)
     return code
+
+
+def _report(path: Path, result: Any, code: int, message: str) -> bool:
+    """write_report_file, or one error line saying it could not be written (False)."""
+    try:
+        write_report_file(path, result, code, message)
+    except OSError as e:
+        print(redact(f"esd-sweep: error: cannot write --report {path}: {e}"), file=sys.stderr)
+        return False
+    return True
 
 
 def _dispatch(args: argparse.Namespace) -> tuple[int, str]:

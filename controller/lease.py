@@ -51,7 +51,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from controller.errors import EXIT_USAGE, InfrastructureError, SweepError
 from controller.tenure import Tenure
 from esd_worker.errors import StoreError, StorePermanentError
-from esd_worker.files import NotRegularFileError, open_regular
+from esd_worker.files import NotRegularFileError, open_regular, same_file
 from esd_worker.flags import WEEK_S, add_flag, float_in
 from esd_worker.layout import LEASE_KEY
 from esd_worker.records import utc_now
@@ -245,7 +245,7 @@ class FileLease:
                 if e.errno in _NO_LOCKS:
                     return None
                 raise InfrastructureError(f"cannot lock {path}: {e.strerror or e}") from e
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 _write_owner(fd, path, owner)
                 return cls(path, fd, owner, made_root=made_root)
             os.close(fd)
@@ -256,22 +256,13 @@ class FileLease:
         if fd is None:
             return
         # Deleted while still locked: a waiter that then locks the old file sees it is no
-        # longer at the path and opens the new one (attempt's _same_file).
+        # longer at the path and opens the new one (attempt's same_file).
         with contextlib.suppress(OSError):
             self.path.unlink()
         os.close(fd)
         if self._made_root:  # leave no empty output folder behind (only when it is empty)
             with contextlib.suppress(OSError):
                 self.path.parent.rmdir()
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        at_path = os.stat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (mine.st_dev, mine.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 def _read_owner(fd: int) -> Owner | None:

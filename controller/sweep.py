@@ -38,17 +38,13 @@ from controller.results.summary import KnownMarkers, write_summary
 from controller.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from controller.tenure import Tenure
-from esd_worker.echo import LineCap
 from esd_worker.errors import StorePathError, UsageError
 from esd_worker.layout import SUMMARY_KEY, Marker, run_report_key
-from esd_worker.modellist import ListFile, ModelRow, RowProblem, make_single
+from esd_worker.modellist import ListFile, ModelRow, RowProblem, bad_rows_log, make_single
 from esd_worker.records import utc_now
 from esd_worker.store import Store, open_store
 
 log = logging.getLogger(__name__)
-
-# Where the bad rows not shown in the log are (LineCap's last line says so).
-ALL_BAD_ROWS_HINT = " (`esd-sweep status --bad-rows` lists every one)"
 
 BackendOpener = Callable[[SweepSettings, WorkerSpec], Backend]
 
@@ -206,11 +202,10 @@ def plan_models(settings: SweepSettings, store: Store,
                 on_done: Callable[[Marker], None] | None = None,
                 on_problem: Callable[[RowProblem], None] | None = None) -> ListPlan:
     """The plan of the listed models against the store. Bad rows: each given to
-    on_problem; by default the first SHOWN_LINES logged one line each, then one line that
-    counts the rest (a list of garbage must not flood the log: esd_worker.echo).
+    on_problem; by default the first few logged one line each, then one line that
+    counts the rest (esd_worker.modellist.bad_rows_log).
     on_done: given each marker the plan read and found done (ListPlan)."""
-    shown = LineCap(lambda line: log.error("%s", line), what="bad row(s)",
-                    hint=ALL_BAD_ROWS_HINT)
+    shown = bad_rows_log(lambda line: log.error("%s", line))
     plan = ListPlan(
         items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esd_worker.errors import TransientError
+from esd_worker.files import same_file
 from esd_worker.hub import repo_cache_dir
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class CacheDir:
                     ) from e
                 time.sleep(_POLL_S)
                 continue
-            if _same_file(fd, path):
+            if same_file(fd, path):
                 return fd
             os.close(fd)  # the evicter removed this lock file after we opened it: again
 
@@ -142,12 +143,3 @@ class CacheDir:
             mark.unlink(missing_ok=True)  # marked, never downloaded (the lookup failed)
         (self._locks / f"{name}.lock").unlink(missing_ok=True)
         return evicted
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether the open `fd` is still the file at `path` (not one unlinked since)."""
-    try:
-        opened, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)

@@ -24,34 +24,35 @@ _TEMP_STEM = 50
 _TEMP_TRIES = 100
 
 
-class NotRegularFileError(OSError):
-    """The path is a symbolic link, a FIFO, a device, a socket or a folder: not opened.
+class RefusedFileError(OSError):
+    """A file at `path` that is not opened or replaced: `why`, then what to do.
 
     An OSError, so that whoever handles a file it cannot write handles this one the same
     way; its message is one line for after the path ("cannot write <path>: <message>").
     """
 
-    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
-        super().__init__(f"it is {kind}, not a regular file; refused (remove it if it is "
-                         "not yours)")
+    def __init__(self, path: str | os.PathLike[str], why: str) -> None:
+        super().__init__(f"{why}; refused (remove it if it is not yours)")
         self.filename = os.fspath(path)
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class NotOwnedFileError(OSError):
+class NotRegularFileError(RefusedFileError):
+    """The path is a symbolic link, a FIFO, a device, a socket or a folder: not opened."""
+
+    def __init__(self, path: str | os.PathLike[str], kind: str) -> None:
+        super().__init__(path, f"it is {kind}, not a regular file")
+
+
+class NotOwnedFileError(RefusedFileError):
     """The path is a regular file that another user owns (open_regular's owned=True): not
-    opened, since that user could read what is written to it. An OSError, as
-    NotRegularFileError."""
+    opened, since that user could read what is written to it."""
 
     def __init__(self, path: str | os.PathLike[str], uid: int) -> None:
-        super().__init__(f"it belongs to another user (uid {uid}), who could read what is "
-                         "written to it; refused (remove it if it is not yours)")
-        self.filename = os.fspath(path)
-
-    def __str__(self) -> str:
-        return str(self.args[0])
+        super().__init__(path, f"it belongs to another user (uid {uid}), who could read "
+                         "what is written to it")
 
 
 def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o600, *,
@@ -126,6 +127,17 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def same_file(fd: int, path: str | os.PathLike[str]) -> bool:
+    """Whether the open `fd` is still the file at `path` (not one unlinked or replaced
+    since): a lock taken on a file that another process removed under its own lock locks
+    nothing (controller.lease, esd_worker.cachedir)."""
+    try:
+        opened, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (opened.st_dev, opened.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _check_replaceable(path: str | os.PathLike[str]) -> None:

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
+from esd_worker.echo import quoted
 from esd_worker.errors import EXIT_USAGE
 from esd_worker.powerlaw import FIX_FINGERS
 from esd_worker.redact import redact
@@ -53,16 +54,10 @@ def parse_size(text: str) -> int:
     # raises ValueError / OverflowError, which argparse would turn into a traceback.
     if not math.isfinite(size):
         raise argparse.ArgumentTypeError(
-            f"not a size: {shown(text)} (bytes, or with a unit: 500M, 50G, 20GiB)")
+            f"not a size: {quoted(text, limit=40)} (bytes, or with a unit: 500M, 50G, 20GiB)")
     if size < 0:
-        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {shown(text)}")
+        raise argparse.ArgumentTypeError(f"a size must be >= 0, got {quoted(text, limit=40)}")
     return int(size)
-
-
-def shown(text: str, limit: int = 40) -> str:
-    """`text` quoted for an error line, cut to `limit` characters (a value can be any
-    length, and the line is echoed to logs)."""
-    return repr(text if len(text) <= limit else text[:limit] + "…")
 
 
 # Upper bounds a user could mean. A value past them is a typo or a unit slip (1e999 seconds,
@@ -113,7 +108,8 @@ class Number:
         except (ValueError, OverflowError, argparse.ArgumentTypeError):
             fits = False  # not a number, or a whole number too long for a float
         if not fits:
-            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {shown(text)}")
+            raise argparse.ArgumentTypeError(
+                f"must be {self.describe()}, got {quoted(text, limit=40)}")
         return value
 
     def _parse(self, text: str) -> float:

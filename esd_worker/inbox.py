@@ -14,8 +14,7 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from esd_worker.echo import LineCap
-from esd_worker.modellist import ModelRow, base_first, read_model_list
+from esd_worker.modellist import ModelRow, bad_rows_log, base_first, read_model_list
 from esd_worker.naming import split_model_ref
 from esd_worker.protocol import DRAIN, Request, parse_op
 
@@ -36,8 +35,7 @@ def requests_from_list(url: str) -> list[Request]:
     every one).
     """
     models = read_model_list(url)
-    shown = LineCap(lambda line: log.error("%s", line), what="bad row(s)",
-                    hint=" (`esd-sweep status --bad-rows` lists every one)")
+    shown = bad_rows_log(lambda line: log.error("%s", line))
     for problem in models.problems:
         shown(problem)
     shown.close()

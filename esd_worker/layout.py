@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 # The marker itself (fields, JSON, seals) is esd_worker.marker's; its names are part of the
 # layout's contract, so they are importable from here too.
+from esd_worker.echo import quoted
 from esd_worker.marker import LAYERS_NAME as LAYERS_NAME
 from esd_worker.marker import MARKER_SCHEMA as MARKER_SCHEMA
 from esd_worker.marker import BaseModelRef as BaseModelRef
@@ -191,8 +192,8 @@ def load_marker(model_key: str, data: bytes) -> Marker:
     is not `model_key` (a copied or forged file; its model_key would name other files)."""
     marker = Marker.from_json(data)
     if marker.model_key != model_key:
-        shown = marker.model_key if len(marker.model_key) <= 80 else marker.model_key[:80] + "…"
-        raise MarkerError(f"its model_key {shown!r} is not its folder's")
+        raise MarkerError(f"its model_key {quoted(marker.model_key, limit=80)} is not its "
+                          "folder's")
     return marker
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import IO
 
-from esd_worker.echo import echo, has_control, quoted
+from esd_worker.echo import LineCap, echo, has_control, quoted
 from esd_worker.errors import ModelListError
 from esd_worker.listcsv import csv_records, open_text, read_url
 from esd_worker.naming import is_local_path, local_path, model_key, symlink_before_dotdot
@@ -446,6 +446,14 @@ class ListFile:
         if self._copy is not None:
             self._copy.close()
             self._copy = None
+
+
+def bad_rows_log(emit: Callable[[str], None]) -> LineCap:
+    """Where a list's bad rows are shown (the sweep's log, a worker's): the first few, then
+    one line that counts the rest and says where every one is (a list of garbage must not
+    flood a log: esd_worker.echo). Call its `close` after the last row."""
+    return LineCap(emit, what="bad row(s)",
+                   hint=" (`esd-sweep status --bad-rows` lists every one)")
 
 
 def make_single(ref: str, *, relation: str = "", source_model: str | None = None) -> ModelList:

@@ -63,7 +63,6 @@ class Prefetcher:
         self.depth = depth
         self.budget = budget
         self.cache_dir = cache_dir
-        self.own_cache = own_cache and cache_dir is not None
         self._cache = CacheDir(cache_dir) if own_cache and cache_dir is not None else None
         self._entries: dict[str, _Entry] = {}
         self._current: set[str] = set()  # refs the model in progress uses
