@@ -38,7 +38,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -270,6 +270,7 @@ def _parse(path: str) -> tuple[str, str | None, str | None, str | None, str]:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the client's connection pool expects
     server: Any
+    _seen: Request  # the request being answered, logged by _send as its answer leaves
 
     def log_message(self, format: str, *args: Any) -> None:  # the request log is enough
         pass
@@ -285,30 +286,28 @@ class _Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         path = urlsplit(self.path).path
         if path == "/api/whoami-v2":
+            self._seen = Request(self.command, path, 0, "api", started=started)
             status, body = self._whoami()
-            # Logged before the answer leaves: a test reads the log as soon as it has it.
-            hub._record(Request(self.command, path, status, "api", started=started))
             self._send(status, json.dumps(body).encode(), {"Content-Type": "application/json"})
             return
         kind, repo, revision, file, tail = _parse(path)
-        seen = Request(self.command, path, 0, kind, repo, file)
+        seen = self._seen = Request(self.command, path, 0, kind, repo, file, started)
         fault = hub._take_fault(seen) if repo is not None else None
         if fault is not None:
             wait = fault.retry_after
             headers = {"Retry-After": str(wait)} if wait is not None else {}
-            status = self._error(fault.status, fault.error_code, "injected fault", headers)
+            self._error(fault.status, fault.error_code, "injected fault", headers)
         elif repo is None or not hub._has_repo(repo):
-            status = self._error(404, "RepoNotFound", "Repository not found")
+            self._error(404, "RepoNotFound", "Repository not found")
         elif (commit := hub._commit(repo, revision or "main")) is None:
-            status = self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         elif kind == "api":
-            status = self._api(repo, *commit, tail)
+            self._api(repo, *commit, tail)
         elif file not in commit[1]:
-            status = self._error(404, "EntryNotFound", f"{file} does not exist",
-                                 {"X-Repo-Commit": commit[0]})
+            self._error(404, "EntryNotFound", f"{file} does not exist",
+                        {"X-Repo-Commit": commit[0]})
         else:
-            status = self._file(repo, commit[0], file, commit[1][file], kind == "cdn")
-        hub._record(Request(self.command, path, status, kind, repo, file, started))
+            self._file(repo, commit[0], file, commit[1][file], kind == "cdn")
 
     def _whoami(self) -> tuple[int, dict[str, Any]]:
         hub: HubServer = self.server.hub
@@ -368,6 +367,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes, headers: Mapping[str, str],
               throttle: bool = False) -> int:
+        # Logged before the answer leaves: a test reads the log as soon as its client has
+        # the answer, which may be before this thread would have logged it after sending.
+        self.server.hub._record(replace(self._seen, status=status))
         self.send_response(status)
         for key, value in headers.items():
             self.send_header(key, value)
