@@ -425,6 +425,7 @@ def test_release_deletes_only_its_own_s3_lease(how: str, s3_server: S3Server) ->
     """A sweep whose lease is no longer its own (taken over after it expired, or replaced
     behind its back, which its renewal then notices) leaves the object alone on release."""
     store = make_store(s3_server)
+    other: ObjectLease | Held | None = None
     if how == "taken-over":
         stale = ObjectLease.claim(store, _owner(ttl_s=1.0), None, renew=False)
         assert isinstance(stale, ObjectLease)
@@ -445,6 +446,8 @@ def test_release_deletes_only_its_own_s3_lease(how: str, s3_server: S3Server) ->
     stale.release()
     seen = observe(store)
     assert seen is not None and seen.owner is not None and seen.owner.token == other_token
+    if isinstance(other, ObjectLease):
+        other.release()  # its renewal thread would outlive the module's S3 server
 
 
 def test_wait_lock_waits_until_the_s3_holder_releases(s3_server: S3Server) -> None:
