@@ -9,7 +9,7 @@ Phases (each in a fresh process, so that peak RSS is the phase's own):
   size_bytes column: lognormal bases from 10 MB to 140 GB, ~20% adapters right after their
   base), then time what `esd-sweep run` does before it creates a Job: ListPlan.scan (the
   list read as a stream, one marker listing of the store) and the shards cut and written
-  to the store (controller.backends.kubernetes.sharding.write_shards), into a local
+  to the store (controller.backends.kubernetes.sharded.sharding.write_shards), into a local
   directory store.
 - `run`: the whole ShardedBackend.run against a simulated cluster in a CHILD process
   (tests.support.kubesim.KubeSim + tests.support.indexed.IndexedJobSimulator, validation
@@ -96,12 +96,12 @@ def sizes(row: Any) -> int:
 
 def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.backends.base import Task
-    from controller.backends.kubernetes.sharding import write_shards
-    from controller.plan import ListPlan
-    from controller.shards import default_classes
-    from esd_worker.modellist import ListFile
-    from esd_worker.settings import AnalysisSettings
-    from esd_worker.store import open_store
+    from controller.backends.kubernetes.sharded.plan import default_classes
+    from controller.backends.kubernetes.sharded.sharding import write_shards
+    from controller.run.plan import ListPlan
+    from esd_worker.core.models.modellist import ListFile
+    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.store.stores import open_store
 
     listing = work_dir / "models.csv"
     total_bytes = write_list(listing, args.rows)
@@ -140,10 +140,10 @@ def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     """The child: KubeSim + IndexedJobSimulator whose pods write their shard's markers."""
-    from esd_worker.layout import Marker, canonical_parameters, marker_key
-    from esd_worker.modellist import read_model_list
-    from esd_worker.settings import AnalysisSettings
-    from esd_worker.store import open_store
+    from esd_worker.core.models.modellist import read_model_list
+    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.store.layout import Marker, canonical_parameters, marker_key
+    from esd_worker.core.store.stores import open_store
     from tests.support.indexed import IndexedJobSimulator
     from tests.support.kubesim import KubeSim
     from tests.support.shardworker import shard_url
@@ -194,15 +194,15 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from kubernetes import client as k8s
 
     from controller.backends.base import Task, WorkerSpec
-    from controller.backends.kubernetes.client import KubeClient
-    from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-    from controller.backends.kubernetes.sharded import ShardedBackend
-    from controller.plan import ListPlan
-    from controller.recorder import Recorder
-    from controller.shards import default_classes
-    from esd_worker.modellist import ListFile
-    from esd_worker.settings import AnalysisSettings
-    from esd_worker.store import open_store
+    from controller.backends.kubernetes.common.client import KubeClient
+    from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+    from controller.backends.kubernetes.sharded.backend import ShardedBackend
+    from controller.backends.kubernetes.sharded.plan import default_classes
+    from controller.run.plan import ListPlan
+    from controller.run.recorder import Recorder
+    from esd_worker.core.models.modellist import ListFile
+    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.store.stores import open_store
 
     listing = work_dir / "models.csv"
     write_list(listing, args.rows)
@@ -278,10 +278,10 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 
 def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
-    from controller.plan import ListPlan
-    from esd_worker.modellist import ListFile, ModelRow, iter_model_list
-    from esd_worker.settings import AnalysisSettings
-    from esd_worker.store import open_store
+    from controller.run.plan import ListPlan
+    from esd_worker.core.models.modellist import ListFile, ModelRow, iter_model_list
+    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.store.stores import open_store
 
     listing = work_dir / "models.csv"
     write_list(listing, args.s3_rows)

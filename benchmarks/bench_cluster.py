@@ -154,12 +154,12 @@ def main() -> int:
     from kubernetes import client as k8s  # imported before the baseline: not per model
 
     from controller.backends.base import Task
-    from controller.backends.kubernetes.backend import KubernetesBackend
-    from controller.backends.kubernetes.client import KubeClient
-    from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-    from controller.recorder import Recorder
-    from esd_worker.modellist import ModelRow
-    from esd_worker.store import open_store
+    from controller.backends.kubernetes.common.client import KubeClient
+    from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+    from controller.backends.kubernetes.per_model.backend import KubernetesBackend
+    from controller.run.recorder import Recorder
+    from esd_worker.core.models.modellist import ModelRow
+    from esd_worker.core.store.stores import open_store
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:

@@ -24,8 +24,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from controller.backends.base import Task
-from controller.backends.local import LocalBackend, LocalSettings
-from controller.gpus import GpuSettings, GpuTracker, Nvml
+from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.gpu.gpus import GpuSettings, GpuTracker, Nvml
 
 TRIVIAL = (sys.executable, "-S", "-c", "pass")
 

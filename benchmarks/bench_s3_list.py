@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from esd_worker.layout import LAYERS_NAME, MARKER_NAME
-from esd_worker.s3 import S3Store
+from esd_worker.core.store.layout import LAYERS_NAME, MARKER_NAME
+from esd_worker.core.store.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "esd-bench"

@@ -1,4 +1,5 @@
-"""Benchmark: plan the shards of a 2,000,000-model list in one streaming pass (controller.shards).
+"""Benchmark: plan the shards of a 2,000,000-model list in one streaming pass
+(controller.backends.kubernetes.sharded.plan).
 
 Rows are made one at a time (ModelRow -> Item.of with a size from the column, as the sizer
 answers it), grouped into units, packed, and each closed shard encoded with shard_csv and
@@ -20,8 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from controller.shards import Item, Packer, shard_count, shard_csv, target_bytes, units
-from esd_worker.modellist import ModelRow
+from controller.backends.kubernetes.sharded.plan import (
+    Item,
+    Packer,
+    shard_count,
+    shard_csv,
+    target_bytes,
+    units,
+)
+from esd_worker.core.models.modellist import ModelRow
 
 MB, GB = 10**6, 10**9
 

@@ -11,7 +11,7 @@ config.json, tensor by tensor so host memory stays at one shard. Then, in one ru
   (b) baseline, the way the old scripts did it: load the whole model
       (AutoModelForCausalLM.from_pretrained, bf16, onto the device), then for every
       nn.Linear `torch.linalg.svdvals(W.float())²` and the same fit
-      (esd_worker.powerlaw.layer_metrics), so only loading and linear algebra differ.
+      (esd_worker.core.powerlaw.layer_metrics), so only loading and linear algebra differ.
 
 and checks the two agree: same layers, alphas within --alpha-rtol.
 
@@ -160,7 +160,7 @@ def run_baseline(model_dir: Path, *, device: torch.device, max_s: float | None) 
     """
     from transformers import AutoModelForCausalLM
 
-    from esd_worker.powerlaw import layer_metrics
+    from esd_worker.core.powerlaw import layer_metrics
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":

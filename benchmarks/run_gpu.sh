@@ -59,8 +59,8 @@ for d in ("transformers", "accelerate", "safetensors", "numpy", "huggingface_hub
         print(d, md.version(d))
     except md.PackageNotFoundError:
         print(d, "MISSING")
-import esd_worker.analyze  # noqa: F401  (fails here, not in the benchmark, if an import is missing)
-print("esd_worker importable from", esd_worker.analyze.__file__)
+import esd_worker.analysis.analyze  # noqa: F401  (fails here, not in the benchmark, if an import is missing)
+print("esd_worker importable from", esd_worker.analysis.analyze.__file__)
 EOF
 fi
 
@@ -71,8 +71,8 @@ step "2. float32 Gram on CUDA vs float64 SVD"
 import json, sys, time
 import numpy as np
 import torch
-from esd_worker.powerlaw import layer_metrics
-from esd_worker.spectra import compute_spectrum
+from esd_worker.core.powerlaw import layer_metrics
+from esd_worker.analysis.spectra import compute_spectrum
 
 torch.backends.cuda.matmul.allow_tf32 = False  # as the worker sets it
 dev = torch.device("cuda:0")

@@ -12,28 +12,28 @@ from pathlib import Path
 from typing import Any
 
 from controller import __version__
-from controller.backends.kubernetes.settings import (
+from controller.backends.kubernetes.common.settings import (
     ClusterSettings,
     add_cluster_flags,
     cluster_from_args,
 )
-from controller.backends.local import LocalSettings
-from controller.doctor import add_doctor_flags, run_doctor
+from controller.backends.local.backend import LocalSettings
+from controller.doctor.doctor import add_doctor_flags, run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
-from controller.exporter import add_exporter_flags, run_exporter
-from controller.gpurule import add_gpu_rule_flags, gpu_rule_from_args
-from controller.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, MAX_CHECKS, GpuSettings
-from controller.lease import add_wait_lock_flag
+from controller.gpu.exporter import add_exporter_flags, run_exporter
+from controller.gpu.gpurule import add_gpu_rule_flags, gpu_rule_from_args
+from controller.gpu.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, MAX_CHECKS, GpuSettings
+from controller.output.lease import add_wait_lock_flag
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
 from controller.results.summary import format_summary_table
-from controller.runlog import HeldLog
+from controller.run.runlog import HeldLog
+from controller.run.sweep import models_status, run_commands, run_sweep
 from controller.settings import SweepSettings
-from controller.sweep import models_status, run_commands, run_sweep
-from esd_worker.errors import WorkerError
-from esd_worker.files import write_atomic
-from esd_worker.flags import (
+from esd_worker.core.errors import WorkerError
+from esd_worker.core.files import write_atomic
+from esd_worker.core.flags import (
     HOUR_S,
     MAX_GPUS,
     MAX_PREFETCH,
@@ -49,12 +49,12 @@ from esd_worker.flags import (
     int_in,
     size_in,
 )
-from esd_worker.layout import SUMMARY_KEY, run_report_key
-from esd_worker.logs import LOG_FORMATS, setup_logging
-from esd_worker.modellist import RELATIONS, make_single
-from esd_worker.redact import redact, redact_data
-from esd_worker.settings import DEVICES
-from esd_worker.store import open_store
+from esd_worker.core.logs import LOG_FORMATS, setup_logging
+from esd_worker.core.models.modellist import RELATIONS, make_single
+from esd_worker.core.redact import redact, redact_data
+from esd_worker.core.settings import DEVICES
+from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
+from esd_worker.core.store.stores import open_store
 
 log = logging.getLogger("controller")
 
@@ -80,7 +80,7 @@ def _add_source_flags(
 
 
 def _add_doctor_flags(p: argparse.ArgumentParser) -> None:
-    """doctor's own flags (controller.doctor) and, for --backend kubernetes, `run`'s."""
+    """doctor's own flags (controller.doctor.doctor) and, for --backend kubernetes, `run`'s."""
     add_doctor_flags(p)
     add_cluster_flags(p.add_argument_group("kubernetes (--backend kubernetes)"))
 
@@ -348,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if args.bad_rows:
-        # Each line one row, bounded and redacted (RowProblem's str: esd_worker.echo).
+        # Each line one row, bounded and redacted (RowProblem's str: esd_worker.core.echo).
         models_status(settings, on_problem=print)
         return 0
     print(json.dumps(redact_data(models_status(settings)), indent=2))
@@ -424,9 +424,9 @@ def write_report_file(path: Path, result: Any, code: int, error: str) -> None:
 
     Always: exit_code, ok, error, run_id (None when no run started), counts and failures
     (empty without a run); with a run: summary / run_report (store URLs) and the report.
-    Every string is redacted (esd_worker.redact); the file follows the umask. Written
+    Every string is redacted (esd_worker.core.redact); the file follows the umask. Written
     whole, never through a symlink planted at its name or a temporary one
-    (esd_worker.files.write_atomic): the folder may be a CI workspace others write.
+    (esd_worker.core.files.write_atomic): the folder may be a CI workspace others write.
     """
     doc: dict[str, Any] = {"exit_code": code, "ok": code == 0, "error": error or None,
                            "run_id": None, "counts": {}, "failures": {}, "summary": None,

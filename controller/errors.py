@@ -5,12 +5,12 @@ infrastructure (store or cluster unreachable, permissions), 130 interrupted
 (docs/design.md, "Exit codes"); `esd-sweep doctor` exits 1 when one of its checks failed
 (EXIT_CHECK_FAILED). Every command turns an error into its one-line message and
 status with `describe_error`; nothing else picks an exit status from an exception. The
-worker's own exit codes are esd_worker.errors'.
+worker's own exit codes are esd_worker.core.errors'.
 """
 
 from __future__ import annotations
 
-from esd_worker.errors import StoreError, StorePermanentError, WorkerError
+from esd_worker.core.errors import StoreError, StorePermanentError, WorkerError
 
 EXIT_ALL_DONE = 0
 EXIT_SOME_FAILED = 1

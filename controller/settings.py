@@ -11,12 +11,12 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from controller.backends.kubernetes.settings import ClusterSettings
-from controller.backends.local import LocalSettings
-from controller.gpurule import GpuRule
-from controller.gpus import GpuSettings
-from controller.lease import LEASE_TTL_S
-from esd_worker.settings import AnalysisSettings
+from controller.backends.kubernetes.common.settings import ClusterSettings
+from controller.backends.local.backend import LocalSettings
+from controller.gpu.gpurule import GpuRule
+from controller.gpu.gpus import GpuSettings
+from controller.output.lease import LEASE_TTL_S
+from esd_worker.core.settings import AnalysisSettings
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,13 @@ class SweepSettings:
     and their own download directory (esd-worker --prefetch, --cache-budget, --cache-dir).
     summary: rebuild summary.csv at the end (it reads every done model's marker: a list of
     millions may leave it to a later `esd-sweep report`).
-    wait_lock_s: when another sweep holds the output (controller.lease), seconds to wait for
+    wait_lock_s: when another sweep holds the output (controller.output.lease), seconds to wait for
     it (math.inf: as long as it takes); None: exit 2 at once. lease_ttl_s: seconds an S3
     lease lives unrenewed (renewed every third of it); not a flag: every sweep on one output
     must agree on it.
     parallel_gpu: a worker with several GPUs spreads one model's layers over them (False:
     --no-parallel-gpu, one GPU used whatever it is given).
-    gpu_rule: GPUs per model (controller.gpurule: --gpus-per-job N|auto,
+    gpu_rule: GPUs per model (controller.gpu.gpurule: --gpus-per-job N|auto,
     --multi-gpu-minutes, --max-gpus-per-job); backends apply `applied_gpu_rule`, its
     `parallel` being parallel_gpu. gpu.gpus_per_job is its explicit N, or 1 with auto (what
     the tracker checks against and custom commands get).

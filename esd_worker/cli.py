@@ -1,10 +1,11 @@
 """The `esd-worker` command: flags to settings; one model (`--model`) or many in one process
 (`--models FILE`, a shard of a Kubernetes run with `--shards URL`, or `--serve` for a
-controller), or the device check (`--self-check`, esd_worker.selfcheck); the hub rate limit
+controller), or the device check (`--self-check`, esd_worker.serve.selfcheck); the hub rate limit
 (`--hub-rate`); each failure one line + exit code.
 
-A batch's per-model loop is esd_worker.batch's, its read-ahead esd_worker.prefetch's, which
-shard a pod takes and a batch's exit code esd_worker.runner's.
+A batch's per-model loop is esd_worker.serve.batch's, its read-ahead esd_worker.fetch.prefetch's,
+which
+shard a pod takes and a batch's exit code esd_worker.serve.runner's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from types import FrameType
 from typing import Any
 
 from esd_worker import __version__
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     ERROR_PREFIX,
     Terminated,
     UsageError,
@@ -28,7 +29,7 @@ from esd_worker.errors import (
     exit_code_for,
     failure_message,
 )
-from esd_worker.flags import (
+from esd_worker.core.flags import (
     HUB_RATE,
     MAX_PREFETCH,
     MAX_RETRIES,
@@ -41,15 +42,15 @@ from esd_worker.flags import (
     int_in,
     size_in,
 )
-from esd_worker.hub import set_rate_limit
-from esd_worker.logs import LOG_FORMATS, setup_logging
-from esd_worker.modellist import dotdot_problem
-from esd_worker.naming import is_local_path, normalize_model_ref, symlink_before_dotdot
-from esd_worker.ratelimit import TokenBucket
-from esd_worker.redact import redact
-from esd_worker.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
-from esd_worker.settings import DEVICES, WorkerSettings
-from esd_worker.store import open_store
+from esd_worker.core.logs import LOG_FORMATS, setup_logging
+from esd_worker.core.models.modellist import dotdot_problem
+from esd_worker.core.models.naming import is_local_path, normalize_model_ref, symlink_before_dotdot
+from esd_worker.core.ratelimit import TokenBucket
+from esd_worker.core.redact import redact
+from esd_worker.core.settings import DEVICES, WorkerSettings
+from esd_worker.core.store.stores import open_store
+from esd_worker.fetch.hub import set_rate_limit
+from esd_worker.serve.runner import SHARD_INDEX_ENV, Shard, locate_shard, run_batch
 
 log = logging.getLogger("esd_worker")
 
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
              f"${SHARD_INDEX_ENV}; as --models, skipping what failed for good in this --run-id")
     what.add_argument("--serve", action="store_true",
                       help="take models as JSON lines on stdin (the controller's protocol: "
-                      "esd_worker/protocol.py) and answer one JSON line each on stdout")
+                      "esd_worker/core/protocol.py) and answer one JSON line each on stdout")
     what.add_argument("--self-check", action="store_true",
                       help="no model: run a small Gram + eigvalsh on the device --device picks "
                       "(as the analysis does), compare it with float64 LAPACK and print one "
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("the following arguments are required: --output/--output-dir")
     setup_logging(verbose=args.verbose, fmt=args.log_format)
     if args.self_check:
-        from esd_worker.selfcheck import run_self_check  # torch: only now
+        from esd_worker.serve.selfcheck import run_self_check  # torch: only now
 
         return run_self_check(args.device)
     previous = _install_sigterm()
@@ -193,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store.check()
         if not args.model:
             return run_batch(args, settings, store, shard)
-        from esd_worker.analyze import analyse_model
+        from esd_worker.analysis.analyze import analyse_model
 
         analyse_model(settings, store=store, model_key=args.model_key)
     except WorkerError as e:

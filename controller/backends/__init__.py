@@ -22,13 +22,13 @@ BACKENDS = ("local", "kubernetes")
 def open_backend(settings: SweepSettings, spec: WorkerSpec) -> Backend:
     """The backend `settings.backend` names, built from the run's settings."""
     if settings.backend == "kubernetes" and settings.cluster.shard_size == 1:
-        from controller.backends.kubernetes.backend import KubernetesBackend
+        from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 
         return KubernetesBackend.from_settings(settings, spec)
     if settings.backend == "kubernetes":
-        from controller.backends.kubernetes.sharded import ShardedBackend
+        from controller.backends.kubernetes.sharded.backend import ShardedBackend
 
         return ShardedBackend.from_settings(settings, spec)
-    from controller.backends.local import LocalBackend
+    from controller.backends.local.backend import LocalBackend
 
     return LocalBackend.from_settings(settings, spec)

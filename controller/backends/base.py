@@ -1,7 +1,7 @@
 """The backend contract: what the sweep hands a backend (Tasks) and what comes back (Outcomes).
 
 A backend runs tasks somewhere (this machine's GPUs, a Kubernetes cluster) and reports how
-each ended; it knows nothing of the store's records or the summary (controller.recorder
+each ended; it knows nothing of the store's records or the summary (controller.run.recorder
 turns Outcomes into records). What every worker computes and where it writes is the same
 for every backend: `WorkerSpec`.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from controller.progress import Progress
-from esd_worker.flags import analysis_argv
-from esd_worker.modellist import ModelRow
-from esd_worker.settings import AnalysisSettings
+from esd_worker.core.flags import analysis_argv
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.settings import AnalysisSettings
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Outcome:
     gpus: local GPU indices of the last attempt (empty on CPU and on Kubernetes).
     stderr_tail: last lines of the last attempt's output.
     log_path: the worker's log file, or None.
-    error: "" when done, else "<Class>: <what happened>" (esd_worker.errors.classify_exit).
+    error: "" when done, else "<Class>: <what happened>" (esd_worker.core.errors.classify_exit).
     retryable: whether another attempt could help.
     recorded: the store holds this outcome already (the worker wrote the marker or the
         failure record itself, as a sharded Kubernetes run's workers do): the recorder
@@ -85,7 +85,7 @@ class Outcome:
 
 class Work(Protocol):
     """The tasks of a run, in run order, and how many there are. Iterating may read them
-    from the model list again (controller.plan.ListPlan: a list of millions is never held);
+    from the model list again (controller.run.plan.ListPlan: a list of millions is never held);
     a backend that needs them all at once makes a list (the local backend: one machine's
     worth of models). A list or tuple of Tasks is Work."""
 

@@ -7,5 +7,5 @@ report: `esd-sweep report`, which puts together parquet (layers.parquet), plots 
 refit: `esd-sweep refit`, fits recomputed from stored eigenvalues.
 compare: `esd-sweep compare`, per-layer differences between two sets of results.
 
-Key names are esd_worker.layout's. Nothing here runs a sweep or talks to a cluster.
+Key names are esd_worker.core.store.layout's. Nothing here runs a sweep or talks to a cluster.
 """

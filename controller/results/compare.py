@@ -24,10 +24,10 @@ from controller.results.reader import (
     number,
     open_results,
 )
-from esd_worker.files import write_atomic
-from esd_worker.flags import add_flag
-from esd_worker.powerlaw import METRIC_COLUMNS
-from esd_worker.results import table_to_csv
+from esd_worker.core.files import write_atomic
+from esd_worker.core.flags import add_flag
+from esd_worker.core.powerlaw import METRIC_COLUMNS
+from esd_worker.core.store.results import table_to_csv
 
 DEFAULT_METRICS: tuple[str, ...] = (
     "alpha",

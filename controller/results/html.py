@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from controller.results.reader import ModelResult, number, short_name, table_name
-from esd_worker.layout import SUMMARY_KEY
+from esd_worker.core.store.layout import SUMMARY_KEY
 
 INDEX_NAME = "index.html"
 SUMMARY_NAME = SUMMARY_KEY  # the report's own summary.csv: of the table reported on

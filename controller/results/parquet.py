@@ -2,7 +2,7 @@
 
 Owns the Parquet file's columns and types (the layer table's, plus model_key, model,
 relation, base_key, layer_index) and its row groups. The layer table's own columns are
-esd_worker.results.LAYER_COLUMNS; pyarrow is imported only when a table is built
+esd_worker.core.store.results.LAYER_COLUMNS; pyarrow is imported only when a table is built
 (controller.results.extras).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from controller.results.extras import require
 from controller.results.reader import ModelResult, number
-from esd_worker.results import LAYER_COLUMNS
+from esd_worker.core.store.results import LAYER_COLUMNS
 
 PARQUET_ROW_GROUP = 100_000  # rows per Parquet row group (whole models: at least one)
 ID_COLUMNS: tuple[str, ...] = ("model_key", "model", "relation", "base_key", "layer_index")

@@ -5,7 +5,8 @@ a ResultsError), which layer table a tag names, the `ModelResult` they all work 
 an adapter finds its base among the results, and that nothing damaged is read as a result:
 a table or eigenvalue file that is not what its marker seals (size, SHA-256), does not parse,
 or lacks layers the marker counts leaves its model out with one warning line (DamagedResult).
-Key names and seals come from esd_worker.layout; this module writes nothing and computes no
+Key names and seals come from esd_worker.core.store.layout; this module writes nothing and computes
+no
 metrics.
 """
 
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
-from esd_worker.layout import (
+from esd_worker.core.models.naming import model_key, split_model_ref
+from esd_worker.core.store.layout import (
     EIGS_NAME,
     LAYERS_NAME,
     DamagedResult,
@@ -42,9 +44,8 @@ from esd_worker.layout import (
     model_file_key,
     refit_record_key,
 )
-from esd_worker.naming import model_key, split_model_ref
-from esd_worker.results import eigs_from_npz, layers_from_csv
-from esd_worker.store import LocalStore, Store, open_store
+from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
+from esd_worker.core.store.stores import LocalStore, Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ def read_model_markers(
     """model_key → marker of every model of the store (or of `keys`), sorted by key.
 
     No marker at all, or a key in `keys` without one, is a ResultsError; a marker that is
-    not one this version reads (esd_worker.layout.load_marker: malformed, a name that is a
+    not one this version reads (esd_worker.core.store.layout.load_marker: malformed, a name that is
+    a
     path, another folder's) leaves its model out with one warning line, as damage does.
     """
     present = list_markers(store)

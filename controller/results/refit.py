@@ -2,7 +2,7 @@
 
 Owns `<model_key>/layers.<tag>.csv`, `summary.<tag>.csv` and `refits/<tag>.json`; reads the
 worker's eigs.npz, layers.csv and result.json and never changes them. No model is loaded and
-nothing here imports torch: the metrics come from esd_worker.powerlaw.layer_metrics, the
+nothing here imports torch: the metrics come from esd_worker.core.powerlaw.layer_metrics, the
 function the worker uses, so a refit with a model's own settings reproduces its layers.csv
 byte for byte.
 
@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
-from controller.lease import add_wait_lock_flag, output_lease
+from controller.output.lease import add_wait_lock_flag, output_lease
+from controller.output.tenure import Tenure
 from controller.results.reader import (
     ModelResult,
     check_tag,
@@ -49,18 +50,22 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
-from controller.tenure import Tenure
-from esd_worker.errors import UsageError
-from esd_worker.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
-from esd_worker.layout import DamagedResult, model_file_key, refit_record_key, summary_key
-from esd_worker.powerlaw import (
+from esd_worker.core.errors import UsageError
+from esd_worker.core.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
+from esd_worker.core.powerlaw import (
     METRIC_COLUMNS,
     STATUS_FIT_FAILED,
     STATUS_OK,
     layer_metrics,
 )
-from esd_worker.results import layers_from_csv, layers_to_csv, summarize_layers
-from esd_worker.settings import AnalysisSettings
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import (
+    DamagedResult,
+    model_file_key,
+    refit_record_key,
+    summary_key,
+)
+from esd_worker.core.store.results import layers_from_csv, layers_to_csv, summarize_layers
 
 log = logging.getLogger(__name__)
 

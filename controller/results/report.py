@@ -53,9 +53,9 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
-from esd_worker.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
-from esd_worker.layout import REPORT_PREFIX, DamagedResult, is_tag
-from esd_worker.store import Store, open_store
+from esd_worker.core.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
+from esd_worker.core.store.layout import REPORT_PREFIX, DamagedResult, is_tag
+from esd_worker.core.store.stores import Store, open_store
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """summary.csv: one row per done model, its columns and encoding, and its first rows as text.
 
 Per-model statistics come from the marker's summary (written by the worker) or, for markers
-without one, from esd_worker.results.summarize_layers over the model's layer table; this
+without one, from esd_worker.core.store.results.summarize_layers over the model's layer table; this
 module computes no statistics of its own. A run rebuilds summary.csv without reading again
 the markers its plan already read (`KnownMarkers`): only the markers of models analysed since
 are fetched. Does not own the run report
-(runs/<run_id>.json: controller.runs) nor where summary.csv lies (esd_worker.layout).
+(runs/<run_id>.json: controller.run.runs) nor where summary.csv lies (esd_worker.core.store.layout).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.results.reader import ModelResult
-from esd_worker.layout import (
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.layout import (
     SUMMARY_KEY,
     Marker,
     canonical_parameters,
@@ -29,9 +30,13 @@ from esd_worker.layout import (
     read_markers,
     summary_key,
 )
-from esd_worker.modellist import ModelRow
-from esd_worker.results import SUMMARY_FIELDS, layers_from_csv, summarize_layers, table_to_csv
-from esd_worker.store import Store
+from esd_worker.core.store.results import (
+    SUMMARY_FIELDS,
+    layers_from_csv,
+    summarize_layers,
+    table_to_csv,
+)
+from esd_worker.core.store.stores import Store
 
 # The statistics a marker's summary holds (and summarize_layers returns), defined by the worker.
 STAT_COLUMNS: tuple[str, ...] = SUMMARY_FIELDS
@@ -114,7 +119,7 @@ def _with_row(row: ModelRow, part: Mapping[str, Any]) -> dict[str, Any]:
 class KnownMarkers:
     """The summary parts of markers already read (by the run's plan), so that summary.csv is
     rebuilt without reading them again. Held as compact JSON, ~0.5 kB a model: a plan reads
-    at most controller.plan.VERIFY_LIMIT markers. Only markers with their own summary are
+    at most controller.run.plan.VERIFY_LIMIT markers. Only markers with their own summary are
     kept (older ones need their layer table read)."""
 
     def __init__(self) -> None:

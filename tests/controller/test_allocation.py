@@ -1,5 +1,6 @@
 """Tests of an inherited CUDA_VISIBLE_DEVICES as the sweep's GPU boundary: the parsing
-(controller.allocation) and the tracker that keeps to it (controller.gpus), with NVML's answers
+(controller.gpu.allocation) and the tracker that keeps to it (controller.gpu.gpus), with NVML's
+answers
 faked at the pynvml function boundary (tests/support/nvml.py), and one run through the local
 backend.
 """
@@ -11,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from controller.allocation import VARIABLE, Allocation, needs_uuids, parse_visible_devices
-from controller.backends.local import LocalBackend
+from controller.backends.local.backend import LocalBackend
 from controller.errors import EXIT_INFRA, EXIT_USAGE, InfrastructureError, SweepError
-from controller.gpus import (
+from controller.gpu.allocation import VARIABLE, Allocation, needs_uuids, parse_visible_devices
+from controller.gpu.gpus import (
     GpuSettings,
     GpuTracker,
     Nvml,
@@ -255,7 +256,7 @@ def test_no_allocated_gpu_with_device_auto_runs_on_the_cpu(
     value: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake = fake_box()
-    with caplog.at_level(logging.INFO, logger="controller.gpus"):
+    with caplog.at_level(logging.INFO, logger="controller.gpu.gpus"):
         assert tracker_in(value, fake) is None
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert infos == [f"CUDA_VISIBLE_DEVICES={value} leaves no GPU visible: running on the "
@@ -274,7 +275,7 @@ def test_no_allocated_gpu_with_device_cuda_is_an_infrastructure_error(value: str
 
 
 def test_open_tracker_logs_ignored_entries(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="controller.gpus"):
+    with caplog.at_level(logging.INFO, logger="controller.gpu.gpus"):
         tracker = tracker_in(f"{UUIDS[3]},7,1", fake_box())
     assert tracker is not None and tracker.gpus == (3,)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -12,7 +12,7 @@ import pytest
 
 from controller.cli import main
 from controller.errors import EXIT_USAGE
-from controller.runlog import HeldLog
+from controller.run.runlog import HeldLog
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 

@@ -1,4 +1,4 @@
-"""Tests of controller.commands: the custom-commands file, split like a shell without one."""
+"""Tests of controller.run.commands: the custom-commands file, split like a shell without one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.commands import read_commands
+from controller.run.commands import read_commands
 
 
 def test_read_commands_splits_lines_like_a_shell_without_one(tmp_path: Path) -> None:

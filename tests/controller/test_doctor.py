@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from controller.checks import FAIL, INFO, PASS, SKIP, Check, exit_status
 from controller.cli import build_parser, main
-from controller.doctor import PROBE_KEY, check_hf_token, check_store, diagnose
-from controller.doctor_local import Gpu, check_gpus, check_worker, judge_worker
-from controller.gpus import GpuSettings, Nvml, NvmlUnavailable
+from controller.doctor.checks import FAIL, INFO, PASS, SKIP, Check, exit_status
+from controller.doctor.doctor import PROBE_KEY, check_hf_token, check_store, diagnose
+from controller.doctor.local import Gpu, check_gpus, check_worker, judge_worker
+from controller.gpu.gpus import GpuSettings, Nvml, NvmlUnavailable
 from tests.support.hubserver import HubServer
 from tests.support.nvml import FakePynvml, fake_uuid
 from tests.support.s3server import S3Server, serve_s3

@@ -12,7 +12,7 @@ from controller.errors import (
     SweepError,
     describe_error,
 )
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     ModelListError,
     PermanentModelError,
     StoreError,

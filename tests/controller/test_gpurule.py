@@ -1,4 +1,4 @@
-"""Tests of controller.gpurule: the single-GPU estimate, the count it gives, the flag's values.
+"""Tests of controller.gpu.gpurule: the single-GPU estimate, the count it gives, the flag's values.
 
 The estimate's anchors are the issue's figures (an H100 eigensolves a 4096² Gram in 89 ms;
 a 70B Llama is ~6 GPU-minutes, a 405B ~72), recomputed here from the measured 89 ms and the
@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from controller.gpurule import (
+from controller.gpu.gpurule import (
     GpuRule,
     WeightShape,
     describe,

@@ -1,4 +1,4 @@
-"""Tests of controller.gpus: GPU free-ness from NVML readings, faked at the pynvml boundary.
+"""Tests of controller.gpu.gpus: GPU free-ness from NVML readings, faked at the pynvml boundary.
 
 The fake module has the pynvml functions the adapter calls (nvmlInit, nvmlShutdown,
 nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo, nvmlDeviceGetUUID,
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from controller.gpus import (
+from controller.gpu.gpus import (
     GpuSettings,
     GpuState,
     GpuTracker,
@@ -303,7 +303,7 @@ def test_unreadable_gpu_counts_as_busy_until_it_reads_again(
     tracker, fake = make_tracker([[10.0], [10.0]], max_checks=2)
     tracker.poll()
     fake.fail_reads.add(0)
-    with caplog.at_level(logging.WARNING, logger="controller.gpus"):
+    with caplog.at_level(logging.WARNING, logger="controller.gpu.gpus"):
         poll(tracker, 3)
     assert [r.getMessage() for r in caplog.records].count(
         "gpu=0 cannot be read, treated as busy: NVML could not read GPU 0: GPU is lost"
@@ -332,7 +332,7 @@ def test_open_nvml_without_a_driver_is_none_with_one_info_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     fake = FakePynvml([[0.0]], init_error="NVML Shared Library Not Found")
-    with caplog.at_level(logging.INFO, logger="controller.gpus"):
+    with caplog.at_level(logging.INFO, logger="controller.gpu.gpus"):
         assert open_nvml(fake) is None
     assert [r.getMessage() for r in caplog.records] == [
         "no GPU: NVML could not start (no NVIDIA driver?): NVML Shared Library Not Found"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.echo import SHOWN_LINES
+from esd_worker.core.echo import SHOWN_LINES
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""One sweep at a time writes an output (controller.lease): a second one exits 2 naming the
+"""One sweep at a time writes an output (controller.output.lease): a second one exits 2 naming the
 first, or waits with --wait-lock; a crashed holder frees a local output at once and an S3
 one once its lease expires; and the store, not a read-then-write, decides between two
 sweeps that take an S3 lease at the same moment.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.lease import (
+from controller.output.lease import (
     EXPIRED,
     FREE,
     HELD,
@@ -41,16 +41,16 @@ from controller.lease import (
     observe,
     take_lease,
 )
-from esd_worker.layout import LEASE_KEY
-from esd_worker.s3 import S3Store
-from esd_worker.store import LocalStore, open_store
+from esd_worker.core.store.layout import LEASE_KEY
+from esd_worker.core.store.s3 import S3Store
+from esd_worker.core.store.stores import LocalStore, open_store
 from tests.support import REPO_ROOT
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 HOLD = textwrap.dedent("""
     import sys
-    from controller.lease import take_lease
-    from esd_worker.store import open_store
+    from controller.output.lease import take_lease
+    from esd_worker.core.store.stores import open_store
 
     lease = take_lease(open_store(sys.argv[1]), command="esd-sweep run", run_id="holder-run",
                        ttl_s=float(sys.argv[2]))

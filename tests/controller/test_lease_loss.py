@@ -1,6 +1,7 @@
 """A sweep whose S3 lease is lost while it runs (paused past the TTL, cut off from the store,
 then taken over): it stops dispatching, records nothing more and exits 3
-(controller.tenure, controller.lease). S3 is moto's server over HTTP through real boto3;
+(controller.output.tenure, controller.output.lease). S3 is moto's server over HTTP through real
+boto3;
 the workers are the protocol's stand-in (tests/support/served_worker.py).
 """
 
@@ -15,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.local import LocalSettings
+from controller.backends.local.backend import LocalSettings
 from controller.errors import EXIT_INFRA
-from controller.lease import observe
+from controller.output.lease import observe
+from controller.output.tenure import LeaseLostError, Tenure
+from controller.run.sweep import run_sweep
 from controller.settings import SweepSettings
-from controller.sweep import run_sweep
-from controller.tenure import LeaseLostError, Tenure
-from esd_worker.layout import LEASE_KEY
+from esd_worker.core.store.layout import LEASE_KEY
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 

@@ -1,4 +1,4 @@
-"""controller.plan.ListPlan: the model list as a stream, its counts, its verify limit, its work.
+"""controller.run.plan.ListPlan: the model list as a stream, its counts, its verify limit, its work.
 
 The counts come from one pass over the list (scan); the states from another (classify):
 they must agree in every situation the plan knows, including the one where more markers
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from controller.plan import DONE, SKIPPED, STALE, TODO, KeySet, ListPlan
-from esd_worker.layout import Marker, marker_key, model_file_key, write_model_result
-from esd_worker.modellist import ListFile, ModelRow, RowProblem
-from esd_worker.store import Store, open_store
+from controller.run.plan import DONE, SKIPPED, STALE, TODO, KeySet, ListPlan
+from esd_worker.core.models.modellist import ListFile, ModelRow, RowProblem
+from esd_worker.core.store.layout import Marker, marker_key, model_file_key, write_model_result
+from esd_worker.core.store.stores import Store, open_store
 from tests.controller.test_plan import (
     OTHER_PARAMS,
     PARAMS,

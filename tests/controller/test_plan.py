@@ -1,4 +1,5 @@
-"""Tests of controller.plan: done iff a marker with the same parameters; stale, overwrite, skip."""
+"""Tests of controller.run.plan: done iff a marker with the same parameters; stale, overwrite,
+skip."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from controller.plan import Plan, plan_run
-from esd_worker.layout import Marker, marker_key
-from esd_worker.modellist import ModelRow
-from esd_worker.records import FailureRecord, write_failure
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import LocalStore, Store
+from controller.run.plan import Plan, plan_run
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import Marker, marker_key
+from esd_worker.core.store.records import FailureRecord, write_failure
+from esd_worker.core.store.stores import LocalStore, Store
 
 PARAMS = AnalysisSettings().as_dict()
 OTHER_PARAMS = AnalysisSettings(fix_fingers="DKS").as_dict()
@@ -175,7 +176,7 @@ def test_corrupt_marker_is_not_done_and_warned(
 ) -> None:
     write_marker(store, A)
     store.put_bytes(f"{B.key}/result.json", content)
-    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.core.store.layout"):
         plan = plan_run([A, B], store, PARAMS)
     assert refs(plan.done) == ["org/a"]
     assert refs(plan.todo) == ["org/b@main"]

@@ -1,4 +1,5 @@
-"""Tests of controller.recorder: outcomes become failure records (or clear them) in a real store,
+"""Tests of controller.run.recorder: outcomes become failure records (or clear them) in a real
+store,
 and a worker's "done" counts only with a marker in the store."""
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome, Task
-from controller.recorder import Recorder
-from esd_worker.layout import Marker, marker_key
-from esd_worker.modellist import ModelRow
-from esd_worker.records import FailureRecord, read_failures, write_failure
-from esd_worker.store import LocalStore
+from controller.run.recorder import Recorder
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.layout import Marker, marker_key
+from esd_worker.core.store.records import FailureRecord, read_failures, write_failure
+from esd_worker.core.store.stores import LocalStore
 
 ROW = ModelRow("org/m", None, "", None)
 
@@ -67,7 +68,7 @@ def test_failure_is_recorded_redacted_and_logged_with_where(
     token = "hf_" + "a" * 30
     outcome = make_outcome(Task.for_model(ROW), "failed", attempts=3, where="pod=ns/p node=n1",
                            stderr_tail=(f"401 for token {token}",))
-    with caplog.at_level(logging.ERROR, logger="controller.recorder"):
+    with caplog.at_level(logging.ERROR, logger="controller.run.recorder"):
         Recorder(store, "run")(outcome)
     record = read_failures(store)[ROW.key]
     assert (record.attempts, record.exit_code, record.retryable) == (3, 3, False)

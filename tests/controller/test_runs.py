@@ -1,4 +1,4 @@
-"""Tests of controller.runs: the run report (runs/<run_id>.json) and run ids."""
+"""Tests of controller.run.runs: the run report (runs/<run_id>.json) and run ids."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.runs import new_run_id, write_run_report
-from esd_worker.layout import LayoutError, run_report_key
-from esd_worker.store import LocalStore
+from controller.run.runs import new_run_id, write_run_report
+from esd_worker.core.store.layout import LayoutError, run_report_key
+from esd_worker.core.store.stores import LocalStore
 
 
 @pytest.fixture

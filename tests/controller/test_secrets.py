@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.naming import model_key
+from esd_worker.core.models.naming import model_key
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Tests of controller.shards: resource classes, units, shard counts, packing, shard CSVs."""
+"""Tests of controller.backends.kubernetes.sharded.plan: resource classes, units, shard counts,
+packing, shard CSVs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.shards import (
+from controller.backends.kubernetes.sharded.plan import (
     GIB,
     SMALL_BYTES,
     Item,
@@ -28,7 +29,7 @@ from controller.shards import (
     target_bytes,
     units,
 )
-from esd_worker.modellist import ModelRow, base_first, parse_ref, read_model_list
+from esd_worker.core.models.modellist import ModelRow, base_first, parse_ref, read_model_list
 
 MB = 10**6
 GB = 10**9

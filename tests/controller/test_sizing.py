@@ -1,4 +1,5 @@
-"""Tests of controller.sizing: model sizes from the list's column, local directories and the hub.
+"""Tests of controller.weights.sizing: model sizes from the list's column, local directories and
+the hub.
 
 The hub is tests.support.hubserver's double over real HTTP (its model-info route with blobs);
 waits go through an injected clock and sleep (FakeTime), so retries and the rate limit are
@@ -19,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from controller.sizing import SIZE_COLUMN, RateLimiter, Sizer, SizeStats, weight_files
-from esd_worker.modellist import ModelRow, parse_ref
+from controller.weights.sizing import SIZE_COLUMN, RateLimiter, Sizer, SizeStats, weight_files
+from esd_worker.core.models.modellist import ModelRow, parse_ref
 from tests.support.hubserver import HubServer, Request
 
 DEFAULT = 7777  # the default size in these tests: no real size equals it
@@ -157,7 +158,8 @@ WEIGHT_CASES = {
 @pytest.mark.parametrize(("names", "adapter", "expected"), WEIGHT_CASES.values(),
                          ids=WEIGHT_CASES.keys())
 def test_weight_files(names: list[str], adapter: bool, expected: list[str]) -> None:
-    """What the worker downloads (esd_worker.resolve._choose_files): a repo's duplicate formats
+    """What the worker downloads (esd_worker.fetch.resolve._choose_files): a repo's duplicate
+    formats
     and training state do not count."""
     assert weight_files(names, adapter=adapter) == expected
 
@@ -188,7 +190,7 @@ def test_bad_column_falls_through_to_the_hub(hub: HubServer, org: str, fake_time
     sizer = make_sizer(hub, fake_time)
     rows = [make_row(f"{org}/{name}", metadata={SIZE_COLUMN: "lots"})
             for name in ("model", "other")]
-    with caplog.at_level(logging.WARNING, logger="controller.sizing"):
+    with caplog.at_level(logging.WARNING, logger="controller.weights.sizing"):
         assert [sizer.size(r) for r in rows] == [300, DEFAULT]
     assert sum("is not a size" in r.getMessage() for r in caplog.records) == 1  # once
 
@@ -210,7 +212,7 @@ def test_a_bad_size_cell_is_unknown_and_said_once(
     and the cell."""
     sizer = make_sizer(NO_HUB, fake_time, offline=True)
     rows = [make_row(f"org/m{i}", metadata={SIZE_COLUMN: cell}, line=i + 2) for i in range(3)]
-    with caplog.at_level(logging.WARNING, logger="controller.sizing"):
+    with caplog.at_level(logging.WARNING, logger="controller.weights.sizing"):
         assert [sizer.size(r) for r in rows] == [DEFAULT] * 3
     (warning,) = [r.getMessage() for r in caplog.records if SIZE_COLUMN in r.getMessage()]
     assert warning.startswith(f"line 2: {SIZE_COLUMN} '{cell[:20]}")
@@ -343,7 +345,7 @@ def test_hub_down_stops_lookups(hub: HubServer, org: str, fake_time: FakeTime, t
     for i in range(8):
         hub.fail(f"{org}/m{i}", 503, times=None, on="api")
     sizer = make_sizer(hub, fake_time)
-    with caplog.at_level(logging.WARNING, logger="controller.sizing"):
+    with caplog.at_level(logging.WARNING, logger="controller.weights.sizing"):
         sizes = [sizer.size(make_row(f"{org}/m{i}")) for i in range(8)]
     assert sizes == [DEFAULT] * 8
     assert len(api_requests(hub, org, 5 * 4)) == 5 * 4
@@ -382,7 +384,7 @@ def test_lookup_limit(hub: HubServer, org: str, fake_time: FakeTime, tmp_path: P
     for i in range(5):
         add_repo(hub, tmp_path, f"{org}/m{i}", {"model.safetensors": 10 + i})
     sizer = make_sizer(hub, fake_time, lookup_limit=2)
-    with caplog.at_level(logging.INFO, logger="controller.sizing"):
+    with caplog.at_level(logging.INFO, logger="controller.weights.sizing"):
         sizes = [sizer.size(make_row(f"{org}/m{i}")) for i in range(5)]
         sizer.log_stats()
     assert sizes == [10, 11, DEFAULT, DEFAULT, DEFAULT]

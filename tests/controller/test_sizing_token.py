@@ -1,4 +1,5 @@
-"""controller.sizing's hub token: sent as a bearer token, never logged, taken from HF_TOKEN, and
+"""controller.weights.sizing's hub token: sent as a bearer token, never logged, taken from
+HF_TOKEN, and
 never sent to another host after a redirect. These need the request headers, which the hub
 double does not keep: a small header-recording server (HeaderServer) stands in for it.
 """

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.layout import Marker, marker_key, write_model_result
-from esd_worker.modellist import ModelRow
-from esd_worker.naming import model_key
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import LocalStore
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import Marker, marker_key, write_model_result
+from esd_worker.core.store.stores import LocalStore
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.naming import model_key
+from esd_worker.core.models.naming import model_key
 from tests.support import REPO_ROOT
 from tests.support.builders import make_gpt2
 from tests.support.s3server import S3Server, serve_s3

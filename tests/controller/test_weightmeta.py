@@ -1,4 +1,5 @@
-"""Tests of controller.weightmeta: weight shapes before download, and the GPU count from them.
+"""Tests of controller.weights.weightmeta: weight shapes before download, and the GPU count from
+them.
 
 Safetensors files are written here, by hand (a header that claims big tensors with no data
 behind it: only the header is ever read) and once with the safetensors package (the real
@@ -21,9 +22,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from controller.gpurule import GpuRule, WeightShape, width_from_params
-from controller.sizing import Sizer
-from controller.weightmeta import (
+from controller.gpu.gpurule import GpuRule, WeightShape, width_from_params
+from controller.weights.sizing import Sizer
+from controller.weights.weightmeta import (
     FIRST_READ_BYTES,
     GpuCounts,
     HeaderError,
@@ -33,7 +34,7 @@ from controller.weightmeta import (
     parse_header,
     read_header,
 )
-from esd_worker.modellist import ModelRow, parse_ref
+from esd_worker.core.models.modellist import ModelRow, parse_ref
 from tests.controller.test_sizing import FakeTime, clean_env  # noqa: F401  (autouse fixture)
 from tests.support.hubserver import HubServer
 
@@ -279,7 +280,7 @@ def test_a_truncated_local_header_is_unknown_and_one_gpu(
     directory.mkdir()
     (directory / "model.safetensors").write_bytes((10**6).to_bytes(8, "little") + b'{"w":')
     counts = GpuCounts(GpuRule(), make_finder(None, FakeTime()), cap=8)
-    with caplog.at_level(logging.WARNING, logger="controller.weightmeta"):
+    with caplog.at_level(logging.WARNING, logger="controller.weights.weightmeta"):
         assert counts(make_row(str(directory))) == 1
     assert "cannot read its weights' shape" in caplog.text
     assert counts.stats == ShapeStats(unknown=1)

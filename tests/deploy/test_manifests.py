@@ -17,7 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from controller.lease import LEASE_TTL_S
+from controller.output.lease import LEASE_TTL_S
 from tests.support.kustomize import (
     _BINDINGS,
     KUSTOMIZATIONS,
@@ -249,7 +249,7 @@ def test_controller_job_shape(rendered: dict[str, list[Obj]]) -> None:
 
 def test_model_list_example_loads() -> None:
     """The example models.csv is a valid model list for the controller's own loader."""
-    from esd_worker.modellist import read_model_list
+    from esd_worker.core.models.modellist import read_model_list
 
     models = read_model_list(MANIFESTS / "components" / "model-list-configmap" / "models.csv")
     assert [r.relation for r in models.rows] == ["base", "base", "finetune"]
@@ -295,7 +295,7 @@ def test_gpu_exporter_daemonset(rendered: dict[str, list[Obj]], name: str) -> No
     assert labels[key] == value
     assert flags["--telemetry-port"] == str(port["containerPort"])
     # ...and the CLI's defaults find it too (`esd-sweep run` from a laptop, no flags).
-    from controller.backends.kubernetes.settings import (
+    from controller.backends.kubernetes.common.settings import (
         DEFAULT_TELEMETRY_PORT,
         DEFAULT_TELEMETRY_SELECTOR,
     )
@@ -352,7 +352,7 @@ def test_controller_args_parse_with_the_real_cli(
     `esd-sweep run` command line the real CLI accepts and validates (settings_from_args
     reports every bad value), every $(VAR) is defined, and the worker Job those settings
     build is schema-valid."""
-    from controller.backends.kubernetes.jobs import build_job
+    from controller.backends.kubernetes.common.jobs import build_job
     from controller.cli import build_parser, settings_from_args
 
     objs = rendered[name]

@@ -1,7 +1,7 @@
 """The manifests' RBAC allows exactly what the controller calls: nothing missing, nothing extra.
 
 What the controller calls is not written down by hand: every public method of
-controller.backends.kubernetes.client.KubeClient (the only code that talks to the API
+controller.backends.kubernetes.common.client.KubeClient (the only code that talks to the API
 server) is run against tests/support/kubesim.py's API server, which counts the requests it
 serves by (verb, resource), and the union is compared with the rules the manifests grant
 the controller's service account. A KubeClient method added later fails
@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from controller.backends.kubernetes.client import KubeClient, RetryPolicy
-from controller.backends.kubernetes.errors import KubePermissionError
-from controller.backends.kubernetes.jobs import JobSettings, build_job
-from controller.backends.kubernetes.names import managed_selector
-from esd_worker.naming import model_key
+from controller.backends.kubernetes.common.client import KubeClient, RetryPolicy
+from controller.backends.kubernetes.common.errors import KubePermissionError
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.names import managed_selector
+from esd_worker.core.models.naming import model_key
 from tests.support.kubesim import RESOURCES, KubeSim
 from tests.support.kustomize import KUSTOMIZATIONS, Obj, components_of, render_kustomization
 
@@ -32,7 +32,7 @@ MODEL = "openai-community/gpt2"
 # Resources without a namespace: permissions for them come from a ClusterRole.
 CLUSTER_SCOPED = frozenset({"nodes"})
 # The KubeClient methods the controller calls in the telemetry namespace
-# (controller.backends.kubernetes.placement lists the exporter pods there, then scrapes them
+# (controller.backends.kubernetes.common.placement lists the exporter pods there, then scrapes them
 # over HTTP, which RBAC does not cover).
 TELEMETRY_METHODS = frozenset({"list_pods"})
 # The KubeClient methods only a sweep with Kueue calls (why a Job is still suspended, from
@@ -186,7 +186,7 @@ def test_worker_gets_no_api_access() -> None:
 def test_a_denial_names_a_rule_the_role_has(sim: KubeSim, method: str,
                                             requests_by_method: dict[str, set[Perm]]) -> None:
     """When RBAC is missing a verb, the controller's message
-    (controller.backends.kubernetes.client) names the verb and resource to add, and that is
+    (controller.backends.kubernetes.common.client) names the verb and resource to add, and that is
     a rule the shipped Role grants: a user who trimmed the Role is told how to put back
     exactly what was taken out."""
     (perm,) = requests_by_method[method]

@@ -19,10 +19,10 @@ import yaml
 from ruamel.yaml import YAML
 
 from controller.backends.base import WorkerSpec
-from controller.backends.kubernetes.indexed import build_indexed_job
-from controller.backends.kubernetes.jobs import JobSettings, build_job
-from controller.backends.kubernetes.yamlout import jobs_to_yaml
-from esd_worker.naming import model_key, split_model_ref
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from controller.backends.kubernetes.sharded.indexed import build_indexed_job
+from esd_worker.core.models.naming import model_key, split_model_ref
 
 RUN = "20261123T070501Z-3fa9c2"
 OUTPUT = "s3://esd-results/atlas"

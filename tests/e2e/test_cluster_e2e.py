@@ -25,8 +25,8 @@ NAMESPACE = os.environ.get("ESD_E2E_NAMESPACE", "esd-sweep")
 
 def test_rbac_allows_what_the_controller_calls() -> None:
     """The controller's reads work in the namespace (list jobs, pods, events)."""
-    from controller.backends.kubernetes.client import load_client
-    from controller.backends.kubernetes.names import managed_selector
+    from controller.backends.kubernetes.common.client import load_client
+    from controller.backends.kubernetes.common.names import managed_selector
 
     with load_client() as kube:
         kube.list_jobs(NAMESPACE, managed_selector())

@@ -1,4 +1,5 @@
-"""Speculative spectra (esd_worker.speculate): computed while discovery runs, they change nothing
+"""Speculative spectra (esd_worker.analysis.speculate): computed while discovery runs, they change
+nothing
 in the results. The same model analysed with speculation off and complete (every candidate
 speculated, whatever the timing) writes byte-identical layers.csv and identical eigenvalues;
 merged, replaced, non-finite and too-small layers go through the normal path; and with the
@@ -16,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analyze import analyse_model_with
-from esd_worker.results import eigs_from_npz
-from esd_worker.settings import AnalysisSettings, WorkerSettings
-from esd_worker.speculate import speculation_mode
+from esd_worker.analysis.analyze import analyse_model_with
+from esd_worker.analysis.speculate import speculation_mode
+from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+from esd_worker.core.store.results import eigs_from_npz
 from tests.support.builders import (
     make_llama,
     make_lora_adapter,

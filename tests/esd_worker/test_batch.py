@@ -13,24 +13,15 @@ from typing import Any
 
 import pytest
 
-from esd_worker.batch import Batch, BatchSettings, Tally, _fatal_cuda
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     GpuOutOfMemoryError,
     PermanentModelError,
     StoreError,
     Terminated,
     UsageError,
 )
-from esd_worker.inbox import Inbox
-from esd_worker.layout import (
-    Marker,
-    attempt_key,
-    failure_key,
-    model_file_key,
-    write_model_result,
-)
-from esd_worker.modellist import ModelRow, base_first
-from esd_worker.protocol import (
+from esd_worker.core.models.modellist import ModelRow, base_first
+from esd_worker.core.protocol import (
     DRAIN,
     MODEL_BEGIN,
     MODEL_END,
@@ -40,9 +31,18 @@ from esd_worker.protocol import (
     parse_op,
     result_from,
 )
-from esd_worker.records import FailureRecord
-from esd_worker.settings import WorkerSettings
-from esd_worker.store import LocalStore, Store
+from esd_worker.core.settings import WorkerSettings
+from esd_worker.core.store.layout import (
+    Marker,
+    attempt_key,
+    failure_key,
+    model_file_key,
+    write_model_result,
+)
+from esd_worker.core.store.records import FailureRecord
+from esd_worker.core.store.stores import LocalStore, Store
+from esd_worker.serve.batch import Batch, BatchSettings, Tally, _fatal_cuda
+from esd_worker.serve.inbox import Inbox
 
 # -- protocol ---------------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class Analyses:
 
     def __call__(self, settings: WorkerSettings, store: Store, key: str) -> None:
         self.calls.append(settings.model)
-        logging.getLogger("esd_worker.analyze").info("analysing %s", settings.model)
+        logging.getLogger("esd_worker.analysis.analyze").info("analysing %s", settings.model)
         error = self.behaviour.get(settings.model)
         if error is not None:
             raise error
@@ -216,7 +216,8 @@ def test_a_failed_model_gets_the_controllers_record_and_the_next_one_runs(
     assert (record.exit_code, record.retryable, record.attempts, record.run_id) == (
         exit_code, retryable, 2, "run-7")
     assert record.error == results[0].error
-    assert record.time.endswith("+00:00")  # the controller's format (esd_worker.records.utc_now)
+    # the controller's format (esd_worker.core.store.records.utc_now)
+    assert record.time.endswith("+00:00")
     assert any("analysing bad" in line for line in record.stderr_tail)
     assert record.stderr_tail[-1].startswith("esd-worker: error: ")
     assert tally.exit_code == (4 if retryable else 3)

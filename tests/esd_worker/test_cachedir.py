@@ -1,4 +1,4 @@
-"""esd_worker.cachedir: the workers' own download directory. Real folders and real flock
+"""esd_worker.fetch.cachedir: the workers' own download directory. Real folders and real flock
 locks; two CacheDir objects in one process are two workers (flock locks belong to open
 files, not processes), and one test holds a repo from another process to show that too."""
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.cachedir import STATE_DIR, CacheDir
-from esd_worker.errors import TransientError
+from esd_worker.core.errors import TransientError
+from esd_worker.fetch.cachedir import STATE_DIR, CacheDir
 from tests.support import REPO_ROOT
 
 REPO = "org/model"
@@ -123,7 +123,7 @@ def test_a_stuck_eviction_is_a_transient_error_after_the_deadline(tmp_path: Path
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from esd_worker.cachedir import CacheDir
+from esd_worker.fetch.cachedir import CacheDir
 CacheDir(Path(sys.argv[1])).hold(sys.argv[2])
 print("held", flush=True)
 sys.stdin.read()

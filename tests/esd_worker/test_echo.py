@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from esd_worker.echo import ECHO_CHARS, LineCap, echo, has_control, quoted
+from esd_worker.core.echo import ECHO_CHARS, LineCap, echo, has_control, quoted
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ from esd_worker.echo import ECHO_CHARS, LineCap, echo, has_control, quoted
 def test_echo_is_one_line_without_secrets(value: str, expected: str) -> None:
     """Control characters become the escapes Python's repr uses (\\n, \\x1b, \\u2028), so
     a value can never start a line of its own; printable text, non-ASCII included, is kept
-    as the user wrote it; URL userinfo is redacted as esd_worker.redact does."""
+    as the user wrote it; URL userinfo is redacted as esd_worker.core.redact does."""
     shown = echo(value)
     assert shown == expected
     assert not has_control(shown) and len(shown.splitlines()) == 1

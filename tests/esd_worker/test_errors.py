@@ -1,10 +1,11 @@
-"""Tests of esd_worker.errors: what a worker exit status (or a signal) means to whoever ran it."""
+"""Tests of esd_worker.core.errors: what a worker exit status (or a signal) means to whoever ran
+it."""
 
 from __future__ import annotations
 
 import pytest
 
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     GpuOutOfMemoryError,
     PermanentModelError,
     StoreError,

@@ -1,4 +1,4 @@
-"""esd_worker.files: open_regular opens or creates a regular file, anything else planted at the
+"""esd_worker.core.files: open_regular opens or creates a regular file, anything else planted at the
 name is refused without touching what it points at, a FIFO does not hang, and with owned=True
 another user's file is refused; write_atomic writes a file whole without ever writing
 through a link planted at its name or at its temporary name."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker import files
-from esd_worker.files import NotOwnedFileError, NotRegularFileError, open_regular, write_atomic
+from esd_worker.core import files
+from esd_worker.core.files import NotOwnedFileError, NotRegularFileError, open_regular, write_atomic
 
 APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND
 TARGET = b"someone else's file\n"

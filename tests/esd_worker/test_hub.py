@@ -1,4 +1,5 @@
-"""The worker's hub adapter (esd_worker.resolve / esd_worker.hub) against a local hub double
+"""The worker's hub adapter (esd_worker.fetch.resolve / esd_worker.fetch.hub) against a local hub
+double
 (tests.support.hubserver) through the real huggingface_hub client.
 
 huggingface_hub reads HF_ENDPOINT and HF_HUB_OFFLINE once, at import (and CI exports
@@ -20,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from esd_worker.errors import PermanentModelError, TransientError
-from esd_worker.hub import RetryPolicy, classify_hub_error, repo_cache_dir
+from esd_worker.core.errors import PermanentModelError, TransientError
+from esd_worker.fetch.hub import RetryPolicy, classify_hub_error, repo_cache_dir
 from tests.support import REPO_ROOT
 from tests.support.hubserver import HubServer
 
@@ -32,8 +33,8 @@ FAST = {"attempts": 4, "backoff_s": 0.05}  # our retries, without the waits of p
 _CLIENT = r"""
 import json, os, sys, time
 from pathlib import Path
-from esd_worker.errors import WorkerError
-from esd_worker.resolve import RetryPolicy, model_files, resolve_model
+from esd_worker.core.errors import WorkerError
+from esd_worker.fetch.resolve import RetryPolicy, model_files, resolve_model
 
 job = json.loads(sys.argv[1])
 retry = RetryPolicy(**job["retry"]) if job.get("retry") else None

@@ -1,5 +1,5 @@
-"""The worker's hub rate limit: esd_worker.ratelimit's token bucket on an injected clock, the
-429 hold as esd_worker.hub's retries apply it, `--hub-rate` on the command line, and a real
+"""The worker's hub rate limit: esd_worker.core.ratelimit's token bucket on an injected clock, the
+429 hold as esd_worker.fetch.hub's retries apply it, `--hub-rate` on the command line, and a real
 `esd-worker --hub-rate 5` against the hub double (tests/support/hubserver.py), timed from the
 double's request log.
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from esd_worker.cli import build_parser
-from esd_worker.errors import WorkerError
-from esd_worker.hub import RetryPolicy, set_rate_limit, with_retries
-from esd_worker.ratelimit import TokenBucket
+from esd_worker.core.errors import WorkerError
+from esd_worker.core.ratelimit import TokenBucket
+from esd_worker.fetch.hub import RetryPolicy, set_rate_limit, with_retries
 from tests.support import REPO_ROOT
 from tests.support.builders import make_llama, worker_command
 from tests.support.hubserver import HubServer
@@ -133,12 +133,13 @@ def test_bad_bucket(rate: float, burst: float | None, initial: float) -> None:
         TokenBucket(rate, burst=burst, initial=initial)
 
 
-# --- esd_worker.hub: a token per request, a 429 holds them all ---------------------------------
+# --- esd_worker.fetch.hub: a token per request, a 429 holds them all
+# ---------------------------------
 
 
 @pytest.fixture
 def limited() -> Iterator[tuple[TokenBucket, FakeClock]]:
-    """A rate limit of 10 a second (full) in force for esd_worker.hub, removed after."""
+    """A rate limit of 10 a second (full) in force for esd_worker.fetch.hub, removed after."""
     clock = FakeClock()
     limiter = bucket(10.0, clock, initial=10.0)
     previous = set_rate_limit(limiter)

@@ -1,4 +1,4 @@
-"""Tests of esd_worker.powerlaw.layer_metrics: the per-layer columns of docs/metrics.md."""
+"""Tests of esd_worker.core.powerlaw.layer_metrics: the per-layer columns of docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from esd_worker import powerlaw
-from esd_worker.powerlaw import (
+from esd_worker.core import powerlaw
+from esd_worker.core.powerlaw import (
     METRIC_COLUMNS,
     alpha_ks_all,
     fit_power_law,
@@ -121,7 +121,7 @@ def test_log_alpha_norm_does_not_overflow() -> None:
 
 def test_module_does_not_import_torch() -> None:
     """`refit` runs where torch is absent: powerlaw must stay numpy-only."""
-    code = "import sys, esd_worker.powerlaw; sys.exit('torch' in sys.modules)"
+    code = "import sys, esd_worker.core.powerlaw; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from esd_worker.layers import match_by_suffix, suffix_index
+from esd_worker.analysis.layers import match_by_suffix, suffix_index
 from tests.support.builders import (
     WorkerResult,
     make_bert,

@@ -1,4 +1,5 @@
-"""Tests of esd_worker.layout: store keys, the typed marker (JSON round trip, schema check) and
+"""Tests of esd_worker.core.store.layout: store keys, the typed marker (JSON round trip, schema
+check) and
 marker-last writing."""
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from esd_worker.errors import StoreError
-from esd_worker.layout import (
+from esd_worker.core.errors import StoreError
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import (
     EIGS_NAME,
     MARKER_SCHEMA,
     BaseModelRef,
@@ -41,8 +43,7 @@ from esd_worker.layout import (
     summary_key,
     write_model_result,
 )
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import LocalStore
+from esd_worker.core.store.stores import LocalStore
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "..", "."])
@@ -197,7 +198,7 @@ def test_a_marker_of_another_folder_is_not_this_folders(
     """A marker copied (or forged) into folder `b` still says `a`: its names would lead to
     a's files, so `b` has no readable marker (and runs again)."""
     store.put_bytes(marker_key("b"), make_marker("a").to_json())
-    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.core.store.layout"):
         assert read_marker(store, "b") is None
     assert "its model_key 'a' is not its folder's" in caplog.text
 
@@ -212,7 +213,7 @@ def test_read_markers_reads_missing_and_corrupt_as_none(
 ) -> None:
     store.put_bytes(marker_key("a"), make_marker("a").to_json())
     store.put_bytes(marker_key("b"), b"{broken")
-    with caplog.at_level(logging.WARNING, logger="esd_worker.layout"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.core.store.layout"):
         markers = read_markers(store, ["a", "b", "c", "a"], threads=2)
     assert list(markers) == ["a", "b", "c"]
     assert markers["a"] == make_marker("a") == read_marker(store, "a")

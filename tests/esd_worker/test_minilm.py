@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from esd_worker.naming import model_key
-from esd_worker.powerlaw import layer_metrics
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.powerlaw import layer_metrics
 from tests.support.builders import (
     MINILM_LINEAR_LAYERS,
     BackgroundRun,

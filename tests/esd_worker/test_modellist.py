@@ -1,4 +1,5 @@
-"""Tests of esd_worker.modellist: both CSV layouts, ids and revisions, one problem per bad row."""
+"""Tests of esd_worker.core.models.modellist: both CSV layouts, ids and revisions, one problem per
+bad row."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.modellist import (
+from esd_worker.core.models.modellist import (
     ADAPTER_RELATIONS,
     RELATIONS,
     ModelList,
@@ -20,7 +21,7 @@ from esd_worker.modellist import (
     repo_id_problem,
     revision_problem,
 )
-from esd_worker.naming import model_key
+from esd_worker.core.models.naming import model_key
 from tests.support.modellist import GOOD, HEADER, make_model_row, write_list
 
 # --- builders -------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ def test_parse_ref(ref: str, model_id: str, revision: str | None) -> None:
 )
 def test_parse_ref_makes_local_paths_absolute(in_work_dir: Path, ref: str, model_id: str) -> None:
     """A path is keyed by the directory it names, wherever the list is read
-    (esd_worker.naming.local_path), with no revision even when a name has an '@'."""
+    (esd_worker.core.models.naming.local_path), with no revision even when a name has an '@'."""
     assert parse_ref(ref) == (model_id.format(tmp=in_work_dir), None, None)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.modellist import (
+from esd_worker.core.models.modellist import (
     ADAPTER_RELATIONS,
     read_model_list,
 )

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.echo import ECHO_CHARS
-from esd_worker.errors import ModelListError
-from esd_worker.modellist import make_single, read_model_list
+from esd_worker.core.echo import ECHO_CHARS
+from esd_worker.core.errors import ModelListError
+from esd_worker.core.models.modellist import make_single, read_model_list
 from tests.support.modellist import GOOD, HEADER, write_list
 
 PASSWORD = "PASSW0RD-xyz"

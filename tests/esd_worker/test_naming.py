@@ -1,4 +1,5 @@
-"""Tests of esd_worker.naming: model refs and the stable, short, DNS-friendly model_key."""
+"""Tests of esd_worker.core.models.naming: model refs and the stable, short, DNS-friendly
+model_key."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.naming import (
+from esd_worker.core.models.naming import (
     KEY_MAX,
     is_local_path,
     local_path,

@@ -1,4 +1,4 @@
-"""Tests of esd_worker.powerlaw against docs/metrics.md: fit formulas, xmin choice, metrics."""
+"""Tests of esd_worker.core.powerlaw against docs/metrics.md: fit formulas, xmin choice, metrics."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from decimal import localcontext
 import numpy as np
 import pytest
 
-from esd_worker import powerlaw
-from esd_worker.powerlaw import (
+from esd_worker.core import powerlaw
+from esd_worker.core.powerlaw import (
     FIX_FINGERS,
     PowerLawFit,
     alpha_ks_all,

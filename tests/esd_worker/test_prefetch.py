@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from esd_worker.cachedir import CacheDir
+from esd_worker.fetch.cachedir import CacheDir
 from tests.support import REPO_ROOT
 from tests.support.builders import make_llama, make_lora_adapter, worker_command
 from tests.support.hubserver import HubServer

@@ -1,4 +1,5 @@
-"""Tests of esd_worker.records: failure records in a real LocalStore, exit classes, redaction."""
+"""Tests of esd_worker.core.store.records: failure records in a real LocalStore, exit classes,
+redaction."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.layout import FAILURES_PREFIX, failure_key
-from esd_worker.naming import model_key
-from esd_worker.records import (
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import FAILURES_PREFIX, failure_key
+from esd_worker.core.store.records import (
     FailureRecord,
     clear_failure,
     read_failures,
@@ -18,7 +19,7 @@ from esd_worker.records import (
     utc_now,
     write_failure,
 )
-from esd_worker.store import LocalStore
+from esd_worker.core.store.stores import LocalStore
 
 # --- builders -------------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ def test_read_failures_skips_corrupt_and_foreign_files(
     store.put_bytes("_failures/notes.txt", b"hello")
     store.put_bytes("_failures/nested/deeper.json", make_record("org/n").to_json())
     store.put_bytes("org--x-1234/result.json", b"{}")
-    with caplog.at_level(logging.WARNING, logger="esd_worker.records"):
+    with caplog.at_level(logging.WARNING, logger="esd_worker.core.store.records"):
         assert read_failures(store) == {good.model_key: good}
     assert "_failures/broken.json" in caplog.text
     assert "_failures/partial.json" in caplog.text

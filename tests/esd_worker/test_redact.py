@@ -1,5 +1,5 @@
-"""Tests of esd_worker.redact and of the log setup that sends every line through it
-(esd_worker.logs): URL userinfo, known secret variables, token shapes; log files 0600.
+"""Tests of esd_worker.core.redact and of the log setup that sends every line through it
+(esd_worker.core.logs): URL userinfo, known secret variables, token shapes; log files 0600.
 
 Why the expected values are right: a secret is replaced whole by [REDACTED] and nothing
 around it changes, so a person still reads which URL, header or token it was; a line with
@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from esd_worker.logs import open_private, setup_logging
-from esd_worker.redact import REDACTED, Redactor, redact_data
+from esd_worker.core.logs import open_private, setup_logging
+from esd_worker.core.redact import REDACTED, Redactor, redact_data
 from tests.support import REPO_ROOT
 
 HF = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"  # the shape of a real HF token (hf_ + 34)
@@ -146,7 +146,7 @@ def test_open_private_tightens_a_readable_log_and_appends(tmp_path: Path) -> Non
 )
 def test_an_uncaught_exception_prints_its_traceback_redacted(code: str) -> None:
     """A bug's traceback still reaches the person (type, message, where), its secret not."""
-    script = f"from esd_worker.logs import setup_logging\nsetup_logging()\n{code}\n"
+    script = f"from esd_worker.core.logs import setup_logging\nsetup_logging()\n{code}\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=REPO_ROOT, timeout=60)
     assert "Traceback" in done.stderr and f"RuntimeError: s3://{REDACTED}@bucket/x" in done.stderr

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from esd_worker.errors import PermanentModelError, TransientError
-from esd_worker.naming import model_key
-from esd_worker.resolve import classify_hub_error, parse_model_ref, resolve_model
+from esd_worker.core.errors import PermanentModelError, TransientError
+from esd_worker.core.models.naming import model_key
+from esd_worker.fetch.resolve import classify_hub_error, parse_model_ref, resolve_model
 from tests.support.builders import BackgroundRun, CliResult
 from tests.support.hub import HUB_ADAPTER_REPO, HUB_MISSING_REPO, HUB_REPO, HubCache
 
@@ -194,13 +194,13 @@ def test_missing_from_cache_while_offline_is_permanent() -> None:
 def test_download_only_what_the_analysis_reads(files: list[str], expected: list[str]) -> None:
     """Online, the worker asks the hub for configs and one weight format only: never
     tokenizers, ONNX/GGUF variants, or .bin files next to safetensors."""
-    from esd_worker.resolve import _choose_files
+    from esd_worker.fetch.resolve import _choose_files
 
     assert _choose_files(files) == expected
 
 
 def test_repo_without_weights_is_unsupported() -> None:
-    from esd_worker.resolve import _choose_files
+    from esd_worker.fetch.resolve import _choose_files
 
     with pytest.raises(PermanentModelError, match="unsupported format"):
         _choose_files(["config.json", "model.gguf", "unet/diffusion_pytorch_model.safetensors"])

@@ -1,4 +1,5 @@
-"""Tests of esd_worker.results.summarize_layers: one model's numbers across its layers."""
+"""Tests of esd_worker.core.store.results.summarize_layers: one model's numbers across its
+layers."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from esd_worker.layout import Marker
-from esd_worker.results import (
+from esd_worker.core.store.layout import Marker
+from esd_worker.core.store.results import (
     SUMMARY_FIELDS,
     layers_from_csv,
     layers_to_csv,

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     EXIT_PERMANENT,
     EXIT_TRANSIENT,
     StoreError,
     StorePermanentError,
     UsageError,
 )
-from esd_worker.layout import EIGS_NAME, LAYERS_NAME, MARKER_NAME
-from esd_worker.results import layers_from_csv
-from esd_worker.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store
-from esd_worker.store import open_store
+from esd_worker.core.store.layout import EIGS_NAME, LAYERS_NAME, MARKER_NAME
+from esd_worker.core.store.results import layers_from_csv
+from esd_worker.core.store.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store
+from esd_worker.core.store.stores import open_store
 from tests.support.s3server import (
     PREFIX,
     S3Server,
@@ -487,8 +487,8 @@ def test_worker_exits_4_without_marker_when_the_store_dies(
     keys = s3_server.keys(run.bucket)  # the dead server's objects, through the live one
     assert [k.rsplit("/", 1)[1] for k in keys] == [LAYERS_NAME]  # not done: no result.json
 
-    from esd_worker.analyze import analyse_model
-    from esd_worker.settings import WorkerSettings
+    from esd_worker.analysis.analyze import analyse_model
+    from esd_worker.core.settings import WorkerSettings
 
     url = s3_server.url(run.bucket, PREFIX)
     marker = analyse_model(WorkerSettings(model=str(gpt2_dir), output=url, device="cpu"))

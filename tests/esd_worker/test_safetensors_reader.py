@@ -1,4 +1,5 @@
-"""esd_worker.weights.SafetensorsFile: the worker's own reader of .safetensors files (read per
+"""esd_worker.analysis.weights.SafetensorsFile: the worker's own reader of .safetensors files (read
+per
 tensor, not memory-mapped), checked against the safetensors package's loader on every dtype,
 on broken files, and under concurrent reads."""
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from esd_worker.weights import SafetensorsFile
+from esd_worker.analysis.weights import SafetensorsFile
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -1,4 +1,5 @@
-"""esd_worker.selfcheck and `esd-worker --self-check`: the device the analysis picks, one Gram +
+"""esd_worker.serve.selfcheck and `esd-worker --self-check`: the device the analysis picks, one
+Gram +
 eigvalsh on it, checked against float64 LAPACK, as one JSON line (what `esd-sweep doctor`
 reads). This machine has a CPU-only torch: --device cuda must be refused in the report, not
 fall back to the CPU."""
@@ -17,7 +18,8 @@ import pytest
 import torch
 
 from esd_worker import cli
-from esd_worker.selfcheck import (
+from esd_worker.analysis.spectra import Spectrum, compute_spectrum
+from esd_worker.serve.selfcheck import (
     SHAPE,
     TOLERANCE,
     max_relative_error,
@@ -26,7 +28,6 @@ from esd_worker.selfcheck import (
     run_self_check,
     self_check,
 )
-from esd_worker.spectra import Spectrum, compute_spectrum
 from tests.support import REPO_ROOT
 
 NO_CUDA = not torch.cuda.is_available()

@@ -1,4 +1,5 @@
-"""Tests of esd_worker.spectra: the float32 and float64 Gram paths against SVD, the SVD fallback,
+"""Tests of esd_worker.analysis.spectra: the float32 and float64 Gram paths against SVD, the SVD
+fallback,
 layouts."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
-from esd_worker.powerlaw import layer_metrics
-from esd_worker.spectra import as_matrices, compute_spectrum, gram_eigenvalues
-from esd_worker.weights import Checkpoint
+from esd_worker.analysis.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
+from esd_worker.analysis.spectra import as_matrices, compute_spectrum, gram_eigenvalues
+from esd_worker.analysis.weights import Checkpoint
+from esd_worker.core.powerlaw import layer_metrics
 from tests.support.builders import MINILM_LINEAR_LAYERS, minilm_path
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -199,7 +200,8 @@ def test_unknown_precision_is_refused() -> None:
 def test_conv1d_is_transposed_linear(precision: str, n_in: int, n_out: int) -> None:
     """GPT-2's Conv1D stores (in x out): M, N are out x in, the singular values those of the
     transposed Linear; and the spectrum is bit for bit that of a Linear layer holding the same
-    stored tensor (the speculative spectra of esd_worker.speculate rely on it), square or not."""
+    stored tensor (the speculative spectra of esd_worker.analysis.speculate rely on it), square or
+    not."""
     w = make_weight(n_in, n_out, kind="heavy", seed=5)
     conv1d = compute_spectrum(w, CONV1D, precision=precision)
     transposed = compute_spectrum(w.t().contiguous(), LINEAR, precision=precision)

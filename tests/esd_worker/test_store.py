@@ -1,4 +1,5 @@
-"""Tests of esd_worker.store: the LocalStore contract and output-URL parsing (no network)."""
+"""Tests of esd_worker.core.store.stores: the LocalStore contract and output-URL parsing (no
+network)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.errors import (
+from esd_worker.core.errors import (
     EXIT_PERMANENT,
     EXIT_TRANSIENT,
     EXIT_USAGE,
@@ -20,7 +21,7 @@ from esd_worker.errors import (
     StorePathError,
     UsageError,
 )
-from esd_worker.store import (
+from esd_worker.core.store.stores import (
     LocalStore,
     Store,
     local_store_error,
@@ -303,8 +304,8 @@ def test_userinfo_is_never_echoed_for_other_schemes() -> None:
 
 
 def test_store_module_does_not_import_boto3() -> None:
-    """`import esd_worker.store` stays cheap: boto3 only when an s3:// URL is opened."""
-    code = ("import sys, esd_worker.store; "
+    """`import esd_worker.core.store.stores` stays cheap: boto3 only when an s3:// URL is opened."""
+    code = ("import sys, esd_worker.core.store.stores; "
             "print(sorted(m for m in ('boto3', 'botocore', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

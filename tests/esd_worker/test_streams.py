@@ -1,4 +1,5 @@
-"""One model's layers over several analysis streams (esd_worker.streams): on the CPU, with one,
+"""One model's layers over several analysis streams (esd_worker.analysis.streams): on the CPU, with
+one,
 two or three "devices" (torch.device("cpu") each, one stream per entry), the worker writes the
 same layers.csv and eigs.npz, bit for bit, as with one; rows stay in the model's layer order
 whichever stream finishes first; the first failure stops every stream; the devices chosen
@@ -20,19 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analyze import _Analysis, analyse_model_with
-from esd_worker.errors import (
-    GpuOutOfMemoryError,
-    PermanentModelError,
-    UsageError,
-    exit_code_for,
-    failure_message,
-)
-from esd_worker.layers import CONV2D, LINEAR, LayerMap, LayerSpec
-from esd_worker.resolve import ResolvedModel
-from esd_worker.results import eigs_from_npz
-from esd_worker.settings import AnalysisSettings, WorkerSettings
-from esd_worker.streams import (
+from esd_worker.analysis.analyze import _Analysis, analyse_model_with
+from esd_worker.analysis.layers import CONV2D, LINEAR, LayerMap, LayerSpec
+from esd_worker.analysis.streams import (
     GIB,
     PREFETCH,
     Streams,
@@ -40,6 +31,16 @@ from esd_worker.streams import (
     choose_devices,
     layer_peak_bytes,
 )
+from esd_worker.core.errors import (
+    GpuOutOfMemoryError,
+    PermanentModelError,
+    UsageError,
+    exit_code_for,
+    failure_message,
+)
+from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+from esd_worker.core.store.results import eigs_from_npz
+from esd_worker.fetch.resolve import ResolvedModel
 from tests.support.builders import make_llama, make_lora_adapter
 
 CPU = torch.device("cpu")

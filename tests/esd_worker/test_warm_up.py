@@ -1,4 +1,5 @@
-"""The long-lived worker imports transformers in a background thread (esd_worker.layers.warm_up)
+"""The long-lived worker imports transformers in a background thread
+(esd_worker.analysis.layers.warm_up)
 while its first model may already be discovering layers: the two must not race. Unserialised,
 discovery saw a half-imported transformers ("no attribute 'AutoConfig'") and silently fell back
 to name-based layers, one run in one (a fresh interpreter each time: imports happen once)."""
@@ -15,8 +16,8 @@ from tests.support import REPO_ROOT
 _CHILD = r"""
 import json, sys, threading
 from pathlib import Path
-from esd_worker.layers import discover_layers, warm_up
-from esd_worker.weights import Checkpoint
+from esd_worker.analysis.layers import discover_layers, warm_up
+from esd_worker.analysis.weights import Checkpoint
 
 warm = threading.Thread(target=warm_up, kwargs={"cuda": False})
 warm.start()

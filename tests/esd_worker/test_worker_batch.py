@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from esd_worker.layout import attempt_key, failure_key, marker_key
-from esd_worker.modellist import read_model_list
-from esd_worker.naming import model_key
-from esd_worker.protocol import MODEL_BEGIN, MODEL_END, Request
-from esd_worker.records import FailureRecord
-from esd_worker.store import LocalStore
+from esd_worker.core.models.modellist import read_model_list
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.protocol import MODEL_BEGIN, MODEL_END, Request
+from esd_worker.core.store.layout import attempt_key, failure_key, marker_key
+from esd_worker.core.store.records import FailureRecord
+from esd_worker.core.store.stores import LocalStore
 from tests.support.builders import worker_command
 from tests.support.s3server import S3Server, serve_s3
 

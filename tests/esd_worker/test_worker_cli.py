@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from esd_worker import cli
-from esd_worker.errors import EXIT_PERMANENT, EXIT_USAGE
-from esd_worker.naming import model_key
+from esd_worker.core.errors import EXIT_PERMANENT, EXIT_USAGE
+from esd_worker.core.models.naming import model_key
 from tests.support.builders import (
     CliResult,
     corrupt_safetensors,
@@ -315,12 +315,12 @@ def test_internal_error_keeps_traceback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bug (not a model problem) keeps its traceback for the failure record, then the line."""
-    import esd_worker.analyze
+    import esd_worker.analysis.analyze
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(esd_worker.analyze, "analyse_model", broken)
+    monkeypatch.setattr(esd_worker.analysis.analyze, "analyse_model", broken)
     run = run_main(capsys, "--model", str(llama_dir), "--output", str(tmp_path))
     assert run.code == EXIT_PERMANENT
     assert "Traceback" in run.stderr

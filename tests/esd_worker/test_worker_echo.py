@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from esd_worker import cli
-from esd_worker.errors import EXIT_USAGE, FAILURE_CHARS, PermanentModelError, failure_message
+from esd_worker.core.errors import EXIT_USAGE, FAILURE_CHARS, PermanentModelError, failure_message
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -32,8 +32,8 @@ def test_a_control_character_in_a_model_flag_is_a_usage_error(
 ) -> None:
     """The worker used to take the value as it was: a hub id was looked up (its retries
     logged with the raw newline), a path was looked for. A list row with the same value is
-    refused (esd_worker.modellist), so is the flag: exit 2 before any lookup, the value
-    escaped as esd_worker.echo shows it."""
+    refused (esd_worker.core.models.modellist), so is the flag: exit 2 before any lookup, the value
+    escaped as esd_worker.core.echo shows it."""
     code = cli.main(["--device", "cpu", "--output", str(tmp_path / "out"), *flags])
     err = capsys.readouterr().err
     assert not [line for line in err.splitlines() if line.startswith(FORGED)], err

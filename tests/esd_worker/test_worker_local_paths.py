@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from esd_worker import cli
-from esd_worker.modellist import make_single
-from esd_worker.naming import model_key
+from esd_worker.core.models.modellist import make_single
+from esd_worker.core.models.naming import model_key
 from tests.support.builders import make_tensor_model, read_result
 
 pytestmark = pytest.mark.usefixtures("restore_logging")

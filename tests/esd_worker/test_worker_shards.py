@@ -4,7 +4,7 @@ outcome in the store. The real worker in subprocesses, as a pod runs it; tiny lo
 (conftest), the hub double (tests/support/hubserver.py) for a failure a retry may fix, moto's
 server for S3.
 
-The exit codes are a contract with the controller's podFailurePolicy (esd_worker.runner): 0
+The exit codes are a contract with the controller's podFailurePolicy (esd_worker.serve.runner): 0
 the index is complete (a permanent failure's record is its outcome), 4 retry the index, 2 the
 shard cannot run (FailIndex).
 """
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.layout import failure_key, marker_key, shard_key, shard_prefix
-from esd_worker.naming import model_key
-from esd_worker.records import FailureRecord
-from esd_worker.store import LocalStore
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import failure_key, marker_key, shard_key, shard_prefix
+from esd_worker.core.store.records import FailureRecord
+from esd_worker.core.store.stores import LocalStore
 from tests.support import REPO_ROOT
 from tests.support.builders import worker_command
 from tests.support.hubserver import HubServer
@@ -88,7 +88,7 @@ def test_the_index_picks_the_shard(llama_dir: Path, gpt2_dir: Path, tmp_path: Pa
     pytest.param([], "", ["no shard index for {folder}"], id="empty-env"),
     pytest.param([], "x", ["shard index 'x' (JOB_COMPLETION_INDEX) of {folder}",
                            "whole number >= 0"], id="env-not-a-number"),
-    # The flag's value is argparse's to check (esd_worker.flags.Number), naming the flag.
+    # The flag's value is argparse's to check (esd_worker.core.flags.Number), naming the flag.
     pytest.param(["--shard-index", "-1"], "0", ["--shard-index", "whole number", "'-1'"],
                  id="negative-flag"),
     pytest.param(["--shard-index", "1.0"], None, ["--shard-index", "whole number", "'1.0'"],

@@ -54,7 +54,7 @@ def test_a_failed_rerun_leaves_no_stale_marker(tmp_path: Path) -> None:
     """A rerun with other parameters that fails after rewriting layers.csv (here eigs.npz
     cannot be written) must not leave the old marker vouching for the new table: the
     model is not done, so the next run redoes it."""
-    from esd_worker.errors import StorePathError
+    from esd_worker.core.errors import StorePathError
     from tests.support.builders import run_analysis
 
     model = make_gpt2(tmp_path / "gpt2")

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from esd_worker.layout import check_files, read_marker
-from esd_worker.naming import model_key
-from esd_worker.store import LocalStore, Store
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import check_files, read_marker
+from esd_worker.core.store.stores import LocalStore, Store
 from tests.controller.test_sweep import make_tiny_gpt2, write_model_list
 from tests.support import REPO_ROOT
 

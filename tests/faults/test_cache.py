@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.naming import model_key
+from esd_worker.core.models.naming import model_key
 from tests.faults.conftest import esd_sweep, run_args
 from tests.support.builders import make_lora_adapter
 from tests.support.hubserver import HubServer

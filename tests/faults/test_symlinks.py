@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.store import LocalStore
+from esd_worker.core.store.stores import LocalStore
 from tests.controller.test_sweep import write_model_list
 from tests.faults.conftest import esd_sweep, run_args, whole
 

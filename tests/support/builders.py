@@ -408,7 +408,7 @@ class WorkerResult:
 
 def read_result(output: Path, model_key: str) -> WorkerResult:
     """Read <output>/<model_key>/{result.json, layers.csv, eigs.npz} as the worker wrote them."""
-    from esd_worker.results import eigs_from_npz, layers_from_csv
+    from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
 
     folder = output / model_key
     marker = json.loads((folder / "result.json").read_text())
@@ -425,8 +425,8 @@ def run_analysis(model: Path | str, output: Path, **settings: Any) -> WorkerResu
     AnalysisSettings fields (fix_fingers, precision, include_embeddings, …); device
     defaults to cpu.
     """
-    from esd_worker.analyze import analyse_model
-    from esd_worker.settings import AnalysisSettings, WorkerSettings
+    from esd_worker.analysis.analyze import analyse_model
+    from esd_worker.core.settings import AnalysisSettings, WorkerSettings
 
     analysis_fields = {f.name for f in dataclasses.fields(AnalysisSettings)}
     analysis = AnalysisSettings(**{k: v for k, v in settings.items() if k in analysis_fields})

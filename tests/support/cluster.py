@@ -14,20 +14,20 @@ import kubernetes_validate
 import yaml
 
 from controller.backends.base import Outcome, Task
-from controller.backends.kubernetes.backend import KubernetesBackend
-from controller.backends.kubernetes.client import (
+from controller.backends.kubernetes.common.client import (
     KubeClient,
     RetryPolicy,
     WatchEvent,
 )
-from controller.backends.kubernetes.jobs import JobSettings, build_job
-from controller.backends.kubernetes.names import run_selector
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from esd_worker.layout import Marker, canonical_parameters, write_model_result
-from esd_worker.modellist import ModelRow
-from esd_worker.naming import model_key
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import Store
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.names import run_selector
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.per_model.backend import KubernetesBackend
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import Marker, canonical_parameters, write_model_result
+from esd_worker.core.store.stores import Store
 from tests.support.kubesim import (
     K8S_VERSION,
     JobSimulator,

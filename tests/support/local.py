@@ -8,8 +8,8 @@ import textwrap
 from typing import Any
 
 from controller.backends.base import Outcome, Task
-from controller.backends.local import LocalSettings
-from controller.gpus import GpuSettings, GpuTracker, Nvml
+from controller.backends.local.backend import LocalSettings
+from controller.gpu.gpus import GpuSettings, GpuTracker, Nvml
 from tests.support.nvml import FakePynvml
 
 FAST = LocalSettings(max_retries=2, backoff_s=0.01, backoff_max_s=0.05, terminate_grace_s=2.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from esd_worker.modellist import (
+from esd_worker.core.models.modellist import (
     ModelRow,
 )
 

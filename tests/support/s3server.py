@@ -63,8 +63,8 @@ from typing import Any
 
 import pytest
 
-from esd_worker.s3 import LIST_PAGE_SIZE, S3Store
-from esd_worker.store import open_store
+from esd_worker.core.store.s3 import LIST_PAGE_SIZE, S3Store
+from esd_worker.core.store.stores import open_store
 
 REGION = "us-east-1"
 ACCESS_KEY_ID = "testing"
@@ -341,7 +341,8 @@ def seed_markers(bucket: str, prefix: str, keys_file: Path) -> int:
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    from esd_worker.layout import (
+    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.store.layout import (
         LAYERS_NAME,
         FileSeal,
         Marker,
@@ -349,7 +350,6 @@ def seed_markers(bucket: str, prefix: str, keys_file: Path) -> int:
         marker_key,
         model_file_key,
     )
-    from esd_worker.settings import AnalysisSettings
 
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
     params = canonical_parameters(AnalysisSettings().as_dict())

@@ -1,4 +1,4 @@
-"""A stand-in for `esd-worker --serve` that speaks the real protocol (esd_worker.protocol) and
+"""A stand-in for `esd-worker --serve` that speaks the real protocol (esd_worker.core.protocol) and
 behaves by model name, so the local backend's handling of long-lived workers is tested
 without torch: run as `python -m tests.support.served_worker [worker flags, ignored]`.
 
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from esd_worker.inbox import Inbox
-from esd_worker.protocol import DONE, FAILED, Request, Result, begin_line, end_line, event_line
+from esd_worker.core.protocol import DONE, FAILED, Request, Result, begin_line, end_line, event_line
+from esd_worker.serve.inbox import Inbox
 
 CHATTY_BYTES = 256 * 1024  # a Linux pipe holds 64 KiB: a writer nobody reads blocks past it
 

@@ -3,7 +3,7 @@
 `ShardWorker` is the `worker(job, index, attempt)` callback of
 tests.support.indexed.IndexedJobSimulator. For each pod it does what `esd-worker --shards`
 does in a pod: reads its shard from the store (the shard folder in the Job's argv, the index
-the simulator gives), runs the worker's own per-model loop (esd_worker.batch.Batch: skip
+the simulator gives), runs the worker's own per-model loop (esd_worker.serve.batch.Batch: skip
 what is done, attempt notes that find a model which killed a pod, failure records), and
 ends the pod as the worker's exit status says (0 → succeed, 4 → exit 4). Only the analysis
 is scripted, by the prefix of the model's name (after `org/`):
@@ -26,12 +26,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from esd_worker.batch import Batch, BatchSettings
-from esd_worker.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
-from esd_worker.inbox import requests_from_list
-from esd_worker.layout import Marker, canonical_parameters, write_model_result
-from esd_worker.settings import AnalysisSettings, WorkerSettings
-from esd_worker.store import Store
+from esd_worker.core.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
+from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+from esd_worker.core.store.layout import Marker, canonical_parameters, write_model_result
+from esd_worker.core.store.stores import Store
+from esd_worker.serve.batch import Batch, BatchSettings
+from esd_worker.serve.inbox import requests_from_list
 from tests.support.indexed import Exit, Outcome
 
 PARAMS = canonical_parameters(AnalysisSettings().as_dict())

@@ -1,5 +1,5 @@
 """Eigenvalue samples with known answers (Pareto tails, Gaussian matrices, a histogram peak) and
-brute-force fits to check esd_worker.powerlaw against."""
+brute-force fits to check esd_worker.core.powerlaw against."""
 
 from __future__ import annotations
 

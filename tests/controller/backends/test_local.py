@@ -1,4 +1,5 @@
-"""Tests of controller.backends.local with real subprocesses (tiny Python scripts), no GPU needed.
+"""Tests of controller.backends.local.backend with real subprocesses (tiny Python scripts), no GPU
+needed.
 
 GPU placement runs against a GpuTracker over a fake pynvml module (the function boundary),
 polled every few milliseconds.
@@ -17,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from controller.backends.base import Task, WorkerSpec
-from controller.backends.local import LocalBackend, LocalSettings
-from controller.backends.process import describe_exit
-from controller.commands import read_commands
+from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.backends.local.process import describe_exit
 from controller.errors import SweepError
-from controller.gpus import GpuTracker
+from controller.gpu.gpus import GpuTracker
 from controller.progress import Progress
-from esd_worker.modellist import ModelRow
-from esd_worker.settings import AnalysisSettings
+from controller.run.commands import read_commands
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.settings import AnalysisSettings
 from tests.support.local import FAST, Concurrency, by_key, exit_task, make_task, make_tracker
 
 # --- builders -----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The local backend gives each model the GPUs the rule says (controller.gpurule): a big model a
+"""The local backend gives each model the GPUs the rule says (controller.gpu.gpurule): a big model a
 worker on several GPUs, small ones workers on one, never a model to a worker of another count,
 and idle workers of the wrong count give their GPUs back so nothing waits forever.
 
@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.local import LocalBackend, LocalSettings
-from controller.gpurule import GpuRule
-from controller.sizing import Sizer
-from controller.weightmeta import ShapeFinder
-from esd_worker.modellist import ModelRow, parse_ref
+from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.gpu.gpurule import GpuRule
+from controller.weights.sizing import Sizer
+from controller.weights.weightmeta import ShapeFinder
+from esd_worker.core.models.modellist import ModelRow, parse_ref
 from tests.controller.backends.test_served import FAKE_WORKER, starts, workers
 from tests.controller.test_weightmeta import llama_layers, write_st
 from tests.support.hubserver import HubServer

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.local import LocalBackend, LocalSettings, serve_argv
-from esd_worker.modellist import make_single
-from esd_worker.settings import AnalysisSettings
+from controller.backends.local.backend import LocalBackend, LocalSettings, serve_argv
+from esd_worker.core.models.modellist import make_single
+from esd_worker.core.settings import AnalysisSettings
 from tests.support.local import FAST, by_key, make_tracker
 
 FAKE_WORKER = (sys.executable, "-m", "tests.support.served_worker")

@@ -19,8 +19,8 @@ from controller.errors import ResultsError
 from controller.results import compare
 from controller.results.compare import CompareSettings, compare_results, diff_columns, parse_pair
 from controller.results.refit import RefitSettings, refit_store
-from esd_worker.powerlaw import layer_metrics
-from esd_worker.results import eigs_from_npz, layers_from_csv
+from esd_worker.core.powerlaw import layer_metrics
+from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
 from tests.support.results import copy_example, example_results, keys_by_relation
 
 NORMS = ("spectral_norm", "log_spectral_norm", "stable_rank", "entropy", "log_norm")

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from controller.results import parquet
-from esd_worker.results import LAYER_COLUMNS
+from esd_worker.core.store.results import LAYER_COLUMNS
 from tests.support.results import make_result
 
 pq = pytest.importorskip("pyarrow.parquet")

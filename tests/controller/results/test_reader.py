@@ -11,10 +11,10 @@ import pytest
 from controller.errors import ResultsError
 from controller.results import reader
 from controller.results.reader import UNLABELLED, ModelResult
-from esd_worker.layout import BaseModelRef, Marker
-from esd_worker.naming import model_key
-from esd_worker.results import eigs_to_npz
-from esd_worker.store import LocalStore, open_store
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import BaseModelRef, Marker
+from esd_worker.core.store.results import eigs_to_npz
+from esd_worker.core.store.stores import LocalStore, open_store
 from tests.support.results import copy_example, example_results, make_result
 
 

@@ -3,7 +3,7 @@
 Real results come from tests.support.results.example_results (the worker on a tiny GPT-2, a LoRA
 adapter on it and the real all-MiniLM-L6-v2). Corner cases (layers without eigenvalues,
 too_small layers, models without eigs.npz) use small stores written here the way the worker
-writes them: layers.csv rows from esd_worker.powerlaw.layer_metrics, eigs.npz, result.json.
+writes them: layers.csv rows from esd_worker.core.powerlaw.layer_metrics, eigs.npz, result.json.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from controller.errors import EXIT_INFRA, ResultsError, describe_error
+from controller.output.tenure import LeaseLostError, Tenure
 from controller.results import refit
 from controller.results.refit import (
     STATUS_NO_EIGS,
@@ -28,18 +29,17 @@ from controller.results.refit import (
     refit_store,
     refit_tag,
 )
-from controller.tenure import LeaseLostError, Tenure
-from esd_worker.layout import Marker
-from esd_worker.naming import model_key
-from esd_worker.powerlaw import METRIC_COLUMNS, layer_metrics
-from esd_worker.results import (
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import Marker
+from esd_worker.core.store.results import (
     eigs_from_npz,
     eigs_to_npz,
     layers_from_csv,
     layers_to_csv,
     summarize_layers,
 )
-from esd_worker.settings import AnalysisSettings
 from tests.support.results import copy_example, example_results, keys_by_relation
 
 
@@ -125,7 +125,7 @@ def test_dks_refit_equals_layer_metrics_on_the_stored_eigenvalues(
 
 
 def _cell(value: Any) -> str:
-    """layers.csv's encoding of one value (esd_worker.results)."""
+    """layers.csv's encoding of one value (esd_worker.core.store.results)."""
     if isinstance(value, float):
         return "nan" if math.isnan(value) else repr(value)
     return str(value)

@@ -29,7 +29,7 @@ from controller.results.html import (
     VS_BASE_PLOT,
 )
 from controller.results.report import ReportSettings, write_report
-from esd_worker.results import LAYER_COLUMNS, layers_from_csv
+from esd_worker.core.store.results import LAYER_COLUMNS, layers_from_csv
 from tests.support.results import (
     Links,
     copy_example,
@@ -247,7 +247,7 @@ def test_report_reads_and_writes_s3(s3_server: object, example: Path) -> None:
 def test_unreachable_s3_store_is_a_store_error(s3_server: object) -> None:
     """A bucket that does not exist: the store's permanent error, which the CLI maps to
     exit 3 (store unreachable)."""
-    from esd_worker.errors import StorePermanentError
+    from esd_worker.core.errors import StorePermanentError
     from tests.support.s3server import S3Server
 
     assert isinstance(s3_server, S3Server)

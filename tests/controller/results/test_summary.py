@@ -22,11 +22,11 @@ from controller.results.summary import (
     summary_to_csv,
     write_summary,
 )
-from esd_worker.layout import BaseModelRef, Marker
-from esd_worker.modellist import ModelRow
-from esd_worker.results import layers_from_csv, layers_to_csv
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import LocalStore, Store
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import BaseModelRef, Marker
+from esd_worker.core.store.results import layers_from_csv, layers_to_csv
+from esd_worker.core.store.stores import LocalStore, Store
 
 PARAMS = AnalysisSettings().as_dict()
 
@@ -324,11 +324,11 @@ class CountingStore(LocalStore):
 
 
 def test_a_run_summary_reads_only_the_markers_its_plan_did_not(tmp_path: Path) -> None:
-    """As controller.sweep does: the plan hands its done markers to KnownMarkers, then
+    """As controller.run.sweep does: the plan hands its done markers to KnownMarkers, then
     the models analysed during the run (b here) are read; summary.csv is the same as one
     built from scratch, and no marker is read twice."""
-    from controller.plan import ListPlan
     from controller.results.summary import KnownMarkers
+    from controller.run.plan import ListPlan
 
     store = CountingStore(tmp_path / "results")
     a, b, c = (make_model_row(r, "finetune", "org/base") for r in ("org/a", "org/b", "org/c"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.kubernetes.client import KubeClient
-from esd_worker.store import Store, open_store
+from controller.backends.kubernetes.common.client import KubeClient
+from esd_worker.core.store.stores import Store, open_store
 from tests.support.cluster import NS, RETRY, MarkerSimulator, write_kubeconfig
 from tests.support.kubesim import KubeSim
 

@@ -1,4 +1,4 @@
-"""controller.backends.kubernetes.backend: KubernetesBackend through the real `kubernetes`
+"""controller.backends.kubernetes.per_model.backend: KubernetesBackend through the real `kubernetes`
 client against KubeSim.
 
 Every Job the backend creates goes over HTTP to kmock's emulator, which validates it against
@@ -19,17 +19,17 @@ import pytest
 import yaml
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.kubernetes.backend import KubernetesBackend
-from controller.backends.kubernetes.client import KubeClient
-from controller.backends.kubernetes.errors import KubePermissionError
-from controller.backends.kubernetes.jobs import JobSettings, build_job
-from controller.backends.kubernetes.names import job_name
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.errors import KubePermissionError
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.names import job_name
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 from controller.errors import InfrastructureError, SweepError
 from controller.settings import SweepSettings
-from esd_worker.layout import MARKER_NAME
-from esd_worker.modellist import ModelRow
-from esd_worker.store import Store
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.layout import MARKER_NAME
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import (
     IMAGE,
     NS,

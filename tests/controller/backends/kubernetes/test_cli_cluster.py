@@ -23,15 +23,15 @@ import pytest
 import yaml
 
 from controller.backends.base import WorkerSpec
-from controller.backends.kubernetes.names import job_name
-from controller.backends.local import worker_argv
+from controller.backends.kubernetes.common.names import job_name
+from controller.backends.local.backend import worker_argv
 from controller.cli import main
 from controller.settings import SweepSettings
-from esd_worker.layout import MARKER_NAME
-from esd_worker.modellist import ModelRow
-from esd_worker.naming import model_key
-from esd_worker.settings import AnalysisSettings
-from esd_worker.store import open_store
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.store.layout import MARKER_NAME
+from esd_worker.core.store.stores import open_store
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, MarkerSimulator, wait_for, write_list
 from tests.support.kubesim import K8S_VERSION, KubeSim
@@ -352,12 +352,13 @@ def test_controller_killed_mid_run_and_restarted(
 def test_local_backend_does_not_import_kubernetes() -> None:
     """The kubernetes client is an optional extra: the CLI, the sweep, the backend module,
     its settings and its errors import without it (only KubernetesBackend.from_settings
-    pulls controller.backends.kubernetes.client in)."""
+    pulls controller.backends.kubernetes.common.client in)."""
     code = ("import sys; sys.modules['kubernetes'] = None\n"
-            "import controller.cli, controller.sweep, controller.backends.kubernetes.backend\n"
-            "import controller.backends.kubernetes.settings\n"
-            "import controller.backends.kubernetes.errors\n"
-            "assert 'controller.backends.kubernetes.client' not in sys.modules\n"
+            "import controller.cli, controller.run.sweep\n"
+            "import controller.backends.kubernetes.per_model.backend\n"
+            "import controller.backends.kubernetes.common.settings\n"
+            "import controller.backends.kubernetes.common.errors\n"
+            "assert 'controller.backends.kubernetes.common.client' not in sys.modules\n"
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
@@ -395,11 +396,11 @@ def test_api_unreachable_after_retries_is_an_infrastructure_error(
 ) -> None:
     """The API server stays down longer than the client's retry deadline: the sweep stops
     with InfrastructureError (exit 3) saying the API is unreachable."""
-    from controller.backends.kubernetes.backend import KubernetesBackend
-    from controller.backends.kubernetes.client import KubeClient, RetryPolicy
-    from controller.backends.kubernetes.settings import ClusterSettings
+    from controller.backends.kubernetes.common.client import KubeClient, RetryPolicy
+    from controller.backends.kubernetes.common.settings import ClusterSettings
+    from controller.backends.kubernetes.per_model.backend import KubernetesBackend
     from controller.errors import EXIT_INFRA, InfrastructureError
-    from controller.sweep import run_sweep
+    from controller.run.sweep import run_sweep
 
     settings = SweepSettings(
         output=str(tmp_path / "out"), single_model="org/alpha", backend="kubernetes",

@@ -1,4 +1,4 @@
-"""controller.backends.kubernetes.client through the real `kubernetes` client against kmock
+"""controller.backends.kubernetes.common.client through the real `kubernetes` client against kmock
 (tests/support/kubesim.py).
 
 Everything goes over HTTP: KubeClient → kubernetes.client → kmock's KubernetesEmulator.
@@ -19,13 +19,13 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends.kubernetes.client import (
+from controller.backends.kubernetes.common.client import (
     KubeClient,
     RetryPolicy,
     WatchEvent,
     load_client,
 )
-from controller.backends.kubernetes.errors import (
+from controller.backends.kubernetes.common.errors import (
     KubeConfigError,
     KubeInvalidError,
     KubePermissionError,
@@ -33,8 +33,8 @@ from controller.backends.kubernetes.errors import (
     KubeUnavailableError,
     ResourceVersionExpired,
 )
-from controller.backends.kubernetes.names import job_name, run_selector
-from esd_worker.naming import model_key
+from controller.backends.kubernetes.common.names import job_name, run_selector
+from esd_worker.core.models.naming import model_key
 from tests.support.cluster import FAST, NS, RUN, assert_stored_objects_valid, make_job, watch_until
 from tests.support.kubesim import (
     K8S_VERSION,

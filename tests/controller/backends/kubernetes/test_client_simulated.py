@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from controller.backends.kubernetes.client import (
+from controller.backends.kubernetes.common.client import (
     KubeClient,
 )
-from controller.backends.kubernetes.names import run_selector
+from controller.backends.kubernetes.common.names import run_selector
 from tests.support.cluster import NS, RUN, assert_stored_objects_valid, make_job
 from tests.support.kubesim import (
     JobSimulator,

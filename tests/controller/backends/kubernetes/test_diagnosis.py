@@ -1,4 +1,4 @@
-"""controller.backends.kubernetes.diagnosis: why a Job failed or waits, from API objects
+"""controller.backends.kubernetes.common.diagnosis: why a Job failed or waits, from API objects
 (pure, table-driven)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from controller.backends.kubernetes.diagnosis import describe_pending, diagnose_failure
+from controller.backends.kubernetes.common.diagnosis import describe_pending, diagnose_failure
 
 
 def _pod(*, exit_code: int | None = None, reason: str = "Error",
@@ -53,7 +53,8 @@ def _failed_job(reason: str, message: str = "m") -> dict[str, Any]:
 )
 def test_diagnose_failure(job_reason: str, pod: dict[str, Any] | None, error: str,
                           retryable: bool) -> None:
-    """esd_worker.errors.classify_exit decides for exit codes; the pod's own state adds what only
+    """esd_worker.core.errors.classify_exit decides for exit codes; the pod's own state adds what
+    only
     Kubernetes knows (OOMKilled, disruption, eviction, deadline)."""
     found = diagnose_failure(_failed_job(job_reason), [pod] if pod else [], "")
     assert found.error.startswith(error)

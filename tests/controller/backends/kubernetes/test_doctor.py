@@ -1,6 +1,6 @@
 """`esd-sweep doctor --backend kubernetes` against the simulated cluster: the real kubernetes
 client from a kubeconfig, KubeSim's API server (nodes, SelfSubjectAccessReviews answered
-from `forbid`), and the real exporter HTTP server (controller.exporter) found as a pod."""
+from `forbid`), and the real exporter HTTP server (controller.gpu.exporter) found as a pod."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 
-from controller.backends.kubernetes.doctor import CONTROLLER_PERMISSIONS, Permission
 from controller.cli import main
-from controller.exporter import GpuReading, make_server
+from controller.doctor.kubernetes import CONTROLLER_PERMISSIONS, Permission
+from controller.gpu.exporter import GpuReading, make_server
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, write_kubeconfig
 from tests.support.kubesim import KubeSim

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.kubernetes.errors import JobSpecError
-from controller.backends.kubernetes.indexed import build_indexed_job
-from controller.backends.kubernetes.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.errors import JobSpecError
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.sharded.indexed import build_indexed_job
 from controller.cli import main
 from tests.support.cluster import NS, write_list
 from tests.support.kubesim import KubeSim

@@ -1,11 +1,11 @@
-"""controller.backends.kubernetes.errors: each KubeError becomes the sweep error (and exit
+"""controller.backends.kubernetes.common.errors: each KubeError becomes the sweep error (and exit
 status) that says what to do, and the module imports without the `kubernetes` package."""
 
 from __future__ import annotations
 
 import pytest
 
-from controller.backends.kubernetes.errors import (
+from controller.backends.kubernetes.common.errors import (
     JobSpecError,
     KubeConfigError,
     KubeConflictError,

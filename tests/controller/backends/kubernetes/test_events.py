@@ -1,17 +1,18 @@
-"""controller.backends.kubernetes.events: what Job changes mean for a model, against KubeSim
+"""controller.backends.kubernetes.per_model.events: what Job changes mean for a model, against
+KubeSim
 through the real client (the parts wired as KubernetesBackend wires them)."""
 
 from __future__ import annotations
 
 from controller.backends.base import Task
-from controller.backends.kubernetes.client import KubeClient
-from controller.backends.kubernetes.events import JobEvents
-from controller.backends.kubernetes.names import job_name, sweep_selector
-from controller.backends.kubernetes.placement import Placement
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from controller.backends.kubernetes.state import ModelTable
-from controller.backends.kubernetes.submit import Submitter
-from esd_worker.store import Store
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.names import job_name, sweep_selector
+from controller.backends.kubernetes.common.placement import Placement
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.per_model.events import JobEvents
+from controller.backends.kubernetes.per_model.state import ModelTable
+from controller.backends.kubernetes.per_model.submit import Submitter
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import IMAGE, NS, RUN_ID, make_rows
 from tests.support.kubesim import KubeSim
 

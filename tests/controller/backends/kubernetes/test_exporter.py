@@ -1,10 +1,11 @@
-"""Tests of controller.exporter: NVML (faked at the pynvml function boundary) to Prometheus text.
+"""Tests of controller.gpu.exporter: NVML (faked at the pynvml function boundary) to Prometheus
+text.
 
 The fake module has the pynvml functions the exporter calls (nvmlInit, nvmlShutdown,
 nvmlDeviceGetCount, nvmlDeviceGetHandleByIndex, nvmlDeviceGetMemoryInfo with and without
 `version`, nvmlDeviceGetUUID, nvmlDeviceGetName), NVMLError and nvmlMemory_v2. The HTTP tests
 serve on 127.0.0.1 on a free port and read it back with
-controller.backends.kubernetes.telemetry.scrape.
+controller.backends.kubernetes.common.telemetry.scrape.
 """
 
 from __future__ import annotations
@@ -27,9 +28,14 @@ from typing import Any
 
 import pytest
 
-from controller import exporter
-from controller.backends.kubernetes.telemetry import NodeGpu, TelemetryError, parse_metrics, scrape
-from controller.exporter import (
+from controller.backends.kubernetes.common.telemetry import (
+    NodeGpu,
+    TelemetryError,
+    parse_metrics,
+    scrape,
+)
+from controller.gpu import exporter
+from controller.gpu.exporter import (
     CachedReader,
     GpuReading,
     add_exporter_flags,
@@ -39,7 +45,7 @@ from controller.exporter import (
     render_metrics,
     run_exporter,
 )
-from controller.gpus import NvmlUnavailable
+from controller.gpu.gpus import NvmlUnavailable
 
 MIB = 2**20
 

@@ -23,21 +23,21 @@ import yaml
 from ruamel.yaml import YAML
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.kubernetes.backend import KubernetesBackend
-from controller.backends.kubernetes.client import KubeClient
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from controller.backends.kubernetes.sharded import ShardedBackend
-from controller.backends.kubernetes.sharding import write_shards
-from controller.exporter import GpuReading, make_server
-from controller.gpurule import GpuRule
-from controller.gpus import GpuSettings
-from controller.recorder import Recorder
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.per_model.backend import KubernetesBackend
+from controller.backends.kubernetes.sharded.backend import ShardedBackend
+from controller.backends.kubernetes.sharded.plan import default_classes
+from controller.backends.kubernetes.sharded.sharding import write_shards
+from controller.gpu.exporter import GpuReading, make_server
+from controller.gpu.gpurule import GpuRule
+from controller.gpu.gpus import GpuSettings
+from controller.run.recorder import Recorder
 from controller.settings import SweepSettings
-from controller.shards import default_classes
-from controller.sizing import Sizer
-from controller.weightmeta import GpuCounts, ShapeFinder
-from esd_worker.modellist import ModelRow
-from esd_worker.store import Store
+from controller.weights.sizing import Sizer
+from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.stores import Store
 from tests.controller.test_weightmeta import llama_layers, write_st
 from tests.support.cluster import IMAGE, K8S_VERSION, NS, RUN_ID, MarkerSimulator
 from tests.support.indexed import IndexedJobSimulator

@@ -1,4 +1,4 @@
-"""The Indexed Job of a sharded run (controller.backends.kubernetes.indexed): valid for
+"""The Indexed Job of a sharded run (controller.backends.kubernetes.sharded.indexed): valid for
 Kubernetes 1.31 and 1.37 (strict schemas), named to leave room for its pods' hostnames,
 failing an index only when its shard cannot run, and never carrying a credential.
 
@@ -18,8 +18,18 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from controller.backends.kubernetes.errors import JobSpecError
-from controller.backends.kubernetes.indexed import (
+from controller.backends.kubernetes.common.errors import JobSpecError
+from controller.backends.kubernetes.common.jobs import JobSettings, build_job
+from controller.backends.kubernetes.common.names import (
+    is_dns_label,
+    is_label_value,
+    per_model_selector,
+    run_selector,
+    sharded_selector,
+    sweep_selector,
+)
+from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from controller.backends.kubernetes.sharded.indexed import (
     MAX_CLASS,
     MAX_COMPLETIONS,
     build_indexed_job,
@@ -28,20 +38,10 @@ from controller.backends.kubernetes.indexed import (
     shard_failure_policy,
     shard_worker_argv,
 )
-from controller.backends.kubernetes.jobs import JobSettings, build_job
-from controller.backends.kubernetes.names import (
-    is_dns_label,
-    is_label_value,
-    per_model_selector,
-    run_selector,
-    sharded_selector,
-    sweep_selector,
-)
-from controller.backends.kubernetes.yamlout import jobs_to_yaml
-from esd_worker.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
-from esd_worker.flags import analysis_argv
-from esd_worker.naming import model_key
-from esd_worker.settings import AnalysisSettings
+from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.core.flags import analysis_argv
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.settings import AnalysisSettings
 
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 RUN = "20261123T070501Z-3fa9c2"

@@ -21,7 +21,7 @@ import pytest
 from kubernetes import client as k8s
 from kubernetes import watch as k8s_watch
 
-from controller.backends.kubernetes.client import KubeClient
+from controller.backends.kubernetes.common.client import KubeClient
 from tests.support.cluster import NS, RETRY, assert_stored_objects_valid
 from tests.support.indexed import (
     COMPLETION_INDEX,

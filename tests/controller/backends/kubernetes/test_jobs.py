@@ -1,4 +1,4 @@
-"""Worker Jobs (controller.backends.kubernetes.jobs and .names): valid for Kubernetes 1.31
+"""Worker Jobs (controller.backends.kubernetes.common.jobs and .names): valid for Kubernetes 1.31
 (strict schemas), safe, stable names.
 
 Kubernetes 1.31 is the oldest version supported: podFailurePolicy (which keeps preemptions
@@ -21,21 +21,21 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-from controller.backends.kubernetes.errors import JobSpecError
-from controller.backends.kubernetes.jobs import (
+from controller.backends.kubernetes.common.errors import JobSpecError
+from controller.backends.kubernetes.common.jobs import (
     JobSettings,
     build_job,
     pod_failure_policy,
 )
-from controller.backends.kubernetes.names import (
+from controller.backends.kubernetes.common.names import (
     is_dns_label,
     is_label_value,
     job_name,
     model_key_label,
     run_selector,
 )
-from controller.backends.kubernetes.yamlout import jobs_to_yaml
-from esd_worker.naming import model_key, split_model_ref
+from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from esd_worker.core.models.naming import model_key, split_model_ref
 
 OLDEST = "1.31.0"
 NEWEST = all_versions()[-1]

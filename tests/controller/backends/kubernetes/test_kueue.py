@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from controller.backends.kubernetes.client import KubeClient
-from esd_worker.store import Store
+from controller.backends.kubernetes.common.client import KubeClient
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import (
     NS,
     MarkerSimulator,

@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from controller.cli import main
-from esd_worker.layout import list_markers
-from esd_worker.naming import model_key
-from esd_worker.store import Store
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import list_markers
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import NS, MarkerSimulator
 from tests.support.indexed import IndexedJobSimulator
 from tests.support.kubesim import KubeSim

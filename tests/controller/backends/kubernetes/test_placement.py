@@ -1,4 +1,4 @@
-"""controller.backends.kubernetes.placement: Jobs placed by GPU telemetry (the real exporter
+"""controller.backends.kubernetes.common.placement: Jobs placed by GPU telemetry (the real exporter
 HTTP server, or exporter pods found by selector) or plainly, through the backend on KubeSim."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome
-from controller.backends.kubernetes.backend import KubernetesBackend
-from controller.backends.kubernetes.client import KubeClient
-from controller.exporter import GpuReading, make_server
-from esd_worker.store import Store
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.per_model.backend import KubernetesBackend
+from controller.gpu.exporter import GpuReading, make_server
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import (
     NS,
     MarkerSimulator,
@@ -117,7 +117,7 @@ def test_under_kueue_telemetry_adds_no_affinity(
 ) -> None:
     """With a Kueue queue, Kueue's quota and the scheduler decide: even with exporters
     answering, Jobs carry no node affinity at all, and submission is not paced by them."""
-    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.common.placement")
     busy, url = _exporter("node-a", [30000.0, 41000.0])
     try:
         backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),
@@ -170,7 +170,7 @@ def test_without_telemetry_jobs_are_plain_and_it_is_said_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """No exporter pods: Jobs request nvidia.com/gpu without affinity; one log line says so."""
-    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.common.placement")
     with cluster.autopilot():
         backend = make_backend(kube, store, telemetry=True)
         run_models(backend, make_rows(3))
@@ -232,7 +232,7 @@ def test_all_telemetry_stale_falls_back_to_plain_placement(
     (pinning to nothing would stall the sweep), and a warning says so."""
     from kubernetes import client as k8s
 
-    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.common.placement")
     idle, url = _exporter("node-b", [0.0])
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     core = k8s.CoreV1Api(sim.api_client(bypass=True))
@@ -263,7 +263,7 @@ def test_silent_fixed_exporters_fall_back_to_plain_placement(
 ) -> None:
     """--telemetry-url exporters that stop answering: the last readings are used while fresh,
     then placement turns plain instead of pinning Jobs to nothing (a sweep stalled for good)."""
-    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.placement")
+    caplog.set_level(logging.INFO, logger="controller.backends.kubernetes.common.placement")
     now = [0.0]
     idle, url = _exporter("node-b", [0.0])
     backend = make_backend(kube, store, telemetry=True, telemetry_urls=(url,),

@@ -1,4 +1,5 @@
-"""controller.backends.kubernetes.quantities: the number a quantity flag stands for, as the API
+"""controller.backends.kubernetes.common.quantities: the number a quantity flag stands for, as the
+API
 server reads it, and the refusal of what no node could offer."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from controller.backends.kubernetes.quantities import quantity_problem, quantity_value
+from controller.backends.kubernetes.common.quantities import quantity_problem, quantity_value
 
 
 @pytest.mark.parametrize(("quantity", "value"), [

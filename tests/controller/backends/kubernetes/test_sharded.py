@@ -17,17 +17,17 @@ import pytest
 from ruamel.yaml import YAML
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.kubernetes.client import KubeClient
-from controller.backends.kubernetes.names import MODE_LABEL
-from controller.backends.kubernetes.settings import ClusterSettings, sweep_instance
-from controller.backends.kubernetes.sharded import ShardedBackend
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.names import MODE_LABEL
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.sharded.backend import ShardedBackend
+from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.errors import SweepError
-from controller.recorder import Recorder
-from controller.shards import default_classes
-from esd_worker.layout import list_markers, shard_prefix
-from esd_worker.modellist import ModelRow
-from esd_worker.records import read_failure
-from esd_worker.store import Store
+from controller.run.recorder import Recorder
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.layout import list_markers, shard_prefix
+from esd_worker.core.store.records import read_failure
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import IMAGE, NS, RETRY, wait_for
 from tests.support.indexed import Exit, IndexedJobSimulator
 from tests.support.indexed import Outcome as PodOutcome

@@ -1,4 +1,4 @@
-"""Tests of controller.backends.kubernetes.telemetry: dcgm-exporter text to GPUs, scraping,
+"""Tests of controller.backends.kubernetes.common.telemetry: dcgm-exporter text to GPUs, scraping,
 and the per-node GPU rule (NodeGpuTracker).
 
 The fixtures in tests/fixtures/dcgm/ are dcgm-exporter /metrics bodies reconstructed from its
@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import pytest
 
-from controller.backends.kubernetes.telemetry import (
+from controller.backends.kubernetes.common.telemetry import (
     NodeGpu,
     NodeGpuTracker,
     NodeStatus,

@@ -1,4 +1,4 @@
-"""controller.backends.kubernetes.watch: the watch thread keeps up through 410 Gone, with
+"""controller.backends.kubernetes.common.watch: the watch thread keeps up through 410 Gone, with
 the backend against KubeSim."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from controller.backends.base import Outcome
-from controller.backends.kubernetes.client import KubeClient
-from esd_worker.store import Store
+from controller.backends.kubernetes.common.client import KubeClient
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import (
     MarkerSimulator,
     make_backend,

@@ -1,0 +1,501 @@
+"""Kubernetes batch/v1 Job objects for one model each: settings, labels, pod spec (dicts out).
+
+Owns what a worker Job looks like (security context, GPU requests, secrets by reference,
+podFailurePolicy, Kueue and Karpenter hints), the worker pod that sharded Indexed Jobs
+(.indexed) share, and the YAML any of them is printed as (read back alike by YAML 1.2 and
+1.1). Pure. Does not name Jobs or hold the label keys (controller.backends.kubernetes.common.names),
+talk to a cluster (.client) or decide placement (the caller passes the node affinity in).
+Worker exit codes are esd_worker.core.errors'.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.backends.kubernetes.common.errors import JobSpecError
+from controller.backends.kubernetes.common.names import (
+    APP_NAME,
+    ATTEMPT_LABEL,
+    COMPONENT,
+    INSTANCE_LABEL,
+    KUEUE_QUEUE_LABEL,
+    MANAGED_BY_LABEL,
+    MODEL_KEY_LABEL,
+    OUTPUT_ANNOTATION,
+    RUN_LABEL,
+    check_ref,
+    is_dns_label,
+    is_dns_subdomain,
+    is_label_key,
+    is_label_value,
+    job_name,
+    model_key_label,
+    output_annotation,
+)
+from controller.backends.kubernetes.common.quantities import quantity_problem
+from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.core.models.naming import split_model_ref
+from esd_worker.core.redact import has_userinfo
+
+CONTAINER_NAME = "worker"
+GPU_RESOURCE = "nvidia.com/gpu"
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+CACHE_DIR = "/cache"
+HF_HOME = "/cache/hf"
+TMP_DIR = "/tmp"
+RUN_AS_USER = 1000
+
+_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_RELATION = re.compile(r"[a-z]{0,32}")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Env names set here or from Secrets, which --env must not override.
+_RESERVED_ENV = frozenset({
+    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN", "HF_HOME", "HOME", "TMPDIR", "XDG_CACHE_HOME",
+})
+# Names that say "this is a credential": those belong in a Secret, not in the Job object.
+_SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """How every worker Job of a sweep looks (built once from `esd-sweep run` flags and env).
+
+    image: container image with `esd-worker` on PATH. namespace: where the Jobs go.
+    run_id: this run (label `esd-sweep/run`); sweep_name: label `app.kubernetes.io/instance`
+    (default: run_id). Both must be valid label values (≤ 63 chars).
+    gpus_per_job: `nvidia.com/gpu` requested and limited per pod (default 1; 0: a CPU-only
+    Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
+    quantities (defaults "2", "16Gi"); memory_limit: None = no limit;
+    ephemeral_storage_request: None = none (the HF cache emptyDir lives on it).
+    ephemeral_storage_request also bounds the cache emptyDir (sizeLimit): a pod whose
+    downloads outgrow it is evicted instead of filling the node's disk.
+    backoff_limit: pod failures counted before the Job fails (default 3; evictions and
+    preemptions do not count, see pod_failure_policy). active_deadline_s: seconds a worker
+    pod may run once it is on a node (the pod's activeDeadlineSeconds, so time pending for
+    a node, an autoscaler or Kueue does not count; default 6 h; None = no limit).
+    ttl_after_finished_s: seconds a finished Job is kept (default 24 h; None = forever).
+    node_selector, priority_class, service_account, image_pull_secrets: passed to the pod.
+    tolerations: (key, value or None, effect) each: the pods tolerate these taints too (GPU
+    pools with custom taints); value None tolerates any value (operator Exists).
+    hf_token_secret: "secret-name:key" holding the HF token (env HF_TOKEN, by reference).
+    s3_secret: a Secret with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally
+    AWS_SESSION_TOKEN (by reference; absent keys leave room for IRSA / pod identity).
+    env: extra non-secret environment (e.g. AWS_ENDPOINT_URL, AWS_REGION); names that look
+    like credentials are refused, and so are URLs holding a user name or password.
+    hf_cache_pvc: a PersistentVolumeClaim mounted at /cache (HF_HOME=/cache/hf) shared by
+    Jobs; None = an emptyDir per pod.
+    kueue_queue: LocalQueue name; the Job is created suspended and Kueue admits it.
+    do_not_disrupt: ask Karpenter and the cluster autoscaler not to consolidate the node
+    away from under a running worker.
+    worker_args: extra `esd-worker` flags (ESD analysis flags), passed through verbatim.
+    log_format: the worker's log format ("json" for cluster log pipelines, or "text").
+    """
+
+    image: str
+    namespace: str
+    run_id: str
+    sweep_name: str | None = None
+    gpus_per_job: int = 1
+    cpu_request: str = "2"
+    memory_request: str = "16Gi"
+    memory_limit: str | None = None
+    ephemeral_storage_request: str | None = None
+    backoff_limit: int = 3
+    active_deadline_s: int | None = 6 * 3600
+    ttl_after_finished_s: int | None = 24 * 3600
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    priority_class: str | None = None
+    service_account: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    tolerations: tuple[tuple[str, str | None, str], ...] = ()
+    hf_token_secret: str | None = None
+    s3_secret: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    hf_cache_pvc: str | None = None
+    kueue_queue: str | None = None
+    do_not_disrupt: bool = False
+    worker_args: tuple[str, ...] = ()
+    log_format: str = "json"
+
+    @property
+    def instance(self) -> str:
+        return self.sweep_name or self.run_id
+
+    def problems(self) -> list[str]:
+        """Every problem with these settings, each naming its field (empty: usable)."""
+        out: list[str] = []
+        if not self.image or any(c.isspace() for c in self.image) or _CONTROL.search(self.image):
+            out.append(f"image: {self.image!r} is not an image reference")
+        if not is_dns_label(self.namespace):
+            out.append(f"namespace: {self.namespace!r} is not a DNS-1123 label")
+        for name, value in (("run_id", self.run_id), ("sweep_name", self.sweep_name)):
+            if value is not None and not (value and is_label_value(value)):
+                out.append(f"{name}: {value!r} is not a valid label value "
+                           "(≤ 63 of A-Z a-z 0-9 - _ ., alphanumeric at both ends)")
+        if isinstance(self.gpus_per_job, bool) or not isinstance(self.gpus_per_job, int) \
+                or self.gpus_per_job < 0:
+            out.append(f"gpus_per_job: {self.gpus_per_job!r} must be an integer ≥ 0")
+        for name, quantity in (
+            ("cpu_request", self.cpu_request), ("memory_request", self.memory_request),
+            ("memory_limit", self.memory_limit),
+            ("ephemeral_storage_request", self.ephemeral_storage_request),
+        ):
+            problem = None if quantity is None else quantity_problem(name, quantity)
+            if problem:
+                out.append(problem)
+        for name, number, low in (
+            ("backoff_limit", self.backoff_limit, 0),
+            ("active_deadline_s", self.active_deadline_s, 1),
+            ("ttl_after_finished_s", self.ttl_after_finished_s, 0),
+        ):
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int)
+                                       or number < low):
+                out.append(f"{name}: {number!r} must be an integer ≥ {low}")
+        for key, value in self.node_selector.items():
+            if not is_label_key(key):
+                out.append(f"node_selector: {key!r} is not a label key")
+            if not isinstance(value, str) or not is_label_value(value):
+                out.append(f"node_selector: value {value!r} of {key!r} is not a label value")
+        for name, value in (
+            ("priority_class", self.priority_class), ("service_account", self.service_account),
+            ("s3_secret", self.s3_secret), ("hf_cache_pvc", self.hf_cache_pvc),
+        ):
+            if value is not None and not is_dns_subdomain(value):
+                out.append(f"{name}: {value!r} is not a DNS-1123 subdomain name")
+        for secret in self.image_pull_secrets:
+            if not is_dns_subdomain(secret):
+                out.append(f"image_pull_secrets: {secret!r} is not a DNS-1123 subdomain name")
+        for key, value, effect in self.tolerations:
+            if not is_label_key(key):
+                out.append(f"tolerations: {key!r} is not a taint key")
+            if value is not None and not is_label_value(value):
+                out.append(f"tolerations: value {value!r} of {key!r} is not a taint value")
+            if effect not in TAINT_EFFECTS:
+                out.append(f"tolerations: effect {effect!r} of {key!r} is not one of "
+                           + ", ".join(TAINT_EFFECTS))
+        if self.hf_token_secret is not None:
+            name, sep, key = self.hf_token_secret.partition(":")
+            if not sep or not is_dns_subdomain(name) or not _SECRET_KEY.fullmatch(key):
+                out.append(f"hf_token_secret: {self.hf_token_secret!r} must be "
+                           "SECRET-NAME:KEY (e.g. hf-token:token)")
+        for key, value in self.env.items():
+            if not _ENV_NAME.fullmatch(key):
+                out.append(f"env: {key!r} is not an environment variable name")
+            elif key in _RESERVED_ENV:
+                out.append(f"env: {key} is set by esd-sweep (secrets go in hf_token_secret "
+                           "or s3_secret)")
+            elif _SECRETISH_ENV.search(key):
+                out.append(f"env: {key} looks like a credential: put it in a Secret, "
+                           "not in the Job")
+            if not isinstance(value, str) or _CONTROL.search(value):
+                out.append(f"env: the value of {key} must be a single-line string")
+            elif has_userinfo(value):  # the value is not repeated
+                out.append(f"env: {key} holds user:password@, readable in the Job: give the "
+                           "URL without it, S3 keys in --s3-secret, the token in --hf-token-secret")
+        if self.kueue_queue is not None and not (self.kueue_queue
+                                                 and is_label_value(self.kueue_queue)):
+            out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
+        for arg in self.worker_args:
+            if not isinstance(arg, str) or _CONTROL.search(arg):
+                out.append(f"worker_args: {arg!r} must be a single-line string")
+        if self.log_format not in ("json", "text"):
+            out.append(f"log_format: {self.log_format!r} must be json or text")
+        return out
+
+
+def sweep_labels(settings: JobSettings) -> dict[str, str]:
+    """The labels every worker Job of a run carries, per-model or sharded (app, sweep, run)."""
+    return {
+        "app.kubernetes.io/name": APP_NAME,
+        INSTANCE_LABEL: settings.instance,
+        "app.kubernetes.io/component": COMPONENT,
+        MANAGED_BY_LABEL: APP_NAME,
+        RUN_LABEL: settings.run_id,
+    }
+
+
+def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[str, str]:
+    """The labels of a worker Job and its pods (selectable by run, model key, attempt)."""
+    return {
+        **sweep_labels(settings),
+        MODEL_KEY_LABEL: model_key_label(model_key),
+        ATTEMPT_LABEL: str(attempt),
+    }
+
+
+def worker_argv(
+    *, model_ref: str, model_key: str, relation: str, source_model: str | None,
+    output_url: str, settings: JobSettings,
+) -> list[str]:
+    """The worker container's argv, one element per argument (never a shell string)."""
+    args = [
+        "esd-worker",
+        "--model", model_ref,
+        "--output", output_url,
+        "--model-key", model_key,
+        "--log-format", settings.log_format,
+    ]
+    if not any(a == "--device" or a.startswith("--device=") for a in settings.worker_args):
+        args += ["--device", "cuda" if settings.gpus_per_job > 0 else "cpu"]
+    if relation:
+        args += ["--relation", relation]
+    if source_model:
+        args += ["--base-model", source_model]
+    args += list(settings.worker_args)
+    return args
+
+
+def pod_failure_policy() -> dict[str, Any]:
+    """How a failed worker pod counts (rules are tried in order, the first match wins).
+
+    A disruption (preemption, eviction, node drain, spot reclaim, node lost: the pod gets
+    the DisruptionTarget condition) comes first, so a worker that happens to exit 2 or 3
+    while being killed is still retried, and without using up backoffLimit. Exit 2 (usage)
+    and 3 (permanent: not found, gated, unsupported) fail the Job at once: retrying cannot
+    help. Exit 4 (transient) and 5 (GPU out of memory) count against backoffLimit like any
+    other failure (OOMKilled, crashes): GPUs may be shared (time-slicing, MIG) and the next
+    pod can land on a bigger or idle one; the controller reads the exit code afterwards.
+    """
+    return {
+        "rules": [
+            {
+                "action": "Ignore",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            },
+            {
+                "action": "FailJob",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_USAGE, EXIT_PERMANENT],
+                },
+            },
+            {
+                "action": "Count",
+                "onExitCodes": {
+                    "containerName": CONTAINER_NAME,
+                    "operator": "In",
+                    "values": [EXIT_TRANSIENT, EXIT_GPU_OOM],
+                },
+            },
+        ]
+    }
+
+
+def _env(settings: JobSettings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "HF_HOME", "value": HF_HOME},
+        {"name": "HOME", "value": TMP_DIR},  # the root filesystem is read-only
+        {"name": "TMPDIR", "value": TMP_DIR},
+        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    # Secrets by reference only. optional: a public model needs no token (a gated one then
+    # fails with a clear "gated without token" record), and without static S3 keys boto3
+    # falls back to IRSA / pod identity / instance roles.
+    if settings.hf_token_secret:
+        name, _, key = settings.hf_token_secret.partition(":")
+        env.append({"name": "HF_TOKEN", "valueFrom": {
+            "secretKeyRef": {"name": name, "key": key, "optional": True}}})
+    if settings.s3_secret:
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            env.append({"name": key, "valueFrom": {
+                "secretKeyRef": {"name": settings.s3_secret, "key": key, "optional": True}}})
+    env.extend({"name": k, "value": v} for k, v in sorted(settings.env.items()))
+    return env
+
+
+def _resources(settings: JobSettings) -> dict[str, Any]:
+    requests: dict[str, str] = {"cpu": settings.cpu_request, "memory": settings.memory_request}
+    limits: dict[str, str] = {}
+    if settings.ephemeral_storage_request:
+        requests["ephemeral-storage"] = settings.ephemeral_storage_request
+    if settings.memory_limit:
+        limits["memory"] = settings.memory_limit
+    if settings.gpus_per_job > 0:
+        # Extended resources cannot be overcommitted: request == limit.
+        requests[GPU_RESOURCE] = str(settings.gpus_per_job)
+        limits[GPU_RESOURCE] = str(settings.gpus_per_job)
+    out: dict[str, Any] = {"requests": requests}
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def pod_annotations(settings: JobSettings) -> dict[str, str]:
+    """The worker pods' annotations: with do_not_disrupt, ask Karpenter and the cluster
+    autoscaler not to consolidate the node away under a running worker (empty otherwise)."""
+    if not settings.do_not_disrupt:
+        return {}
+    return {"karpenter.sh/do-not-disrupt": "true",
+            "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+
+
+def pod_spec(
+    args: list[str], settings: JobSettings, affinity: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The worker pod of every esd-sweep Job, per-model or sharded: `args` is the container's
+    argv (no command, no shell), affinity None = wherever the scheduler finds room."""
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": settings.image,
+        "args": args,
+        "env": _env(settings),
+        "resources": _resources(settings),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": TMP_DIR},
+            {"name": "cache", "mountPath": CACHE_DIR},
+        ],
+        # The last log lines land in the pod status when the worker fails: the failure
+        # record gets them without a log read.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    cache: dict[str, Any] = (
+        {"name": "cache", "persistentVolumeClaim": {"claimName": settings.hf_cache_pvc}}
+        if settings.hf_cache_pvc else {"name": "cache", "emptyDir": {}}
+    )
+    if settings.ephemeral_storage_request and "emptyDir" in cache:
+        # Downloads that outgrow the pod's disk get it evicted by the kubelet (a disruption:
+        # it runs again elsewhere) instead of filling the node and evicting its neighbours.
+        cache["emptyDir"]["sizeLimit"] = settings.ephemeral_storage_request
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,  # the worker never talks to the API server
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "tmp", "emptyDir": {}}, cache],
+    }
+    if settings.active_deadline_s is not None:
+        # The pod's deadline, not the Job's: a Job's runs from its creation (or Kueue's
+        # admission), so a pod waiting for a node or an autoscaler would use it up.
+        spec["activeDeadlineSeconds"] = settings.active_deadline_s
+    tolerations = [{"key": key, "operator": "Exists", "effect": effect} if value is None
+                   else {"key": key, "operator": "Equal", "value": value, "effect": effect}
+                   for key, value, effect in settings.tolerations]
+    if settings.gpus_per_job > 0:
+        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        spec["tolerations"] = tolerations
+    if settings.node_selector:
+        spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.priority_class:
+        spec["priorityClassName"] = settings.priority_class
+    if settings.service_account:
+        spec["serviceAccountName"] = settings.service_account
+    if settings.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in settings.image_pull_secrets]
+    if affinity:
+        spec["affinity"] = copy.deepcopy(dict(affinity))
+    return spec
+
+
+def build_job(
+    *,
+    model_ref: str,
+    model_key: str,
+    relation: str,
+    source_model: str | None,
+    output_url: str,
+    settings: JobSettings,
+    attempt: int = 0,
+    affinity: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The batch/v1 Job that analyses one model (a plain dict, ready for the API or YAML).
+
+    model_ref: `id[@revision]` or a path, as the worker takes it; model_key: its store key
+    (esd_worker.core.models.naming.model_key), which fixes the Job name; relation / source_model:
+    the
+    adapter's relation and base; output_url: the result store; attempt: 0 for the first
+    submission, N for the Nth resubmission (name suffix -aN); affinity: the pod's affinity
+    (e.g. nodes whose GPUs have room), None = anywhere the GPU request fits.
+    Raises JobSpecError listing every problem with the settings and the model.
+    """
+    problems = list(settings.problems())
+    check_ref("model_ref", model_ref, problems)
+    if source_model is not None:
+        check_ref("source_model", source_model, problems)
+    check_ref("output_url", output_url, problems)
+    if not isinstance(relation, str) or not _RELATION.fullmatch(relation):
+        problems.append(f"relation: {relation!r} is not a relation name")
+    try:
+        name = job_name(model_key, attempt)
+    except JobSpecError as e:
+        problems.append(str(e))
+    if problems:
+        raise JobSpecError("; ".join(problems))
+
+    model_id, revision = split_model_ref(model_ref)
+    labels = labels_for(model_key, settings, attempt)
+    annotations: dict[str, str] = {
+        "esd-sweep/model-id": model_id,
+        "esd-sweep/model-ref": model_ref,
+        "esd-sweep/revision": revision or "",
+        MODEL_KEY_LABEL: model_key,
+        ATTEMPT_LABEL: str(attempt),
+        "esd-sweep/relation": relation,
+        OUTPUT_ANNOTATION: output_annotation(output_url),
+    }
+    if source_model:
+        annotations["esd-sweep/source-model"] = source_model
+
+    job_labels = dict(labels)
+    if settings.kueue_queue:
+        job_labels[KUEUE_QUEUE_LABEL] = settings.kueue_queue
+
+    template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if settings.do_not_disrupt:
+        template_meta["annotations"] = pod_annotations(settings)
+    args = worker_argv(
+        model_ref=model_ref, model_key=model_key, relation=relation,
+        source_model=source_model, output_url=output_url, settings=settings,
+    )
+    spec: dict[str, Any] = {
+        "backoffLimit": settings.backoff_limit,
+        "podFailurePolicy": pod_failure_policy(),
+        "template": {
+            "metadata": template_meta,
+            "spec": pod_spec(args, settings, affinity),
+        },
+    }
+    return job_object(name, settings, job_labels, annotations, spec)
+
+
+def job_object(name: str, settings: JobSettings, labels: Mapping[str, str],
+               annotations: Mapping[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+    """The batch/v1 Job around `spec`, with what every Job of a sweep shares: the TTL
+    after it finishes, and suspend when Kueue admits it (by setting suspend: false)."""
+    if settings.ttl_after_finished_s is not None:
+        spec["ttlSecondsAfterFinished"] = settings.ttl_after_finished_s
+    if settings.kueue_queue:
+        spec["suspend"] = True
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": settings.namespace, "labels": dict(labels),
+                     "annotations": dict(annotations)},
+        "spec": spec,
+    }

@@ -1,0 +1,365 @@
+"""The sharded Kubernetes backend: one Indexed Job per resource class over shards of the list.
+
+Owns the Backend contract (controller.backends.base) for `--backend kubernetes` when models
+are sharded (the default; `--shard-size 1` keeps one Job per model: .backend): checking the
+API server can run it, re-attaching to the sweep's Indexed Jobs a run before left running,
+creating this run's Jobs, following them by polling (a handful of objects, whatever the
+number of models), and each model's Outcome at the end, read from the store: the workers
+write markers and failure records themselves; only a shard whose pods never finished it
+(a failed index) is diagnosed from its pods. Does not cut shards (.sharding), build Jobs
+(.indexed) or talk HTTP (.client).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
+from controller.backends.kubernetes.common.errors import sweep_errors
+from controller.backends.kubernetes.common.jobs import CACHE_DIR, JobSettings
+from controller.backends.kubernetes.common.names import RUN_LABEL, sharded_selector
+from controller.backends.kubernetes.common.settings import ClusterSettings
+from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
+from controller.backends.kubernetes.sharded.plan import ResourceClass, cache_budget, default_classes
+from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
+from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures
+from controller.errors import SweepError
+from controller.progress import Progress
+from controller.run.plan import KeySet
+from controller.settings import SweepSettings
+from controller.weights.weightmeta import GpuCounts
+from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
+from esd_worker.core.store.records import read_failure
+from esd_worker.core.store.stores import Store, open_store
+
+if TYPE_CHECKING:
+    from controller.backends.kubernetes.common.client import KubeClient
+
+log = logging.getLogger(__name__)
+
+
+class ShardedBackend:
+    """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
+
+    classes: the resource classes models are sorted into
+    (controller.backends.kubernetes.sharded.plan). size: a
+    model's bytes (controller.weights.sizing.Sizer.size). gpus: a model's GPU count
+    (controller.weights.weightmeta.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
+    their own; None: every model to `classes`). poll_s: seconds between looks at the
+    Jobs. clock / sleep: for tests.
+    """
+
+    name = "kubernetes"
+
+    def __init__(
+        self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
+        job_settings: JobSettings, store: Store, classes: tuple[ResourceClass, ...],
+        size: Callable[[Any], int], size_report: Callable[[], None] = lambda: None,
+        gpus: GpuCounts | None = None, poll_s: float = 10.0, own_kube: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        problems = settings.problems()
+        if problems:
+            raise SweepError("invalid cluster settings: " + "; ".join(problems))
+        self.settings = settings
+        self.kube = kube
+        self.spec = spec
+        self.job_settings = job_settings
+        self.store = store
+        self.classes = classes
+        self.size = size
+        self.size_report = size_report
+        self.gpus = gpus
+        self.poll_s = poll_s
+        self.instance = job_settings.instance
+        self._own_kube = own_kube
+        self._clock = clock
+        self._sleep = sleep
+        self._stop_requests = 0
+        self.runs: list[IndexedRun] = []  # this run's Jobs
+        self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
+        self.left_running: list[str] = []
+
+    @classmethod
+    def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
+                      kube: KubeClient | None = None) -> ShardedBackend:
+        """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
+        from controller.backends.kubernetes.per_model.backend import (
+            client_for,
+            sweep_gpu_counts,
+            sweep_job_settings,
+            sweep_sizer,
+        )
+
+        cluster = settings.cluster
+        job_settings = sweep_job_settings(settings, spec)
+        gpus = job_settings.gpus_per_job
+        classes = default_classes(device="cpu" if gpus == 0 else "cuda", gpus_per_job=gpus,
+                                  large_bytes=cluster.large_model_bytes)
+        sizer = sweep_sizer(cluster)
+        with client_for(settings, kube) as (client, own):
+            return cls(cluster, client, spec=spec, job_settings=job_settings,
+                       store=open_store(spec.store_url), classes=classes, size=sizer.size,
+                       size_report=sizer.log_stats,
+                       gpus=sweep_gpu_counts(settings, sizer, job_settings),
+                       poll_s=cluster.poll_interval_s, own_kube=own)
+
+    # -- the Backend protocol ---------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        self._stop_requests += 1
+
+    def stop_notice(self, count: int) -> str:
+        return ("stopping: the Indexed Jobs keep running on the cluster (the next run "
+                "re-attaches to them)")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.job_settings.gpus_per_job > 0 else "cpu"
+
+    def dry_run(self, work: Work, out: TextIO) -> int:
+        """Print the Indexed Jobs this run would create (shards counted, not written)."""
+        shards = self._shard(work, _Discard())  # type: ignore[arg-type]
+        pods = sum(c.parallelism for c in shards)
+        jobs = [self._job(c, pods) for c in shards]
+        for c in shards:
+            prefix = shard_prefix(self.spec.run_id, c.cls.name)
+            where = f"{self.spec.store_url.rstrip('/')}/{prefix}"
+            out.write(f"# class {c.cls.name}: {c.models} model(s) in {c.shards} shard(s), "
+                      f"{c.parallelism} pod(s) at once; shards written to {where}\n")
+        if jobs:
+            out.write(jobs_to_yaml(jobs))
+        out.flush()
+        return len(jobs)
+
+    def run(self, work: Work, on_outcome: OutcomeCallback,
+            progress: Progress | None = None) -> list[Outcome]:
+        with sweep_errors():
+            return self._run(work, on_outcome, progress)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "gpus": [],
+            "running": sum(r.models for r in self.runs if not r.finished),
+            "kubernetes": {
+                "mode": "sharded",
+                "namespace": self.settings.namespace,
+                "instance": self.instance,
+                "image": self.settings.image,
+                "jobs": [r.summary() for r in self.runs],
+                "attached": [r.summary() for r in self.attached],
+                "jobs_left_running": self.left_running,
+                "api_requests": self.kube.requests if self.kube is not None else 0,
+                "waited": self.settings.wait,
+            },
+        }
+
+    def close(self) -> None:
+        if self._own_kube and self.kube is not None:
+            self.kube.close()
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self._stop_requests > 0
+
+    def _run(self, work: Work, on_outcome: OutcomeCallback,
+             progress: Progress | None) -> list[Outcome]:
+        kube = self._client()
+        self._check_server(kube)
+        self.attached = self._unfinished(kube)
+        if self.attached:
+            log.info("re-attaching to %d Indexed Job(s) of this sweep left running by an "
+                     "earlier run (%s): waiting for them before sharding what is left",
+                     len(self.attached), ", ".join(r.name for r in self.attached))
+            if not self._follow(kube, self.attached, progress):
+                return []
+        remaining: Work = work
+        if self.attached:  # what they finished is done; the rest is sharded again
+            remaining = _NotDone(work, KeySet(iter_markers(self.store)))
+        shards = self._shard(remaining, self.store)
+        pods = sum(c.parallelism for c in shards)
+        for c in shards:
+            self.runs.append(self._create(kube, c, pods))
+        if not self.settings.wait:
+            self.left_running = [r.name for r in self.runs]
+            log.info("--no-wait: %d Indexed Job(s) created; a later run re-attaches to them",
+                     len(self.runs))
+            return []
+        if not self._follow(kube, self.runs, progress):
+            return []
+        failures = ShardFailures(kube, self.store, self.settings, self.runs)
+        return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome)
+
+    def _client(self) -> KubeClient:
+        if self.kube is None:
+            raise SweepError("the kubernetes backend has no client (built for a dry run)")
+        return self.kube
+
+    def _check_server(self, kube: KubeClient) -> None:
+        too_old = server_too_old(kube.server_version())
+        if too_old:
+            raise SweepError(too_old)
+
+    def _unfinished(self, kube: KubeClient) -> list[IndexedRun]:
+        items, _ = kube.list_jobs(self.settings.namespace, sharded_selector(self.instance))
+        runs = [IndexedRun.from_job(job) for job in items]
+        return [r for r in runs if not r.finished and r.run_id != self.spec.run_id]
+
+    def _shard(self, work: Work, store: Store) -> list[ClassShards]:
+        shards = write_shards(
+            work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
+            budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000,
+            gpus=self.gpus)
+        self.size_report()
+        if self.gpus is not None:
+            self.gpus.log_stats()
+        return shards
+
+    def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:
+        """The Indexed Job of one class; pods: the run's pods at once, all classes (the
+        sweep's hub rate is shared among them)."""
+        hub_rate = self.settings.hub_rate / max(pods, 1)
+        batch = [*self.spec.batch_flags(), "--hub-rate", f"{hub_rate:.6g}"]
+        settings = self.settings.for_class(self.job_settings, c.cls)
+        if not self.spec.cache_dir and not settings.hf_cache_pvc:
+            # The pod's disk is bounded (the cache volume's sizeLimit): the worker downloads
+            # into a folder of its own there and deletes each model once analysed, within
+            # the disk asked for less the headroom.
+            batch += ["--cache-dir", f"{CACHE_DIR}/models"]
+            budget = cache_budget(settings.ephemeral_storage_request)
+            if budget is not None and self.spec.cache_budget is None:
+                batch += ["--cache-budget", str(budget)]
+        prefix = shard_prefix(self.spec.run_id, c.cls.name).rstrip("/")
+        return build_indexed_job(
+            run_id=self.spec.run_id, class_name=c.cls.name, completions=c.shards,
+            parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
+            shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
+            output_url=self.spec.store_url, settings=settings,
+            batch_args=batch, models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
+
+    def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:
+        job = self._job(c, pods)
+        ns, name = self.settings.namespace, job["metadata"]["name"]
+        kube.create_job(ns, job)  # "exists": a create whose answer was lost; read back below
+        created = kube.read_job(ns, name)
+        if created is None or (created["metadata"].get("labels") or {}).get(
+                RUN_LABEL) != self.spec.run_id:
+            raise SweepError(f"Job {name} in namespace {ns} is not this run's: delete it")
+        if "backoffLimitPerIndex" not in (created.get("spec") or {}):
+            kube.delete_job(ns, name)
+            raise SweepError(
+                f"the API server dropped spec.backoffLimitPerIndex from Job {name} (the "
+                "JobBackoffLimitPerIndex feature is off on this cluster): enable it, or run "
+                "one Job per model with --shard-size 1")
+        log.info("job=%s class=%s: %d shard(s), %d model(s), %d pod(s) at once", name,
+                 c.cls.name, c.shards, c.models, c.parallelism)
+        return IndexedRun.from_job(created, per_shard=c.per_shard)
+
+    def _follow(self, kube: KubeClient, runs: list[IndexedRun],
+                progress: Progress | None) -> bool:
+        """Poll the Jobs until every one has finished; False when stopped first."""
+        selector = sharded_selector(self.instance)
+        while True:
+            items, _ = kube.list_jobs(self.settings.namespace, selector)
+            listed = {job["metadata"]["name"]: job for job in items}
+            for r in runs:
+                job = listed.get(r.name)
+                if job is not None:
+                    r.update(job, self._clock())
+                elif not r.finished:
+                    r.vanish()  # deleted under us: its unfinished shards have no outcome
+                r.explain_pending(kube, self.settings, self._clock())
+            if progress is not None:
+                _show(progress, runs)
+            if all(r.finished for r in runs):
+                return True
+            if self._stopping():
+                self.left_running = [r.name for r in runs if not r.finished]
+                log.warning("stop requested: %d Indexed Job(s) keep running on the cluster "
+                            "(the next run re-attaches)", len(self.left_running))
+                return False
+            self._sleep(self.poll_s)
+
+def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,
+                   on_outcome: OutcomeCallback) -> list[Outcome]:
+    """Each model's Outcome from the store (one listing of markers and one of failure
+    records); a model of a failed index without a record of this run gets the diagnosis
+    of the index's last pod; one with neither is a retryable NoOutcome."""
+    done = KeySet(iter_markers(store))
+    records = list_failure_keys(store)
+    outcomes: list[Outcome] = []
+    for task in work:
+        key = task.key
+        where = failures.where(key)
+        record = read_failure(store, key) if key not in done and key in records else None
+        diagnosis = failures.diagnosis(key)
+        if key in done:
+            outcome = _outcome(task, "done", where=where, recorded=True)
+        elif record is not None and record.run_id == run_id:
+            outcome = _outcome(task, "failed", where=where, recorded=True, error=record.error,
+                               retryable=record.retryable, exit_code=record.exit_code,
+                               attempts=record.attempts, tail=record.stderr_tail)
+        elif diagnosis is not None:
+            outcome = _outcome(task, "failed", where=where, error=diagnosis.error,
+                               retryable=diagnosis.retryable, exit_code=diagnosis.exit_code,
+                               signal=diagnosis.signal, tail=diagnosis.tail)
+        else:
+            outcome = _outcome(task, "failed", where=where, retryable=True, error=(
+                "NoOutcome: the shard's pod ended without a result or a failure record "
+                "for this model (the next run tries it again)"))
+        if outcome.status != "done":
+            outcomes.append(outcome)
+        on_outcome(outcome)
+    return outcomes
+
+
+def _outcome(task: Task, status: str, *, where: str, recorded: bool = False, error: str = "",
+             retryable: bool = False, exit_code: int | None = None,
+             signal: int | None = None, attempts: int = 1,
+             tail: tuple[str, ...] = ()) -> Outcome:
+    return Outcome(task=task, status=status, exit_code=0 if status == "done" else exit_code,
+                   signal=signal, attempts=max(attempts, 1), duration_s=0.0, total_s=0.0,
+                   wait_s=0.0, where=where, stderr_tail=tuple(tail), error=error,
+                   retryable=retryable, recorded=recorded)
+
+
+def _show(progress: Progress, runs: list[IndexedRun]) -> None:
+    done = sum(r.models_done for r in runs)
+    failed = sum(r.models_failed for r in runs)
+    running = sum(r.models_running for r in runs)
+    total = sum(r.models for r in runs)
+    progress.update(done=done, failed=failed, running=running,
+                    waiting=max(total - done - failed - running, 0))
+
+
+class _NotDone:
+    """Work without the models that have a marker now (after re-attaching)."""
+
+    def __init__(self, work: Work, done: KeySet) -> None:
+        self.work, self.done = work, done
+        self._count: int | None = None
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(1 for _ in self)
+        return self._count
+
+    def __iter__(self) -> Iterator[Task]:
+        return (task for task in self.work if task.key not in self.done)
+
+
+class _Discard:
+    """A store that takes shard lists and keeps nothing (--dry-run counts shards only)."""
+
+    url = "dry-run://"
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        pass
+

@@ -1,0 +1,326 @@
+"""The shard plan of a sharded Kubernetes run: resource classes, units, shard counts, packing.
+
+Owns how the models to run are split into the shards of one Indexed Job per resource class:
+which class a model goes to (by the bytes of its weights, or "gpu-x<N>" for the models the
+GPU rule gives N > 1 GPUs: controller.gpu.gpurule), which models must share a shard
+(a base and the adapters that follow it), how many shards a class gets, the greedy packing
+by bytes, and a shard's model-list CSV. Pure: no store, no hub, no Kubernetes; where a
+shard is written (esd_worker.core.store.layout.shard_key) and how sizes are found
+(controller.weights.sizing)
+are not its business. Streaming: every step takes an iterator and keeps at most one unit
+and one shard, so a list of millions of models is planned in constant memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from esd_worker.core.flags import parse_size
+from esd_worker.core.models.modellist import ADAPTER_RELATIONS, ModelRow, is_local_path
+
+GIB = 1024**3
+API_COMPLETIONS_LIMIT = 100_000  # completions of an Indexed Job with backoffLimitPerIndex
+SHARD_COLUMNS = ("model_id", "base_model_relation", "source_model", "size_bytes")
+# Disk beyond two models: configs, the HF cache's bookkeeping, logs, a partial download.
+_DISK_HEADROOM_GIB = 8
+
+
+@dataclass(frozen=True)
+class ResourceClass:
+    """What one Indexed Job's pods request, and which models it takes.
+
+    name: a DNS-1123 label part ("gpu", "gpu-large", "cpu"), used in Job names and store
+    keys; gpus: nvidia.com/gpu per pod (0: a CPU pod); max_bytes: the largest model (weights
+    bytes) this class takes, None for no bound; memory, ephemeral_storage: the pod's requests
+    as Kubernetes quantities ("16Gi"), the storage being room for the downloads.
+    """
+
+    name: str
+    gpus: int
+    max_bytes: int | None
+    memory: str
+    ephemeral_storage: str
+
+
+SMALL_BYTES = 8 * 10**9  # the "-small" classes: models that fit a 16 GiB single-GPU node
+_BASE_MEMORY_GIB = 4  # Python, torch, a CUDA context, the HF and safetensors readers
+_MAX_MEMORY_GIB = 64
+
+
+def memory_for(size: int) -> str:
+    """The host memory a worker asks for to analyse models of up to `size` weight bytes.
+
+    The worker reads a checkpoint tensor by tensor, so host memory is bounded by the largest
+    tensor, not the model: the embedding or output matrix, at most ~20% of a real
+    checkpoint's bytes, held once as stored and once in float32 (2x a bf16 copy) while it
+    goes to the device, hence 0.4 x size on top of the process's own ~4 GiB, capped at 64Gi.
+    An 8 GB model asks for 7Gi, so it fits a 16 GiB single-GPU instance (whose allocatable
+    memory is ~14 GiB); 30 GB asks for 16Gi.
+    """
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    gib = _BASE_MEMORY_GIB + math.ceil(0.4 * size / GIB)
+    return f"{min(gib, _MAX_MEMORY_GIB)}Gi"
+
+
+def disk_for(size: int, *, copies: int = 2) -> str:
+    """The ephemeral storage a worker asks for: `copies` models of up to `size` bytes on disk
+    (the one analysed and the next one downloaded ahead, or a base and its adapter) and
+    room for configs, the HF cache's bookkeeping and logs."""
+    return f"{_disk_gib(size, copies)}Gi"
+
+
+def _disk_gib(size: int, copies: int) -> int:
+    if size < 0 or copies < 1:
+        raise ValueError(f"size must be >= 0 and copies >= 1, got {size}, {copies}")
+    return math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB
+
+
+def cache_budget(disk: str | None) -> int | None:
+    """The download budget of a worker whose disk request is `disk` (a quantity: "23Gi",
+    "200G"): the request less the headroom, at least 1 GiB, in bytes; None for no request
+    or a quantity that is not a plain size (milli-units: Kubernetes' "m", which
+    parse_size, being case-blind, would read as mega)."""
+    if disk is None or disk.endswith("m"):
+        return None
+    try:
+        size = parse_size(disk)
+    except argparse.ArgumentTypeError:
+        return None
+    return max(size - _DISK_HEADROOM_GIB * GIB, GIB)
+
+
+def default_classes(
+    *, device: str, gpus_per_job: int, large_bytes: int
+) -> tuple[ResourceClass, ...]:
+    """The classes a run uses unless told otherwise, smallest first (classify's order).
+
+    Three size bands, each asking for what its biggest model needs (memory_for, disk_for),
+    so a shard of small models fits a 16 GiB single-GPU node and only big models wait for
+    big nodes: "<kind>-small" up to SMALL_BYTES, "<kind>" up to `large_bytes` (those that
+    fit a 24 GiB GPU), "<kind>-large" beyond (64Gi of memory, at least 400Gi of disk: two
+    140 GB checkpoints and room). kind is "gpu", or "cpu" for device "cpu" or gpus_per_job
+    0 (CPU pods, no GPU request). A band is left out when `large_bytes` is below it.
+    """
+    if large_bytes <= 0:
+        raise ValueError(f"large_bytes must be > 0, got {large_bytes}")
+    if gpus_per_job < 0:
+        raise ValueError(f"gpus_per_job must be >= 0, got {gpus_per_job}")
+    cpu = device == "cpu" or gpus_per_job == 0
+    kind, gpus = ("cpu", 0) if cpu else ("gpu", gpus_per_job)
+    out = []
+    if large_bytes > SMALL_BYTES:
+        out.append(ResourceClass(f"{kind}-small", gpus, SMALL_BYTES, memory_for(SMALL_BYTES),
+                                 disk_for(SMALL_BYTES)))
+    out.append(ResourceClass(kind, gpus, large_bytes, memory_for(large_bytes),
+                             disk_for(large_bytes)))
+    large_disk = max(400, _disk_gib(large_bytes, 2))
+    out.append(ResourceClass(f"{kind}-large", gpus, None, f"{_MAX_MEMORY_GIB}Gi",
+                             f"{large_disk}Gi"))
+    return tuple(out)
+
+
+def multi_gpu_class(gpus: int, largest: int) -> ResourceClass:
+    """The class of the models the GPU rule gives `gpus` (> 1) GPUs each: "gpu-x<gpus>", its
+    pods asking for that many, with the memory and disk of its largest model (`largest`
+    weight bytes; at least gpu-large's 400Gi of disk: two such models on disk)."""
+    if gpus < 2 or largest < 0:
+        raise ValueError(f"gpus must be >= 2 and largest >= 0, got {gpus}, {largest}")
+    return ResourceClass(f"gpu-x{gpus}", gpus, None, memory_for(largest),
+                         f"{max(400, _disk_gib(largest, 2))}Gi")
+
+
+def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:
+    """The first class whose max_bytes is None or >= size (classes smallest first)."""
+    for cls in classes:
+        if cls.max_bytes is None or cls.max_bytes >= size:
+            return cls
+    names = ", ".join(f"{c.name} (<= {c.max_bytes})" for c in classes) or "none"
+    raise ValueError(f"no resource class takes a model of {size} bytes: {names}")
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One model to shard: ref (id[@revision] or a local path, as the worker takes it), key
+    (its model_key), relation, source_model (an adapter's base), size (bytes; an estimate
+    when unknown), gpus (the GPU rule's count for it: 1 unless it needs several)."""
+
+    ref: str
+    key: str
+    relation: str
+    source_model: str | None
+    size: int
+    gpus: int = 1
+
+    @classmethod
+    def of(cls, row: ModelRow, size: int, gpus: int = 1) -> Item:
+        return cls(row.ref, row.key, row.relation, row.source_model, size, gpus)
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.relation in ADAPTER_RELATIONS
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Models that go in the same shard: a base and the adapters of it that follow it, so
+    the worker downloads the base once. size: the sum of the items' sizes."""
+
+    items: tuple[Item, ...]
+    size: int
+
+    @property
+    def gpus(self) -> int:
+        """The most GPUs one of its models needs (the base's, usually): the unit's pods'."""
+        return max(item.gpus for item in self.items)
+
+
+def _unit(items: list[Item]) -> Unit:
+    return Unit(tuple(items), sum(item.size for item in items))
+
+
+def units(items: Iterable[Item]) -> Iterator[Unit]:
+    """Consecutive items grouped into units, in order.
+
+    A non-adapter starts a unit. An adapter joins the current unit when its source_model
+    names the unit's base (its ref or its model id, as esd_worker.core.models.modellist.base_first
+    pairs them) or equals the source_model of the adapter right before it (adapters of the
+    same unlisted base share that base's download); otherwise it starts a unit of its own.
+    Order the rows with base_first first, or adapters listed apart from their base stay
+    apart.
+    """
+    current: list[Item] = []
+    base_names: tuple[str, ...] = ()  # the ref and id of the current unit's base, if any
+    for item in items:
+        if item.is_adapter and current and item.source_model is not None:
+            prev = current[-1]
+            same_base = prev.is_adapter and prev.source_model == item.source_model
+            if item.source_model in base_names or same_base:
+                current.append(item)
+                continue
+        if current:
+            yield _unit(current)
+        current = [item]
+        base_names = () if item.is_adapter else (item.ref, _model_id(item.ref))
+    if current:
+        yield _unit(current)
+
+
+def _model_id(ref: str) -> str:
+    """The id part of a valid ref, as esd_worker.core.models.modellist.parse_ref splits it (without
+    validating it again: a row's ref is valid)."""
+    if is_local_path(ref) or "@" not in ref:
+        return ref
+    return ref.rpartition("@")[0]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard: index (0-based, the Job's completion index), its items, their bytes."""
+
+    index: int
+    items: tuple[Item, ...]
+    size: int
+
+
+def shard_count(
+    *, total_bytes: int, total_models: int, parallelism: int, max_models: int,
+    per_slot: int = 4, limit: int = API_COMPLETIONS_LIMIT, min_shard_bytes: int = 0,
+) -> int:
+    """How many shards one class's models are packed into (the packer may close a few more).
+
+    parallelism * per_slot, so that every parallel slot takes about per_slot shards one
+    after another and the last ones to finish are short (the tail); at least
+    ceil(total_models / max_models); at most total_models (a shard holds a model) and
+    `limit` (the API's bound on an Indexed Job's completions with backoffLimitPerIndex);
+    1 when there is any model, 0 when there is none. min_shard_bytes > 0 also keeps shards
+    from being smaller than that (not worth a pod's start-up), unless max_models needs more.
+    Raises ValueError when max_models cannot be kept within `limit` shards.
+    """
+    for name, value in (("parallelism", parallelism), ("max_models", max_models),
+                        ("per_slot", per_slot), ("limit", limit)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if total_bytes < 0 or total_models < 0 or min_shard_bytes < 0:
+        raise ValueError("total_bytes, total_models and min_shard_bytes must be >= 0")
+    if total_models == 0:
+        return 0
+    needed = -(-total_models // max_models)
+    if needed > limit:
+        raise ValueError(
+            f"{total_models} models at most {max_models} a shard need {needed} shards, more "
+            f"than {limit}: allow at least {-(-total_models // limit)} models a shard"
+        )
+    count = parallelism * per_slot
+    if min_shard_bytes:
+        count = min(count, max(1, total_bytes // min_shard_bytes))
+    return max(needed, min(count, total_models, limit), 1)
+
+
+def target_bytes(total_bytes: int, shards: int) -> int:
+    """ceil(total_bytes / shards), at least 1: the bytes a shard is filled up to."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    return max(1, -(-total_bytes // shards))
+
+
+class Packer:
+    """Greedy in list order: a unit goes into the current shard unless that would pass target
+    bytes (and the shard is not empty) or max_models; units are never split (a unit bigger
+    than the target is a shard of its own, one of more than max_models models too). Indexes
+    count from 0.
+
+    Each shard ends a little under the target, so a list packs into somewhat more shards
+    than total / target (about one average unit's worth of bytes less per shard), and
+    max_models closes add to that: compare `shards` with the Job's limits after finish().
+    """
+
+    def __init__(self, *, target_bytes: int, max_models: int) -> None:
+        if target_bytes < 1 or max_models < 1:
+            raise ValueError(
+                f"target_bytes and max_models must be >= 1, got {target_bytes}, {max_models}"
+            )
+        self.target_bytes = target_bytes
+        self.max_models = max_models
+        self.shards = 0  # closed so far
+        self._items: list[Item] = []
+        self._bytes = 0
+
+    def add(self, unit: Unit) -> Shard | None:
+        """Put `unit` in; returns the shard that was closed to make room, if any."""
+        closed = None
+        if self._items and (self._bytes + unit.size > self.target_bytes
+                            or len(self._items) + len(unit.items) > self.max_models):
+            closed = self._close()
+        self._items.extend(unit.items)
+        self._bytes += unit.size
+        return closed
+
+    def finish(self) -> Shard | None:
+        """The last, partial shard (None when nothing is left); counted in `shards`."""
+        return self._close() if self._items else None
+
+    def _close(self) -> Shard:
+        shard = Shard(self.shards, tuple(self._items), self._bytes)
+        self.shards += 1
+        self._items, self._bytes = [], 0
+        return shard
+
+
+def shard_csv(items: Sequence[Item]) -> bytes:
+    """The shard as a model-list CSV that esd_worker.core.models.modellist.read_model_list reads
+    back into
+    the same rows: the ref as model_id (parse_ref splits a hub ref's last '@' off as the
+    revision and takes a local path as written), the csv module's quoting so commas, quotes
+    and line breaks survive, and size_bytes (a column the worker keeps as metadata)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(SHARD_COLUMNS)
+    for item in items:
+        writer.writerow((item.ref, item.relation, item.source_model or "", item.size))
+    return out.getvalue().encode("utf-8")

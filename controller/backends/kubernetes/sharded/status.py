@@ -1,0 +1,205 @@
+"""Where one Indexed Job of a sharded run stands, and why its failed shards failed.
+
+Owns reading an Indexed Job's status (completedIndexes, failedIndexes, active, ready) into
+models done / failed / running (by the models each shard holds), telling a person once per
+timeout why the Job has no pod running, and, for a shard whose index failed (its pods never
+finished it), the diagnosis of its last pod, given to the shard's models that have no
+record of their own. Reads the Job and its pods only; per-model outcomes come from the
+store (controller.backends.kubernetes.sharded.backend).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from controller.backends.kubernetes.common.diagnosis import (
+    Diagnosis,
+    describe_pending,
+    diagnose_failure,
+    job_condition,
+)
+from controller.backends.kubernetes.common.names import (
+    CLASS_LABEL,
+    JOB_NAME_LABEL,
+    RUN_LABEL,
+)
+from controller.backends.kubernetes.common.settings import ClusterSettings
+from controller.backends.kubernetes.per_model.events import queued_workloads
+from esd_worker.core.models.modellist import ModelRow, read_model_list
+from esd_worker.core.store.layout import shard_key
+from esd_worker.core.store.stores import Store
+
+if TYPE_CHECKING:
+    from controller.backends.kubernetes.common.client import KubeClient
+
+log = logging.getLogger(__name__)
+
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # on the pods, from Kubernetes 1.28
+MODELS_ANNOTATION = "esd-sweep/models"
+
+
+def parse_indexes(text: str | None) -> list[int]:
+    """The indexes of a Job's completedIndexes / failedIndexes ("1,3-5,7"), ascending."""
+    out: list[int] = []
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, sep, high = part.partition("-")
+        try:
+            out.extend(range(int(low), int(high) + 1) if sep else [int(low)])
+        except ValueError:
+            log.warning("unreadable index range %r in a Job's status: ignored", part)
+    return sorted(set(out))
+
+
+@dataclass
+class IndexedRun:
+    """One Indexed Job: its shards' model counts (per_shard, by index; empty for a Job of
+    an earlier run, whose shards count `models / completions` each) and its state."""
+
+    name: str
+    run_id: str
+    class_name: str
+    completions: int
+    models: int
+    per_shard: list[int] = field(default_factory=list)
+    completed: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    active: int = 0
+    ready: int = 0
+    finished: bool = False
+    state: str = ""  # Complete, Failed, Deleted
+    job: dict[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+    _explained_at: float | None = None
+
+    @classmethod
+    def from_job(cls, job: Mapping[str, Any], per_shard: Sequence[int] = ()) -> IndexedRun:
+        meta = job.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        spec = job.get("spec") or {}
+        try:
+            models = int((meta.get("annotations") or {}).get(MODELS_ANNOTATION) or 0)
+        except ValueError:
+            models = 0
+        run = cls(name=str(meta.get("name")), run_id=str(labels.get(RUN_LABEL) or ""),
+                  class_name=str(labels.get(CLASS_LABEL) or ""),
+                  completions=int(spec.get("completions") or 0),
+                  models=sum(per_shard) or models, per_shard=list(per_shard))
+        run.update(job, None)
+        return run
+
+    def _count(self, indexes: Sequence[int]) -> int:
+        if self.per_shard:
+            return sum(self.per_shard[i] for i in indexes if 0 <= i < len(self.per_shard))
+        return round(len(indexes) * self.models / max(self.completions, 1))
+
+    @property
+    def models_done(self) -> int:
+        return self._count(self.completed)
+
+    @property
+    def models_failed(self) -> int:
+        return self._count(self.failed)
+
+    @property
+    def models_running(self) -> int:
+        return round(self.ready * self.models / max(self.completions, 1))
+
+    def update(self, job: Mapping[str, Any], now: float | None) -> None:
+        status = job.get("status") or {}
+        self.job = dict(job)
+        self.completed = parse_indexes(status.get("completedIndexes"))
+        self.failed = parse_indexes(status.get("failedIndexes"))
+        self.active = int(status.get("active") or 0)
+        self.ready = int(status.get("ready") or 0)
+        state, _, _ = job_condition(job)
+        self.finished = state is not None
+        self.state = state or ""
+        if self.created_at is None:
+            self.created_at = now
+        if self.ready or self.completed:
+            self._explained_at = now  # running: no reason to explain for a while
+
+    def vanish(self) -> None:
+        """The Job was deleted before it finished: its unfinished shards failed."""
+        done = set(self.completed)
+        self.failed = [i for i in range(self.completions) if i not in done]
+        self.finished, self.state = True, "Deleted"
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name, "run_id": self.run_id, "class": self.class_name,
+                "shards": self.completions, "models": self.models,
+                "shards_done": len(self.completed), "shards_failed": len(self.failed),
+                "state": self.state or "Running"}
+
+    def explain_pending(self, kube: KubeClient, settings: ClusterSettings, now: float) -> None:
+        """No pod of the Job ready for pending_timeout_s: say why, once per timeout."""
+        if self.finished or self.ready:
+            return
+        since = self._explained_at if self._explained_at is not None else self.created_at
+        if since is None or now - since < settings.pending_timeout_s:
+            return
+        self._explained_at = now
+        ns = settings.namespace
+        pods = kube.list_pods(ns, f"{JOB_NAME_LABEL}={self.name}")
+        pending = [p for p in pods if (p.get("status") or {}).get("phase") == "Pending"][:1]
+        events: list[dict[str, Any]] = []
+        for obj in [self.name, *(p["metadata"]["name"] for p in pending)]:
+            events += kube.list_events(ns, f"involvedObject.name={obj}")
+        log.warning("job=%s: no pod running for %.0fs: %s", self.name, now - since,
+                    describe_pending(self.job, pending, events,
+                                     queued_workloads(kube, settings, self.job)))
+
+
+class ShardFailures:
+    """The diagnosis of every failed index of this run's Jobs, given to its models: the
+    index's last pod (exit code, reason, log tail), read once per index."""
+
+    def __init__(self, kube: KubeClient, store: Store, settings: ClusterSettings,
+                 runs: Sequence[IndexedRun]) -> None:
+        self._by_key: dict[str, tuple[Diagnosis, str]] = {}
+        self.namespace = settings.namespace
+        for run in runs:
+            for index in run.failed:
+                diagnosis = self._diagnose(kube, settings, run, index)
+                where = f"job={self.namespace}/{run.name} index={index}"
+                for row in self._models(store, run, index):
+                    self._by_key[row.key] = (diagnosis, where)
+
+    def _diagnose(self, kube: KubeClient, settings: ClusterSettings, run: IndexedRun,
+                  index: int) -> Diagnosis:
+        if run.state == "Deleted":
+            return Diagnosis(f"JobDeleted: Job {run.name} was deleted before shard {index} "
+                             "finished", True, None, None, ())
+        pods = kube.list_pods(settings.namespace,
+                              f"{JOB_NAME_LABEL}={run.name},{INDEX_LABEL}={index}")
+        failed = [p for p in pods if (p.get("status") or {}).get("phase") == "Failed"]
+        text = ""
+        if failed:
+            last = max(failed, key=lambda p: str(p["metadata"].get("creationTimestamp")))
+            text = kube.read_pod_log(settings.namespace, last["metadata"]["name"],
+                                     tail_lines=settings.log_tail_lines)
+        return diagnose_failure(run.job, pods, text, tail_lines=settings.log_tail_lines)
+
+    @staticmethod
+    def _models(store: Store, run: IndexedRun, index: int) -> tuple[ModelRow, ...]:
+        url = f"{store.url.rstrip('/')}/{shard_key(run.run_id, run.class_name, index)}"
+        try:
+            return read_model_list(url).rows
+        except Exception as e:  # the shard list itself is gone: nothing to attribute
+            log.warning("cannot read shard %d of job %s (%s): its models get no diagnosis",
+                        index, run.name, e)
+            return ()
+
+    def diagnosis(self, key: str) -> Diagnosis | None:
+        found = self._by_key.get(key)
+        return found[0] if found else None
+
+    def where(self, key: str) -> str:
+        found = self._by_key.get(key)
+        return found[1] if found else f"namespace={self.namespace}"

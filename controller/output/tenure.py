@@ -1,0 +1,72 @@
+"""Whether this process may still write the output whose lease it took (controller.output.lease):
+the
+one signal a sweep or a refit reacts to when an S3 lease is lost, and the error it ends with.
+
+Owns `Tenure` (lost or not, the reactions registered, `check` before a write) and
+`LeaseLostError` (exit 3). Does not take, renew or release a lease (controller.output.lease) nor
+decide what a run does when it is lost (controller.run.sweep, controller.results.refit).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from controller.errors import InfrastructureError
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLostError(InfrastructureError):
+    """This sweep's S3 lease was taken over while it ran (exit 3): it stopped writing the
+    output, which is another sweep's now."""
+
+
+class Tenure:
+    """Whether this process may still write the output it holds the lease of.
+
+    `lost` once the lease is lost: an S3 lease another sweep took over after this one failed
+    to renew it within its TTL (paused, cut off from the store). A lock on a local file is
+    never lost. Callbacks given to `when_lost` run once, in the thread that finds the loss
+    (the renewal thread): they must only ask for a stop, not wait for one.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._lost = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def when_lost(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the lease is lost (now, if it is already)."""
+        with self._lock:
+            if not self._lost.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def lose(self) -> None:
+        with self._lock:
+            if self._lost.is_set():
+                return
+            self._lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # one failed reaction must not keep the others from running
+                log.exception("reacting to the loss of the lease on %s", self.url)
+
+    def check(self) -> None:
+        """LeaseLostError when the lease is lost: call before each write of the output."""
+        if self.lost:
+            raise LeaseLostError(
+                f"the lease on {self.url} was lost (not renewed within its TTL, then taken "
+                "over): this process stopped writing there; run the same command again once "
+                "the other sweep has ended"
+            )

@@ -1,0 +1,341 @@
+"""A model's weight shape before any download (parameters, its largest matrix), and its GPU count.
+
+Owns where a WeightShape (controller.gpu.gpurule) comes from: the model list's num_params and
+matrix_dim columns; the safetensors headers of a local directory's weight files (8 bytes of
+little-endian header length, then JSON with each tensor's dtype, shape and data offsets: no
+tensor data is read); or the hub: the model info's parameter count (the Sizer's lookup,
+shared with sizes: no second call) and, only for a model big enough that its width can
+change the answer (GpuRule.width_matters: ~95B parameters and up at the default threshold),
+the header of its first safetensors file through Range requests (the first 100 kB, as
+huggingface_hub's get_safetensors_metadata does, then the rest if the header is longer).
+An adapter's shape is its base's: the worker analyses the merged matrices. GpuCounts puts
+shape and rule together: one count per model, one log line per multi-GPU model, unknown
+shapes (1 GPU) counted for one line at the end. Does not talk HTTP itself (the Sizer's
+client does, within its rate, retry and lookup limits; HF_HUB_OFFLINE=1: no request) or
+decide which GPUs a worker gets (the backends).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller.gpu.gpurule import GpuRule, WeightShape, describe, width_from_params
+from controller.weights.sizing import Sizer, weight_files
+from esd_worker.core.models.modellist import ModelRow, is_local_path, parse_ref
+
+log = logging.getLogger(__name__)
+
+PARAMS_COLUMN = "num_params"  # an optional model-list column: parameters ("70e9", "70B")
+WIDTH_COLUMN = "matrix_dim"  # an optional column: the smaller side of the largest matrix
+MAX_PARAMS = 10**15  # 1000T parameters: a num_params past it is no model's
+MAX_WIDTH = 10**7  # a matrix_dim past it is no model's matrix
+MAX_HEADER_BYTES = 25_000_000  # huggingface_hub's bound on a safetensors header
+FIRST_READ_BYTES = 100_001  # bytes=0-100000: one request holds ~97% of the hub's headers
+_WARNED = 5  # bad headers logged one by one; the rest only counted
+_COUNTED_KEYS = 100_000  # models remembered as counted in the stats (beyond: counted again)
+_COUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*")
+_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+Listed = Callable[[str], "ModelRow | None"]  # a model key -> the run's row of it, if listed
+
+
+class HeaderError(ValueError):
+    """Not a safetensors header: too short or too long, cut off, or not a JSON object of
+    tensors with integer shapes."""
+
+
+@dataclass(frozen=True)
+class HeaderShape:
+    """One safetensors file's tensors: params (elements, all tensors), width (the largest
+    smaller side of a 2-D or 4-D tensor, 0 if none) and data_bytes (their bytes on disk)."""
+
+    params: int
+    width: int
+    data_bytes: int
+
+
+def header_length(prefix: bytes) -> int:
+    """The JSON header's length, from a file's first 8 bytes."""
+    if len(prefix) < 8:
+        raise HeaderError(f"{len(prefix)} bytes, fewer than the 8 of the header length")
+    length = int.from_bytes(prefix[:8], "little")
+    if not 2 <= length <= MAX_HEADER_BYTES:
+        raise HeaderError(f"a header length of {length} bytes (at most {MAX_HEADER_BYTES})")
+    return length
+
+
+def parse_header(raw: bytes) -> HeaderShape:
+    """The shape of a header's tensors. Width as the worker sees it: a 2-D weight's Gram
+    has the smaller side's width; a 4-D (conv) weight [out, in, kh, kw] is kh·kw matrices of
+    out x in (esd_worker.analysis.spectra.as_matrices); other ranks are not analysed."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise HeaderError("the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise HeaderError("the header is not a JSON object")
+    params = width = data = 0
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise HeaderError(f"tensor {str(name)[:80]!r} has no shape of whole numbers")
+        params += math.prod(shape)
+        if len(shape) in (2, 4):
+            width = max(width, min(shape[0], shape[1]))
+        offsets = tensor.get("data_offsets")
+        if (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):
+            data += max(0, offsets[1] - offsets[0])
+    return HeaderShape(params, width, data)
+
+
+def read_header(path: Path) -> HeaderShape:
+    """A local safetensors file's header (OSError, HeaderError)."""
+    with open(path, "rb") as f:
+        length = header_length(f.read(8))
+        raw = f.read(length)
+    if len(raw) < length:
+        raise HeaderError(f"the header is cut off ({len(raw)} of {length} bytes)")
+    return parse_header(raw)
+
+
+def local_shape(directory: Path) -> WeightShape | None:
+    """The shape of a local model from its weight files (controller.weights.sizing.weight_files):
+    every safetensors header read; files without one (*.bin, *.pt) give an estimate from
+    their bytes (2 per parameter). None without weights. Raises OSError, HeaderError."""
+    with os.scandir(directory) as entries:
+        sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
+    files = weight_files(sizes)
+    if not files:
+        return None
+    if not all(name.endswith(".safetensors") for name in files):
+        params = sum(sizes[name] for name in files) // 2
+        return WeightShape(params, width_from_params(params), "local", width_inferred=True)
+    headers = [read_header(directory / name) for name in files]
+    params = sum(h.params for h in headers)
+    return WeightShape(params, max(h.width for h in headers) or 1, "local")
+
+
+@dataclass
+class ShapeStats:
+    """Where the models' shapes came from (column, local, hub) and how many stayed unknown:
+    each model once (the first 100,000; a sharded plan reads its list twice)."""
+
+    column: int = 0
+    local: int = 0
+    hub: int = 0
+    unknown: int = 0
+
+
+class ShapeFinder:
+    """A model's WeightShape before download: the list's columns, else its local directory's
+    headers, else the hub (through `sizer`: its model info, and a header only when
+    rule.width_matters); None when nothing says (offline, lookup limit, a failed lookup, a
+    bad header, an adapter whose base is not known)."""
+
+    def __init__(self, sizer: Sizer, rule: GpuRule) -> None:
+        self.sizer = sizer
+        self.rule = rule
+        self._bad_headers = 0
+        self._hub_shapes: dict[str, WeightShape | None] = {}  # ref -> shape (looked up)
+        self._lock = threading.Lock()
+
+    def needs_hub(self, row: ModelRow, listed: Listed | None = None) -> bool:
+        """Whether shape(row) would ask the hub (the others are answered at once)."""
+        target = _target(row, listed)
+        if target is None or self._columns(row) or self._columns(target):
+            return False
+        return not is_local_path(target.model_id) and not self.sizer.offline
+
+    def shape(self, row: ModelRow, listed: Listed | None = None) -> WeightShape | None:
+        """`row`'s shape (its base's for an adapter, unless its own row has the columns)."""
+        target = _target(row, listed)
+        columns = self._columns(row) or (self._columns(target) if target is not None else None)
+        if target is None:
+            return columns
+        width = self._width(target) or self._width(row)
+        if columns is not None:
+            shape: WeightShape | None = columns
+        elif is_local_path(target.model_id):
+            shape = self._local(target)
+        else:
+            shape = self._hub(target)
+        if shape is not None and width and shape.source != "column":
+            shape = WeightShape(shape.params, width, shape.source)  # the list knows better
+        return shape
+
+    def _columns(self, row: ModelRow) -> WeightShape | None:
+        """The shape the list's columns give: num_params, with matrix_dim or inferred."""
+        params = self.sizer.cells.read(row, PARAMS_COLUMN, _parse_count, lo=1, hi=MAX_PARAMS,
+                                       what="a parameter count from 1 to 1000T")
+        if params is None:
+            return None
+        width = self._width(row)
+        if width:
+            return WeightShape(params, width, "column")
+        return WeightShape(params, width_from_params(params), "column", width_inferred=True)
+
+    def _width(self, row: ModelRow) -> int | None:
+        return self.sizer.cells.read(row, WIDTH_COLUMN, _parse_count, lo=1, hi=MAX_WIDTH,
+                                     what=f"a matrix side from 1 to {MAX_WIDTH}")
+
+    def _local(self, row: ModelRow) -> WeightShape | None:
+        try:
+            return local_shape(Path(os.path.expanduser(row.model_id)))
+        except (OSError, HeaderError) as e:
+            self._bad_header(row, str(getattr(e, "strerror", None) or e))
+            return None
+
+    def _hub(self, row: ModelRow) -> WeightShape | None:
+        # Memoised: a sharded plan asks twice and must get the same answer, and a header
+        # read is a lookup of its own (the Sizer memoises the model info).
+        with self._lock:
+            if row.ref in self._hub_shapes:
+                return self._hub_shapes[row.ref]
+        shape = self._hub_lookup(row)
+        if self.sizer.hub_info(row) is not None:  # memoised: looked up, not skipped
+            with self._lock:
+                self._hub_shapes[row.ref] = shape
+        return shape
+
+    def _hub_lookup(self, row: ModelRow) -> WeightShape | None:
+        info = self.sizer.hub_info(row)
+        files = weight_files(info.files) if info is not None else []
+        if info is None or not files:
+            return None
+        total = sum(info.files[name] for name in files)
+        params = info.params or total // 2  # without the hub's count: 2 bytes a parameter
+        inferred = WeightShape(params, width_from_params(params), "hub", width_inferred=True)
+        tensors = [name for name in files if name.endswith(".safetensors")]
+        if not tensors or not self.rule.width_matters(params):
+            return inferred
+        # The first file (of a sharded checkpoint, model-00001-of-…) holds the embeddings
+        # and the first layers: a transformer's widest matrices are there like anywhere.
+        head = self._hub_header(row, tensors[0])
+        if head is None or head.width == 0:
+            return inferred
+        if info.params is None and head.data_bytes:
+            params = round(total * head.params / head.data_bytes)  # its dtype's bytes
+        return WeightShape(params, head.width, "hub")
+
+    def _hub_header(self, row: ModelRow, name: str) -> HeaderShape | None:
+        first = self.sizer.read_range(row, name, 0, FIRST_READ_BYTES - 1)
+        if first is None:
+            return None
+        try:
+            length = header_length(first)
+            raw = first[8:8 + length]
+            if len(raw) < length:
+                rest = self.sizer.read_range(row, name, len(first), 8 + length - 1)
+                if rest is None:
+                    return None
+                raw += rest
+            if len(raw) < length:
+                raise HeaderError(f"the header is cut off ({len(raw)} of {length} bytes)")
+            return parse_header(raw)
+        except HeaderError as e:
+            self._bad_header(row, f"{name}: {e}")
+            return None
+
+    def _bad_header(self, row: ModelRow, why: str) -> None:
+        with self._lock:
+            self._bad_headers += 1
+            count = self._bad_headers
+        if count <= _WARNED:
+            log.warning("model=%s: cannot read its weights' shape (%s): it gets one GPU%s",
+                        row.ref, why, "; further ones are only counted" if count == _WARNED
+                        else "")
+
+
+class GpuCounts:
+    """Each model's GPU count: its shape (`finder`) through `rule`, at most `cap` GPUs.
+
+    Logs the reason once per model that gets several GPUs; shapes that stay unknown get 1
+    and are counted (stats) for one line at the end (log_stats). Thread-safe: the local
+    backend asks from a look-ahead thread too."""
+
+    def __init__(self, rule: GpuRule, finder: ShapeFinder, cap: int) -> None:
+        self.rule = rule
+        self.finder = finder
+        self.cap = max(1, cap)
+        self.stats = ShapeStats()
+        self._logged: set[str] = set()
+        self._counted: set[str] = set()  # models in stats (a sharded plan asks twice)
+        self._lock = threading.Lock()
+
+    def __call__(self, row: ModelRow, listed: Listed | None = None) -> int:
+        return self.decide(row, listed)[0]
+
+    def decide(self, row: ModelRow,
+               listed: Listed | None = None) -> tuple[int, WeightShape | None]:
+        """(the model's GPU count, the shape it came from; None: not looked up or unknown)."""
+        if not self.rule.splits(self.cap):
+            return self.rule.base, None
+        shape = self.finder.shape(row, listed)
+        gpus = self.rule.gpus(shape, cap=self.cap)
+        with self._lock:
+            if row.key not in self._counted:
+                source = shape.source if shape is not None else "unknown"
+                setattr(self.stats, source, getattr(self.stats, source) + 1)
+                if len(self._counted) < _COUNTED_KEYS:
+                    self._counted.add(row.key)
+            first = gpus > 1 and shape is not None and row.key not in self._logged
+            if first:
+                self._logged.add(row.key)
+        if first and shape is not None:
+            log.info("%s", describe(row.ref, shape, gpus))
+        return gpus, shape
+
+    def log_stats(self) -> None:
+        """One line: how many models got several GPUs, and how many had no known shape."""
+        s = self.stats
+        if not (s.column or s.local or s.hub or s.unknown):
+            return
+        level = logging.WARNING if s.unknown else logging.INFO
+        log.log(level, "GPU rule: shapes of %d model(s) from the %s/%s columns, %d local, %d "
+                "from the hub; %d on several GPUs; %d of unknown shape got one GPU%s",
+                s.column, PARAMS_COLUMN, WIDTH_COLUMN, s.local, s.hub, len(self._logged),
+                s.unknown, f" (add a {PARAMS_COLUMN} column to the list to size them)"
+                if s.unknown else "")
+
+
+def _target(row: ModelRow, listed: Listed | None) -> ModelRow | None:
+    """The row whose weights decide `row`'s cost: its own, or an adapter's base (its listed
+    row if any; a local adapter's adapter_config.json when the list names no base)."""
+    if not row.is_adapter:
+        return row
+    source = row.source_model
+    if not source and is_local_path(row.model_id):
+        config = Path(os.path.expanduser(row.model_id)) / "adapter_config.json"
+        try:
+            base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        source = base if isinstance(base, str) and base else None
+    if not source:
+        return None
+    model_id, revision, problem = parse_ref(source)
+    if problem is not None:
+        return None
+    base_row = ModelRow(model_id, revision, "", None)
+    return (listed(base_row.key) if listed is not None else None) or base_row
+
+
+def _parse_count(text: str) -> float | None:
+    """A count such as 7000000000, 7e9, 7B or 1.5T (k, M, B, T: 10³ … 10¹²); None if it is
+    not one (its range is ListNumbers.read's)."""
+    match = _COUNT.fullmatch(text)
+    if match is None:
+        return None
+    return float(match.group(1)) * _SCALE[match.group(2).lower()]

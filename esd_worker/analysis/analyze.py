@@ -1,0 +1,475 @@
+"""Analyse one model end to end: resolve, discover layers (with speculative spectra alongside,
+esd_worker.analysis.speculate), stream + merge, spectra, results.
+
+Owns what is computed for one layer (its row, its LoRA merge on the device, its spectrum)
+and the model's result; the spreading of layers over devices, one stream each, and the
+memory bound per layer are esd_worker.analysis.streams'."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from esd_worker import __version__
+from esd_worker.analysis.layers import CONV2D, LayerMap, LayerSpec, discover_layers
+from esd_worker.analysis.lora import AdapterMatch, LoraAdapter, add_lora_
+from esd_worker.analysis.spectra import compute_spectrum
+from esd_worker.analysis.speculate import Speculated, Speculation, candidate_keys, speculation_mode
+from esd_worker.analysis.streams import (
+    Capacity,
+    Streams,
+    check_fits,
+    device_capacity,
+    float_dtype,
+    select_devices,
+)
+from esd_worker.core.errors import GpuOutOfMemoryError, PermanentModelError, WorkerError
+from esd_worker.core.models.naming import model_key as make_model_key
+from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
+from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+from esd_worker.core.store.layout import (
+    EIGS_NAME,
+    LAYERS_NAME,
+    BaseModelRef,
+    Marker,
+    canonical_parameters,
+    write_model_result,
+)
+from esd_worker.core.store.results import eigs_to_npz, layers_to_csv, summarize_layers
+from esd_worker.core.store.stores import Store, open_store
+from esd_worker.fetch.resolve import ResolvedModel, parse_model_ref, resolve_model
+
+log = logging.getLogger(__name__)
+
+ADAPTER_RELATIONS = frozenset({"adapter", "lora", "peft"})
+
+
+def select_device(requested: str) -> torch.device:
+    """auto: CUDA when available (cuda:0), else CPU; cuda without a GPU is a usage error. The
+    one device of a single stream (esd_worker.serve.selfcheck); models use select_devices."""
+    return select_devices(requested, parallel=False)[0]
+
+
+def _device_info(devices: Sequence[torch.device], layers_per_stream: list[int]) -> dict[str, Any]:
+    """result.json's device: the first device's type and name, how many streams ran, on what
+    and how many layers each took; on CUDA each device's peak allocated memory and the
+    largest (peak_memory_mib, the bound per GPU; with one GPU as before)."""
+    first = devices[0]
+    info: dict[str, Any] = {
+        "type": first.type,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "host": platform.node(),
+        "count": len(devices),
+        "layers_per_stream": layers_per_stream,
+    }
+    if first.type == "cuda":
+        names = [torch.cuda.get_device_name(d) for d in devices]
+        peaks = [round(torch.cuda.max_memory_allocated(d) / 2**20, 1) for d in devices]
+        info |= {"name": names[0], "names": names, "peak_memory_mib": max(peaks),
+                 "peak_memory_mib_per_device": peaks}
+    else:
+        name = platform.processor() or platform.machine()
+        info |= {"name": name, "names": [name] * len(devices), "threads": torch.get_num_threads()}
+    return info
+
+
+def _versions() -> dict[str, str]:
+    """Versions of what made the numbers; read from package metadata (no imports: peft alone
+    takes seconds to import)."""
+    versions = {
+        "esd_worker": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+    }
+    for dist in ("transformers", "safetensors", "peft", "huggingface_hub", "accelerate"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
+    return versions
+
+
+def _nan_metrics() -> dict[str, Any]:
+    return {col: float("nan") for col in METRIC_COLUMNS} | {"num_evals": 0, "num_pl_spikes": 0,
+                                                            "matrix_rank": 0}
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    """What one layer gives the results: its row, its eigenvalues (None for a status row
+    without a spectrum) and whether the spectrum came from the speculation."""
+
+    row: dict[str, Any]
+    evals: np.ndarray | None = None
+    speculated: bool = False
+
+
+class _Analysis:
+    """State of one model's analysis; `run` fills `rows` and `eigs` in layer order.
+
+    devices: one analysis stream each (esd_worker.analysis.streams.Streams); read: the checkpoint's
+    tensor reader, shared by the streams (it must be thread-safe, as Checkpoint.read is);
+    capacity: usable bytes of a device for one layer (None: no bound checked).
+    """
+
+    def __init__(
+        self,
+        model: ResolvedModel,
+        layer_map: LayerMap,
+        read: Callable[[str], torch.Tensor],
+        analysis: AnalysisSettings,
+        devices: Sequence[torch.device],
+        adapter: AdapterMatch | None,
+        fan_in_fan_out: bool,
+        speculation: Speculation | None = None,
+        *,
+        capacity: Capacity = device_capacity,
+        stored_dtype: Callable[[str], torch.dtype | None] | None = None,
+    ) -> None:
+        self.model = model
+        self.layer_map = layer_map
+        self.read = read
+        self.analysis = analysis
+        self.devices = list(devices)
+        self.adapter = adapter or AdapterMatch({}, {}, [])
+        self.fan_in_fan_out = fan_in_fan_out
+        self.work_dtype = torch.float64 if analysis.precision == "float64" else torch.float32
+        self.capacity = capacity
+        self.stored_dtype = stored_dtype
+        self.rows: list[dict[str, Any]] = []
+        self.eigs: dict[str, np.ndarray] = {}
+        self.wait_s = 0.0
+        self.speculation = speculation
+        self.speculated_layers = 0  # layers whose spectrum came from the speculation
+        self.streams: Streams[LayerResult] | None = None
+
+    def _speculated(self, spec: LayerSpec) -> Speculated | None:
+        if self.speculation is None:
+            return None
+        return self.speculation.usable(spec, self.adapter, self.analysis)
+
+    def _fetch(self, pool: ThreadPoolExecutor, spec: LayerSpec) -> Future[torch.Tensor]:
+        """The layer's tensor, read ahead by `pool`; for a layer with a usable speculative
+        spectrum a meta tensor of its shape and dtype (all the row needs): no read."""
+        found = self._speculated(spec)
+        if found is None:
+            return pool.submit(self.read, spec.key)
+        future: Future[torch.Tensor] = Future()
+        future.set_result(torch.empty(spec.shape, dtype=found.dtype, device="meta"))
+        return future
+
+    def _weight(self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device, *,
+                merge: bool) -> torch.Tensor:
+        """The layer's weight on `device` in the work dtype, with its LoRA updates added
+        there.
+
+        Never modifies `tensor` in place: a .bin checkpoint hands out its (mapped) tensors,
+        and a tied weight is read again for the next layer.
+        """
+        w = tensor.to(device, non_blocking=True).to(self.work_dtype)
+        modules = self.adapter.merges.get(spec.key, ()) if merge else ()
+        if modules and w.data_ptr() == tensor.data_ptr():
+            w = w.clone()  # same device and dtype: .to() returned the checkpoint's tensor
+        for module in modules:
+            add_lora_(w, module, fan_in_fan_out=self.fan_in_fan_out)
+        return w
+
+    def _status(self, spec: LayerSpec, tensor: torch.Tensor, M: int, N: int) -> str | None:
+        """Why the layer cannot be analysed, or None when it can."""
+        if not tensor.is_floating_point():
+            return "unsupported_dtype"
+        if tensor.dim() != (4 if spec.layer_type == CONV2D else 2):
+            return "unsupported_shape"
+        if min(M, N) < self.analysis.min_evals:
+            return "too_small"
+        return None
+
+    def _check_fits(self, name: str, shape: Sequence[int], layer_type: str,
+                    stored: torch.dtype, device: torch.device) -> None:
+        capacity = self.capacity(device)
+        if capacity is not None:
+            check_fits(name, shape, layer_type, self.analysis.precision, stored, device,
+                       capacity, model=self.model.ref)
+
+    def analyse_layer(
+        self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device
+    ) -> LayerResult:
+        """The layer's row and spectrum, computed on `device` (thread-safe: one call per
+        stream at a time, nothing shared is written)."""
+        a = self.analysis
+        # modules_to_save: the adapter's own full copy, which peft's merge leaves as saved.
+        replaced = self.adapter.replaced.get(spec.name)
+        tensor = tensor if replaced is None else replaced
+        shape = tuple(tensor.shape)
+        if len(shape) < 2:
+            M, N = 0, 0
+        elif spec.layer_type == "Conv1D":
+            M, N = shape[1], shape[0]  # stored in x out
+        else:
+            M, N = shape[0], shape[1]
+        row: dict[str, Any] = {
+            "model_id": self.model.model_id,
+            "revision": self.model.resolved_revision or self.model.revision or "",
+            "layer": spec.name,
+            "layer_type": spec.layer_type,
+            "M": M,
+            "N": N,
+            "num_params": int(tensor.numel()),
+            "fix_fingers": a.fix_fingers,
+        }
+        status = self._status(spec, tensor, M, N)
+        if status is not None:
+            return LayerResult(row | _nan_metrics() | {"status": status})
+        found = self._speculated(spec)
+        if found is not None:  # finite: the speculation skips non-finite tensors
+            spectrum = found.spectrum
+        else:
+            self._check_fits(spec.name, shape, spec.layer_type, tensor.dtype, device)
+            weight = self._weight(spec, tensor, device, merge=replaced is None)
+            if not bool(torch.isfinite(weight).all()):
+                return LayerResult(row | _nan_metrics() | {"status": "nonfinite_weights"})
+            spectrum = compute_spectrum(
+                weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm
+            )
+            del weight
+        metrics = layer_metrics(
+            spectrum.evals,
+            max_dim=spectrum.max_dim,
+            fix_fingers=a.fix_fingers,
+            evals_thresh=a.evals_thresh,
+            bins=a.bins,
+        )
+        return LayerResult(row | metrics, spectrum.evals, speculated=found is not None)
+
+    def check_memory(self) -> None:
+        """Before any layer: every layer the devices will compute must fit the smallest of
+        them (streams take any layer), so a model too big for its GPUs fails in a second,
+        not after hours of analysis with its lm_head last. Each layer is checked again
+        with its real tensor before it is computed (analyse_layer)."""
+        bounded = [(c, d) for d in self.devices if (c := self.capacity(d)) is not None]
+        if not bounded or self.stored_dtype is None:
+            return
+        _, device = min(bounded, key=lambda cd: cd[0])
+        rank = {CONV2D: 4}
+        for spec in self.layer_map.layers:
+            stored = self.stored_dtype(spec.key)
+            if (stored is None or len(spec.shape) != rank.get(spec.layer_type, 2)
+                    or min(spec.shape[:2]) < self.analysis.min_evals
+                    or spec.name in self.adapter.replaced or self._speculated(spec)):
+                continue  # a status row, the adapter's own copy, or no device work
+            self._check_fits(spec.name, spec.shape, spec.layer_type, stored, device)
+
+    def run(self) -> None:
+        self.check_memory()
+        self.streams = Streams(self.layer_map.layers, self.devices, fetch=self._fetch,
+                               analyse=self.analyse_layer, label=self.model.ref)
+        results = self.streams.run()
+        self.wait_s = self.streams.wait_s
+        for spec, result in zip(self.layer_map.layers, results, strict=True):
+            self.rows.append(result.row)
+            if result.evals is not None:
+                self.eigs[spec.name] = result.evals
+            self.speculated_layers += result.speculated
+
+
+def analyse_model(
+    settings: WorkerSettings,
+    *,
+    store: Store | None = None,
+    model_key: str | None = None,
+    resolve: Callable[[str], ResolvedModel] = resolve_model,
+) -> Marker:
+    """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
+
+    resolve: how model references (the model, an adapter's base) become local files; a
+    caller that has downloaded them already hands in its own. Returns the marker written
+    (result.json).
+    """
+    return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve)
+
+
+def analyse_model_with(
+    settings: WorkerSettings,
+    *,
+    store: Store | None = None,
+    model_key: str | None = None,
+    resolve: Callable[[str], ResolvedModel] = resolve_model,
+    speculate: str = "auto",
+    devices: Sequence[torch.device] | None = None,
+    capacity: Capacity = device_capacity,
+) -> Marker:
+    """analyse_model, with the speculation switch (esd_worker.analysis.speculate): auto decides by
+    the
+    device, off/on force it, complete speculates every candidate tensor before the analysis.
+    The results are the same byte for byte in every mode (tests compare them).
+
+    devices: one analysis stream each (tests and benchmarks: [cpu, cpu, cpu] runs three
+    streams on the CPU); default: esd_worker.analysis.streams.select_devices from settings.device
+    and
+    settings.parallel_gpu. capacity: usable bytes of a device for one layer (default: a
+    CUDA device's total memory less a margin; None, no bound, for the CPU)."""
+    settings.validate()
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    key = model_key or make_model_key(*parse_model_ref(settings.model))
+    if store is None:  # a store passed in has been checked by the caller
+        store = open_store(settings.output)
+        store.check()  # before any download or analysis: an unwritable output fails in a second
+    if devices is None:
+        devices = select_devices(settings.device, settings.parallel_gpu)
+    devices = list(devices)
+    for device in devices:
+        if device.type == "cuda":  # peak_memory_mib is this model's, not the process's
+            torch.cuda.reset_peak_memory_stats(device)
+    mode = speculation_mode(speculate, devices[0])
+
+    model = resolve(settings.model)
+    adapter: LoraAdapter | None = None
+    base: ResolvedModel | None = None
+    if settings.relation.lower() in ADAPTER_RELATIONS or model.is_adapter:
+        if not model.is_adapter:
+            raise PermanentModelError(
+                f"{settings.model} is listed as an adapter but has no adapter_config.json"
+            )
+        adapter = LoraAdapter(model.directory)
+        base = _resolve_base(settings, adapter, resolve)
+    weights_model = base or model
+    t_resolve = time.perf_counter()
+
+    from esd_worker.analysis.weights import Checkpoint
+
+    with Checkpoint(weights_model.directory) as ckpt:
+        speculation = None if mode == "off" else Speculation(
+            ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, devices[0],
+            complete=mode == "complete",
+        )
+        with speculation or contextlib.nullcontext():
+            layer_map = discover_layers(
+                weights_model.directory,
+                ckpt,
+                include_embeddings=settings.analysis.include_embeddings,
+                trust_remote_code=settings.trust_remote_code,
+            )
+        matched: AdapterMatch | None = None
+        if adapter is not None:
+            matched = adapter.match(layer_map.layers, ckpt.keys())
+            log.info(
+                "adapter: %d LoRA modules merged on the fly, %d modules replaced, "
+                "%d on weights not analysed",
+                matched.merged_modules, len(matched.replaced), len(matched.unanalysed),
+            )
+        t_discover = time.perf_counter()
+        log.info(
+            "model=%s layers=%d discovery=%s architecture=%s",
+            settings.model, len(layer_map.layers), layer_map.discovery, layer_map.architecture,
+        )
+        job = _Analysis(
+            model, layer_map, ckpt.read, settings.analysis, devices, matched,
+            adapter.fan_in_fan_out if adapter else False, speculation,
+            capacity=capacity, stored_dtype=lambda name: float_dtype(ckpt.dtype(name)),
+        )
+        try:
+            job.run()
+        except torch.cuda.OutOfMemoryError as e:
+            raise GpuOutOfMemoryError(
+                f"out of GPU memory analysing {settings.model}: {_first_line(e)}"
+            ) from e
+    t_analyse = time.perf_counter()
+
+    layers_csv = layers_to_csv(job.rows)
+    eigs = eigs_to_npz(job.eigs) if settings.save_eigs else None
+    statuses = Counter(row["status"] for row in job.rows)
+    marker = Marker(
+        model=settings.model,
+        model_key=key,
+        parameters=canonical_parameters(settings.analysis.as_dict()),
+        model_id=model.model_id,
+        revision=model.revision,
+        resolved_revision=model.resolved_revision,
+        source=model.source,
+        relation=settings.relation,
+        base_model=None if base is None else BaseModelRef(
+            model=base.ref, resolved_revision=base.resolved_revision, source=base.source,
+        ),
+        adapter=None if adapter is None or matched is None else {
+            **adapter.info.__dict__,
+            "merged_modules": matched.merged_modules,
+            "replaced_layers": len(matched.replaced),
+            "unanalysed_modules": len(matched.unanalysed),
+        },
+        layer_discovery=layer_map.discovery,
+        architecture=layer_map.architecture,
+        discovery_note=layer_map.note,
+        layer_count=len(job.rows),
+        status_counts=dict(sorted(statuses.items())),
+        summary=summarize_layers(job.rows),
+        layers_name=LAYERS_NAME,
+        eigs_name=EIGS_NAME if eigs is not None else None,
+        device=_device_info(devices, job.streams.layers_per_stream if job.streams else []),
+        versions=_versions(),
+        started_at=started.isoformat(timespec="seconds"),
+    )
+    timings = {
+        "resolve_s": round(t_resolve - t0, 4),
+        "discover_s": round(t_discover - t_resolve, 4),
+        "analyse_s": round(t_analyse - t_discover, 4),
+        "read_wait_s": round(job.wait_s, 4),
+        "speculated_layers": job.speculated_layers,
+    }
+
+    def finish(written: Marker) -> Marker:
+        """Stamp the time the layer table and eigenvalues took to write, and the end."""
+        now = time.perf_counter()
+        return dataclasses.replace(
+            written,
+            timings={**timings, "write_s": round(now - t_analyse, 4),
+                     "total_s": round(now - t0, 4)},
+            finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+
+    # The marker goes last: a model is done iff result.json exists.
+    marker = write_model_result(store, marker, layers=layers_csv, eigs=eigs, finish=finish)
+    log.info(
+        "model=%s key=%s done: %d layers %s in %.2fs",
+        settings.model, key, len(job.rows), dict(statuses), marker.total_s,
+    )
+    return marker
+
+
+def _resolve_base(
+    settings: WorkerSettings, adapter: LoraAdapter, resolve: Callable[[str], ResolvedModel]
+) -> ResolvedModel:
+    """The adapter's base: --base-model, else adapter_config.json's base_model_name_or_path."""
+    if settings.base_model:
+        return resolve(settings.base_model)
+    ref = adapter.info.base_model
+    if not ref:
+        raise PermanentModelError(
+            f"adapter base not found for {settings.model}: adapter_config.json names no "
+            "base_model_name_or_path; pass --base-model"
+        )
+    try:
+        return resolve(ref)
+    except WorkerError as e:
+        raise type(e)(
+            f"adapter base {ref} (from adapter_config.json) could not be resolved: {e}; "
+            "pass --base-model"
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

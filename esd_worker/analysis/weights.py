@@ -1,0 +1,304 @@
+"""Checkpoint files of one model: which tensors exist, their shapes, reading them one by one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import struct
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from esd_worker.core.errors import PermanentModelError
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def find_weight_files(directory: Path, *, adapter: bool = False) -> tuple[str, list[Path]]:
+    """The weight files of a model directory, safetensors preferred, and their format.
+
+    The order follows what `save_pretrained` writes: a sharded index, a single file, then
+    any other root-level safetensors; `pytorch_model*.bin` only when no safetensors exist.
+    """
+    if adapter:
+        candidates = [
+            ("safetensors", ["adapter_model.safetensors"]),
+            ("bin", ["adapter_model.bin"]),
+        ]
+        for fmt, names in candidates:
+            files = [directory / n for n in names if (directory / n).is_file()]
+            if files:
+                return fmt, files
+        raise PermanentModelError(
+            f"no adapter weights in {directory} (looked for adapter_model.safetensors/.bin)"
+        )
+    for fmt, index_name in (("safetensors", SAFETENSORS_INDEX), ("bin", BIN_INDEX)):
+        index = directory / index_name
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise PermanentModelError(f"corrupt checkpoint index {index}: {e}") from e
+            files = [directory / name for name in dict.fromkeys(weight_map.values())]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise PermanentModelError(
+                    f"checkpoint index {index.name} names missing shards: {', '.join(missing[:3])}"
+                )
+            return fmt, files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return "safetensors", [single]
+    others = sorted(
+        p for p in directory.glob("*.safetensors") if not p.name.startswith("adapter_model")
+    )
+    if others:
+        return "safetensors", others
+    bins = sorted(p for p in directory.glob("pytorch_model*.bin"))
+    if bins:
+        return "bin", bins
+    raise PermanentModelError(
+        f"no weights in {directory} (looked for *.safetensors, {SAFETENSORS_INDEX}, "
+        "pytorch_model*.bin): unsupported format"
+    )
+
+
+class Checkpoint:
+    """Lazy view of a model's tensors; `read` loads one tensor into CPU memory.
+
+    safetensors files are read tensor by tensor into buffers of their own (SafetensorsFile),
+    not memory-mapped: a mapped checkpoint's pages stay in the worker's resident set until
+    the file is closed (13.5 GiB for a 7B model), these go with each tensor.
+    `.bin` files are loaded with `weights_only=True` (no code from the file runs) and
+    memory-mapped where the file format allows it.
+    """
+
+    def __init__(self, directory: Path, *, adapter: bool = False) -> None:
+        self.directory = directory
+        self.format, self.files = find_weight_files(directory, adapter=adapter)
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, Any] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        try:
+            for path in self.files:
+                self._open(path)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _open(self, path: Path) -> None:
+        if self.format == "safetensors":
+            try:
+                handle = SafetensorsFile(path)
+            except (OSError, ValueError) as e:
+                raise PermanentModelError(f"corrupt safetensors file {path.name}: {e}") from e
+            self._stack.callback(handle.close)
+            for key in sorted(handle.entries):  # by name, as safetensors' own keys() lists them
+                entry = handle.entries[key]
+                self._where[key] = handle
+                self._shapes[key] = entry.shape
+                self._dtypes[key] = entry.dtype_name
+            return
+        state = _load_bin(path)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                self._where[key] = state
+                self._shapes[key] = tuple(value.shape)
+                self._dtypes[key] = str(value.dtype).removeprefix("torch.")
+
+    def close(self) -> None:
+        self._stack.close()
+        self._where.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def dtype(self, key: str) -> str:
+        return self._dtypes[key]
+
+    def read(self, key: str) -> torch.Tensor:
+        source = self._where[key]
+        if isinstance(source, dict):
+            return source[key]
+        try:
+            tensor: torch.Tensor = source.read(key)
+        except (OSError, ValueError) as e:
+            raise PermanentModelError(f"corrupt tensor {key!r} in {self.directory}: {e}") from e
+        return tensor
+
+    def iter_tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for key in keys:
+            yield key, self.read(key)
+
+
+# safetensors dtype names (what Checkpoint.dtype reports for these files) → torch dtypes.
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
+@dataclass(frozen=True)
+class _Entry:
+    dtype: torch.dtype | None  # None: a dtype torch here cannot hold (reported, never read)
+    dtype_name: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsFile:
+    """One .safetensors file: its header parsed once, each tensor read on demand into a
+    buffer of its own (the format: an 8-byte little-endian header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the data). Thread-safe: reads are positioned
+    (os.pread), so the read-ahead and the speculation threads may read at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self.entries = self._header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _header(self) -> dict[str, _Entry]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"header length {length} does not fit a {size}-byte file")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"header is not JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        data = 8 + length
+        entries: dict[str, _Entry] = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                name, shape = info["dtype"], tuple(int(d) for d in info["shape"])
+                start, end = (data + int(o) for o in info["data_offsets"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"bad header entry {key!r}: {e}") from e
+            dtype, dtype_name = _DTYPES.get(name), str(name)
+            if not data <= start <= end <= size or any(d < 0 for d in shape):
+                raise ValueError(f"tensor {key!r} lies outside the file")
+            if dtype is not None and math.prod(shape) * dtype.itemsize != end - start:
+                raise ValueError(f"tensor {key!r}: {end - start} bytes for shape {shape} {name}")
+            entries[key] = _Entry(dtype, dtype_name, shape, start, end)
+        _check_tiling(entries, data, size)
+        return entries
+
+    def read(self, key: str) -> torch.Tensor:
+        entry = self.entries[key]
+        if entry.dtype is None:
+            raise ValueError(f"tensor {key!r} has dtype {entry.dtype_name}, which torch "
+                             f"{torch.__version__} cannot hold")
+        n = entry.end - entry.start
+        buffer = bytearray(n)
+        view, done = memoryview(buffer), 0
+        while done < n:
+            got = os.preadv(self._fd, [view[done:]], entry.start + done)
+            if got <= 0:
+                raise OSError(f"{self.path.name} ended inside tensor {key!r}")
+            done += got
+        if n == 0:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        return torch.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _check_tiling(entries: dict[str, _Entry], data: int, size: int) -> None:
+    """The tensors' byte ranges, sorted, must tile the data exactly (the safetensors loader's
+    rule): an overlap would let one tensor's bytes be analysed under two names, a gap or a
+    tail hides bytes nobody reads. Zero-size tensors sit anywhere in the sequence."""
+    at = data
+    for start, end, key in sorted((e.start, e.end, k) for k, e in entries.items()):
+        if start != at:
+            how = "overlaps the tensor before it" if start < at else "leaves a gap before it"
+            raise ValueError(f"tensor {key!r} {how} in the data (offset {start - data}, "
+                             f"expected {at - data})")
+        at = end
+    if at != size:
+        raise ValueError(f"{size - at} bytes of data after the last tensor")
+
+
+def _load_bin(path: Path) -> dict[str, Any]:
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # Legacy (pre-zip) files cannot be memory-mapped.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
+        raise PermanentModelError(_load_error(path.name, e)) from e
+    except OSError as e:
+        raise PermanentModelError(f"cannot read weights file {path.name}: {e}") from e
+    if not isinstance(state, dict):
+        raise PermanentModelError(f"{path.name} holds {type(state).__name__}, not a state dict")
+    if "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    return state
+
+
+# torch.load's reason comes wrapped in advice: load with weights_only=False, or allowlist
+# the class or function the file names. Either would run code from a file nobody vetted:
+# never to be suggested here, so every sentence of it goes.
+_ADVICE = re.compile(
+    r"weights.only|trust|safe_globals|allowlist|file an issue|two options|^\(\d\)",
+    re.IGNORECASE,
+)
+_GLOBAL = re.compile(r"\bGLOBAL ([\w.]+)")
+
+
+def _load_error(name: str, e: BaseException) -> str:
+    """The one line for a .bin file torch.load refused: the code it holds, or the reason."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split())  # no terminal colours
+    code = _GLOBAL.search(text)
+    if code:
+        return (f"unsafe weights file {name}: it holds code ({code.group(1)}), which is not "
+                "loaded: only tensors are read from weights files")
+    text = text.split(" Check the documentation", 1)[0].split("WeightsUnpickler error:", 1)[-1]
+    sentences = re.split(r"(?<=[.!?:])\s+", text)
+    reason = " ".join(s for s in sentences if s and not _ADVICE.search(s)).strip(" .")
+    return f"corrupt or unsafe weights file {name}: {reason[:300] or 'not a plain state dict'}"

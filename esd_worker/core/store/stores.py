@@ -1,0 +1,229 @@
+"""Result stores behind one small interface: where bytes for a key live (no torch, no analysis).
+
+Which keys exist, and what they hold, is esd_worker.core.store.layout's.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from esd_worker.core.errors import StoreError, StorePathError, UsageError, WorkerError
+from esd_worker.core.files import write_atomic
+
+# Lenient on purpose (older AWS buckets and S3-compatible stores allow more); the store has the
+# last word. No ':' so that `s3://host:9000/...` is caught: endpoints go in AWS_ENDPOINT_URL.
+_BUCKET_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+
+# OS errors that say a local folder cannot be used as configured: the same call fails the
+# same way on every retry until a person changes a path or a permission (a file where a
+# folder should be, or the reverse; no permission; a read-only mount; a name or a link the
+# filesystem refuses). A retry costs a model's attempts and minutes of backoff for nothing,
+# so these are permanent (exit 3). Everything else stays transient (exit 4), because it can
+# clear with the configuration unchanged: ENOSPC / EDQUOT (another job frees the disk), EIO
+# and ESTALE (a flaky disk, an NFS server back), ENOENT (a folder removed under a write),
+# EINTR, EAGAIN, ENOMEM, EMFILE, ENFILE, ETIMEDOUT.
+_PERMANENT_ERRNOS = frozenset({
+    errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+    errno.EEXIST,  # mkdir(exist_ok=True) where a file holds the folder's name
+    errno.ENAMETOOLONG, errno.ELOOP,
+})
+
+
+def normalize_key(key: str) -> str:
+    """`key` with empty parts dropped; StoreError for an empty key or a '.' / '..' part."""
+    parts = [p for p in key.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise StoreError(f"invalid store key {key!r}")
+    return "/".join(parts)
+
+
+def local_store_error(what: str, e: OSError) -> WorkerError:
+    """The store error for `e` met trying to `what` ("write /out/m/result.json"):
+    StorePathError when no retry can help (see _PERMANENT_ERRNOS), StoreError otherwise."""
+    if e.errno in _PERMANENT_ERRNOS:
+        return StorePathError(f"cannot {what}: {e.strerror or e}: fix the output folder "
+                              "or its permissions")
+    return StoreError(f"cannot {what}: {e.strerror or e}")
+
+
+class Store(abc.ABC):
+    """Keys are '/'-separated relative paths; values are bytes."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write atomically: readers see the old value or the whole new one, never a part."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes | None:
+        """The value, or None when the key does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        """Every key under prefix, in no particular order."""
+
+    @abc.abstractmethod
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """(key, size in bytes) of every key under prefix, from the same listing as
+        list_keys: sizes come with it (S3 returns them; a local folder, one stat a file)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove a key; a missing key is not an error."""
+
+    def check(self) -> None:  # noqa: B027 (optional hook, nothing to check by default)
+        """Fail fast, before hours of work, when the store cannot be written as configured."""
+
+
+class LocalStore(Store):
+    """A directory on this machine (or a shared filesystem)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = str(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*normalize_key(key).split("/"))
+
+    def check(self) -> None:
+        """The root, or the nearest folder above it that exists, must be a writable folder:
+        StorePathError when it is not (a retry cannot help).
+
+        Creates nothing: a run that fails before writing leaves no empty output folder.
+        """
+        path = self.root
+        try:
+            while not path.exists():
+                path = path.parent
+        except OSError as e:
+            raise local_store_error(f"write to {self.root}", e) from e
+        if not path.is_dir():
+            raise StorePathError(f"cannot write to {self.root}: {path} is not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise StorePathError(f"cannot write to {self.root}: {path} is not writable "
+                                 "(permission denied or a read-only filesystem)")
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Results follow the umask, as the files of any other tool (0644 under 022, 0640
+            # under 027), so that a shared results folder or a web server can read them;
+            # logs, which may hold secrets, are esd_worker.core.logs' (0600). A symlink planted
+            # at the key's name is replaced, its target untouched (write_atomic).
+            write_atomic(path, data, 0o666)
+        except OSError as e:
+            raise local_store_error(f"write {path}", e) from e
+
+    def get_bytes(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise local_store_error(f"read {path}", e) from e
+
+    def exists(self, key: str) -> bool:
+        path = self._path(key)
+        try:  # is_file() is False for a missing path, but raises for a folder we may not enter
+            return path.is_file()
+        except OSError as e:
+            raise local_store_error(f"look up {path}", e) from e
+
+    def list_keys(self, prefix: str = "") -> Iterator[str]:
+        for key, _entry in self._entries(prefix):
+            yield key
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        for key, entry in self._entries(prefix):
+            try:
+                size = entry.stat().st_size
+            except FileNotFoundError:  # deleted since the folder was read: not there
+                continue
+            except OSError as e:
+                raise local_store_error(f"list {entry.path}", e) from e
+            yield key, size
+
+    def _entries(self, prefix: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        base = self.root / prefix if prefix else self.root
+        try:
+            if not base.is_dir():
+                return
+            yield from self._walk(str(base), prefix.strip("/"))
+        except OSError as e:
+            raise local_store_error(f"list {base}", e) from e
+
+    def _walk(self, folder: str, rel: str) -> Iterator[tuple[str, os.DirEntry[str]]]:
+        """Keys under `folder` (`rel` from the root), depth first as the folder is read:
+        a store of millions of models is never listed into memory (os.walk keeps the
+        path of every sub-folder of a folder, millions of them under the root)."""
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir():
+                    if not entry.is_symlink():  # as os.walk: a linked folder is not entered
+                        yield from self._walk(entry.path, key)
+                elif not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    yield key, entry
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise local_store_error(f"delete {key}", e) from e
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """Bucket and key prefix of `s3://bucket[/prefix]`; UsageError naming what is wrong."""
+    parsed = urlparse(url)
+    if "@" in parsed.netloc or ("@" in url and ":" in parsed.netloc):
+        # Never echo it: the part before '@' may be a secret (one with a '/' in it, as AWS
+        # secret keys have, ends the netloc early: s3://KEY:SEC/RET@bucket).
+        raise UsageError("credentials in an s3:// URL are not supported: use the AWS "
+                         "credential chain (AWS_ACCESS_KEY_ID / AWS_PROFILE / IRSA)")
+    bucket = parsed.netloc
+    if not _BUCKET_RE.fullmatch(bucket):
+        raise UsageError(
+            f"invalid bucket name {bucket!r} in {url}: use s3://bucket/prefix (3-63 letters, "
+            "digits, '.', '-'); an S3-compatible endpoint goes in AWS_ENDPOINT_URL"
+        )
+    if parsed.query or parsed.fragment or url.endswith(("?", "#")):
+        raise UsageError(f"'?' and '#' are not allowed in an s3:// URL: {url}")
+    parts = [p for p in parsed.path.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise UsageError(f"'.' and '..' are not allowed in an s3:// prefix: {url}")
+    return bucket, "/".join(parts)
+
+
+def open_store(url: str) -> Store:
+    """A Store for `./dir`, `/abs/dir`, `file:///abs/dir` or `s3://bucket/prefix`.
+
+    Opening checks the URL only; `Store.check()` asks the store itself.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        bucket, prefix = parse_s3_url(url)
+        from esd_worker.core.store.s3 import S3Store  # boto3 only for s3:// URLs
+
+        return S3Store(bucket, prefix)
+    if parsed.scheme in ("", "file"):
+        path = unquote(parsed.path) if parsed.scheme == "file" else url
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise UsageError(f"file URL with a host is not supported: {url}")
+        return LocalStore(Path(path).expanduser().absolute())
+    if len(parsed.scheme) == 1:  # a Windows drive letter, not a scheme
+        return LocalStore(Path(url).absolute())
+    shown = "" if "@" in parsed.netloc else f" in {url}"  # user:password@ stays unprinted
+    raise UsageError(f"unsupported output URL scheme {parsed.scheme!r}{shown} "
+                     "(use a directory, file:// or s3://bucket/prefix)")

@@ -1,0 +1,228 @@
+"""Download the next models while the current one is analysed, within a disk budget, and evict
+what the workers downloaded into their own cache once no later model needs it.
+
+Owns the read-ahead of a long-lived worker: which upcoming models to fetch (`depth` of them,
+each sized from the hub's file metadata before a byte is downloaded), the bytes held on disk
+against `budget`, and when a model's repo may go (only with `own_cache`: never the user's HF
+cache). Which folders may be deleted, and sharing one cache between workers, is
+esd_worker.fetch.cachedir's. Does not talk HTTP itself (esd_worker.fetch.resolve) nor decide what
+comes
+next (esd_worker.serve.inbox).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from esd_worker.core.errors import TransientError
+from esd_worker.core.protocol import Request
+from esd_worker.fetch.cachedir import CacheDir, Hold
+from esd_worker.fetch.resolve import (
+    ModelFiles,
+    ResolvedModel,
+    model_files,
+    parse_model_ref,
+    resolve_model,
+)
+from esd_worker.serve.inbox import Inbox
+
+log = logging.getLogger(__name__)
+
+_IDLE_S = 0.2
+
+
+@dataclass
+class _Entry:
+    """One model reference fetched (or being fetched) ahead."""
+
+    ref: str
+    model_id: str
+    size: int | None  # None while it is being sized
+    result: Future[ResolvedModel] = field(default_factory=Future)
+    hold: Hold | None = None  # its repo's lock in the worker's own cache (own_cache only)
+
+
+class Prefetcher:
+    """`resolve` is analyse_model's resolver: a model fetched ahead is handed over at once, one
+    being fetched is waited for, any other is fetched now.
+
+    depth: models fetched ahead of the current one (0: none). budget: bytes on disk for the
+    current model and those ahead; a model that does not fit waits (one that alone exceeds it
+    is fetched when its turn comes). cache_dir: where downloads go (None: the user's HF
+    cache). own_cache: evict a model's repo from cache_dir once no queued model needs it
+    (esd_worker.fetch.cachedir: only repos the workers created, none another worker holds).
+    """
+
+    def __init__(self, inbox: Inbox, *, depth: int = 1, budget: int | None = None,
+                 cache_dir: Path | None = None, own_cache: bool = False) -> None:
+        self.inbox = inbox
+        self.depth = depth
+        self.budget = budget
+        self.cache_dir = cache_dir
+        self._cache = CacheDir(cache_dir) if own_cache and cache_dir is not None else None
+        self._entries: dict[str, _Entry] = {}
+        self._current: set[str] = set()  # refs the model in progress uses
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # a model started or finished: look ahead now
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._loop, name="esd-prefetch", daemon=True)
+            self._thread.start()
+
+    # -- the main thread's side ---------------------------------------------------------------
+
+    def resolve(self, ref: str) -> ResolvedModel:
+        self._wake.set()  # a model is starting: what comes after it may be fetched now
+        with self._lock:
+            self._current.add(ref)
+            entry = self._entries.get(ref)
+        if entry is not None:
+            try:
+                return entry.result.result()
+            except TransientError as e:  # it may have been the network then: try again now
+                log.info("prefetch of %s failed (%s); fetching again", ref, e)
+                self._let_go(entry, evict=False)
+        if _local(ref):
+            return resolve_model(ref)
+        # Held from now on (its size once known), so the read-ahead leaves it room.
+        entry = _Entry(ref, parse_model_ref(ref)[0], None)
+        with self._lock:
+            self._entries[ref] = entry
+        try:
+            entry.hold = self._hold(entry.model_id)
+            files = model_files(ref, cache_dir=self.cache_dir)
+        except BaseException as e:
+            entry.result.set_exception(e)
+            raise
+        entry.size = files.total_bytes
+        self._download(entry, files)
+        return entry.result.result()
+
+    def finished(self, request: Request) -> None:
+        """The model is analysed: its downloads go unless a queued model needs them too."""
+        self._wake.set()
+        with self._lock:
+            used, self._current = self._current | {request.model}, set()
+            gone = [self._entries.pop(ref) for ref in used
+                    if ref in self._entries and not self.inbox.needs(ref)]
+        for entry in gone:
+            keep = self.inbox.needs_repo(entry.model_id) or not entry.result.done()
+            if self._let_go(entry, evict=not keep):
+                log.info("evicted %s from the worker's cache (%s)", entry.model_id,
+                         _gib(entry.size or 0))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:  # what a later run may need stays (the exit would free it too)
+            self._let_go(entry, evict=False)
+
+    def _hold(self, model_id: str) -> Hold | None:
+        return self._cache.hold(model_id) if self._cache is not None else None
+
+    def _let_go(self, entry: _Entry, *, evict: bool) -> bool:
+        """Release the entry's repo in the worker's cache; True when its folder was deleted."""
+        hold, entry.hold = entry.hold, None
+        if hold is None or self._cache is None:
+            return False
+        try:
+            return self._cache.release(hold, evict=evict)
+        except OSError as e:  # a failed eviction costs disk, never a model
+            log.warning("could not evict %s from %s: %s", entry.model_id, self._cache.root, e)
+            return False
+
+    # -- the prefetch thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(_IDLE_S)
+            self._wake.clear()
+            if self._current_unsized():
+                continue  # the model just taken comes first: its size is not known yet
+            for request in self.inbox.upcoming(self.depth):
+                # all() stops at the first ref that must wait for room in the budget.
+                if self._stop.is_set() or not all(self._fetch(r) for r in request.refs):
+                    break
+                self._fetch_adapter_base(request)
+
+    def _current_unsized(self) -> bool:
+        current = self.inbox.current
+        if current is None or _local(current.model):
+            return False
+        with self._lock:
+            return current.model not in self._entries
+
+    def _fetch(self, ref: str) -> bool:
+        """Fetch ref ahead; False when it must wait for room in the budget."""
+        with self._lock:
+            if ref in self._entries:
+                return True
+        if _local(ref):
+            return True  # nothing to download
+        try:
+            files = model_files(ref, cache_dir=self.cache_dir)
+        except Exception as e:  # its turn will resolve it again and report the error
+            log.info("prefetch: cannot size %s yet (%s)", ref, e)
+            entry = _Entry(ref, parse_model_ref(ref)[0], 0)
+            entry.result.set_exception(e)
+            with self._lock:
+                self._entries[ref] = entry
+            return True
+        with self._lock:
+            sizes = [e.size for e in self._entries.values()]
+            held = sum(size or 0 for size in sizes)
+            if None in sizes or (self.budget is not None and held
+                                 and held + files.total_bytes > self.budget):
+                return False
+            entry = _Entry(ref, files.model_id, files.total_bytes)
+            self._entries[ref] = entry
+        log.info("prefetch: %s (%s)", ref, _gib(files.total_bytes))
+        try:
+            entry.hold = self._hold(entry.model_id)
+        except Exception as e:  # its turn will resolve it again and report the error
+            entry.result.set_exception(e)
+            return True
+        self._download(entry, files)
+        return True
+
+    def _download(self, entry: _Entry, files: ModelFiles) -> None:
+        try:
+            entry.result.set_result(resolve_model(entry.ref, cache_dir=self.cache_dir,
+                                                  files=files))
+        except Exception as e:
+            entry.result.set_exception(e)
+
+    def _fetch_adapter_base(self, request: Request) -> None:
+        """An adapter whose base is not given: its adapter_config.json names it."""
+        if request.base_model:
+            return
+        with self._lock:
+            entry = self._entries.get(request.model)
+        if entry is None or not entry.result.done() or entry.result.exception() is not None:
+            return
+        config = entry.result.result().directory / "adapter_config.json"
+        try:
+            base = json.loads(config.read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            return
+        if isinstance(base, str) and base:
+            self._fetch(base)
+
+
+def _local(ref: str) -> bool:
+    """A local directory, used in place (resolve_model's rule): never downloaded."""
+    return Path(ref).expanduser().is_dir()
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB" if size >= 2**28 else f"{size / 2**20:.1f} MiB"

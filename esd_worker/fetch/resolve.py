@@ -1,0 +1,234 @@
+"""Turn a model reference (local dir, or HF `org/name@rev`) into a local directory of its files,
+and say beforehand which files that takes and how many bytes they are.
+
+Owns: telling local paths from hub ids, which files of a repo the analysis needs
+(`_choose_files`), and offline mode (HF_HUB_OFFLINE=1: the HF cache only). The hub's HTTP
+side (model info, downloads, retries, error mapping) is esd_worker.fetch.hub's.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from esd_worker.core.errors import PermanentModelError, WorkerError
+from esd_worker.core.models.naming import split_model_ref
+from esd_worker.fetch.hub import (
+    RetryPolicy,
+    classify_hub_error,
+    download_files,
+    model_info,
+    repo_cache_dir,
+)
+
+__all__ = [
+    "ModelFiles", "ResolvedModel", "RetryPolicy", "classify_hub_error", "model_files",
+    "parse_model_ref", "repo_cache_dir", "resolve_model",
+]
+
+log = logging.getLogger(__name__)
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+# What the analysis needs from a repo: configs, weights, indices. Never tokenizers,
+# images, GGUF, ONNX or other variants.
+_CONFIG_FILES = ["config.json", "adapter_config.json"]
+# Offline, without the hub's file list: whatever of these the cached snapshot holds.
+_OFFLINE_PATTERNS = [
+    *_CONFIG_FILES, "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
+    "pytorch_model.bin.index.json", "adapter_model.bin",
+]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A model's files on local disk and where they came from.
+
+    ref: as given; model_id / revision: parsed from it (revision None when not given);
+    resolved_revision: the commit the files are from (None for local directories).
+    """
+
+    ref: str
+    model_id: str
+    revision: str | None
+    resolved_revision: str | None
+    directory: Path
+    source: str  # "local" or "hub"
+
+    @property
+    def is_adapter(self) -> bool:
+        return (self.directory / "adapter_config.json").is_file()
+
+
+def parse_model_ref(ref: str) -> tuple[str, str | None]:
+    """The model id and revision `resolve_model` will record for `ref` (no download).
+
+    An existing directory is its own id (with no revision, even if its name has an '@').
+    """
+    if Path(ref).expanduser().is_dir():
+        return ref, None
+    return split_model_ref(ref)
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """The files `resolve_model` would fetch for a reference, sized before any download.
+
+    model_id / revision: parsed from the reference (revision as given, None when not);
+    sha: the commit they are from (None for a local directory); files: (name, bytes) pairs,
+    sorted by name.
+    """
+
+    model_id: str
+    revision: str | None
+    sha: str | None
+    files: tuple[tuple[str, int], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self.files]
+
+
+def resolve_model(
+    ref: str, *, cache_dir: Path | None = None, files: ModelFiles | None = None,
+    retry: RetryPolicy | None = None,
+) -> ResolvedModel:
+    """A local directory as is; anything else through the HF hub (the cache only when offline).
+
+    cache_dir: the HF cache to download into (default: the user's, HF_HUB_CACHE).
+    files: what `model_files(ref)` returned earlier: the download then needs no second
+    model-info call. retry: how hub failures are retried (default: RetryPolicy.from_env()).
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return ResolvedModel(ref, ref, None, None, path.resolve(), "local")
+    model_id, revision = _hub_id(ref)
+    if _offline():
+        directory = _offline_snapshot(model_id, revision, cache_dir)
+        return ResolvedModel(ref, model_id, revision, directory.name, directory, "hub")
+    if files is not None and (files.model_id, files.revision) != (model_id, revision):
+        raise ValueError(f"files are for {files.model_id}@{files.revision}, not {ref}")
+    policy = retry or RetryPolicy.from_env()
+    if files is None or files.sha is None:
+        files = _hub_files(model_id, revision, policy)
+    assert files.sha is not None
+    log.info("model=%s revision=%s downloading %s (%d bytes)", model_id, files.sha,
+             ", ".join(files.names), files.total_bytes)
+    directory = download_files(model_id, files.sha, files.names, ref=revision,
+                               cache_dir=cache_dir, policy=policy)
+    return ResolvedModel(ref, model_id, revision, files.sha, directory, "hub")
+
+
+def model_files(
+    ref: str, *, cache_dir: Path | None = None, retry: RetryPolicy | None = None
+) -> ModelFiles:
+    """Which files `resolve_model(ref)` fetches and their sizes, without downloading them.
+
+    Hub: one model-info call with file metadata (pass the result to resolve_model to reuse
+    it); a local directory: sizes on disk; offline: the cached snapshot's files.
+    """
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        return _sized(ref, None, None, path)
+    model_id, revision = _hub_id(ref)
+    if _offline():
+        directory = _offline_snapshot(model_id, revision, cache_dir)
+        return _sized(model_id, revision, directory.name, directory)
+    return _hub_files(model_id, revision, retry or RetryPolicy.from_env())
+
+
+def _hub_id(ref: str) -> tuple[str, str | None]:
+    """(model id, revision) of a reference that is not a directory, or PermanentModelError."""
+    path = Path(ref).expanduser()
+    model_id, revision = split_model_ref(ref)
+    looks_local = (
+        ref.startswith(("/", "./", "../", "~", "."))
+        or "\\" in ref
+        or model_id.count("/") > 1
+        or path.suffix in (".safetensors", ".bin", ".json")
+    )
+    if looks_local:
+        raise PermanentModelError(f"model not found: no directory {ref}")
+    if not _REPO_ID.match(model_id):
+        raise PermanentModelError(
+            f"model not found: {ref} is neither a directory nor a hub id (org/name[@revision])"
+        )
+    return model_id, revision
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _selected(names: Iterable[str]) -> list[str]:
+    """The names `_choose_files` selects (by the same glob rules snapshot_download uses)."""
+    names = sorted(names)
+    patterns = _choose_files(names)
+    return [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
+
+
+def _hub_files(model_id: str, revision: str | None, policy: RetryPolicy) -> ModelFiles:
+    info = model_info(model_id, revision, policy)
+    if not info.sha:
+        raise PermanentModelError(f"the hub sent no commit for {model_id}@{revision}")
+    sizes = {}
+    for s in info.siblings or []:
+        size = s.size if s.size is not None else (s.lfs.size if s.lfs is not None else 0)
+        sizes[s.rfilename] = int(size)
+    chosen = _selected(sizes)
+    return ModelFiles(model_id, revision, info.sha, tuple((n, sizes[n]) for n in chosen))
+
+
+def _sized(model_id: str, revision: str | None, sha: str | None, directory: Path) -> ModelFiles:
+    on_disk = {p.relative_to(directory).as_posix(): p for p in directory.rglob("*") if p.is_file()}
+    chosen = _selected(on_disk)
+    return ModelFiles(model_id, revision, sha,
+                      tuple((n, on_disk[n].stat().st_size) for n in chosen))
+
+
+def _choose_files(filenames: list[str]) -> list[str]:
+    names = set(filenames)
+    root = {n for n in names if "/" not in n}
+    patterns = [n for n in _CONFIG_FILES if n in root]
+    if "model.safetensors.index.json" in root:
+        patterns += ["model.safetensors.index.json", "model*.safetensors"]
+    elif "model.safetensors" in root:
+        patterns.append("model.safetensors")
+    elif "adapter_model.safetensors" in root:
+        patterns.append("adapter_model.safetensors")
+    elif any(n.endswith(".safetensors") for n in root):
+        patterns += sorted(n for n in root if n.endswith(".safetensors"))
+    elif "pytorch_model.bin.index.json" in root:
+        patterns += ["pytorch_model.bin.index.json", "pytorch_model*.bin"]
+    elif "pytorch_model.bin" in root:
+        patterns.append("pytorch_model.bin")
+    elif "adapter_model.bin" in root:
+        patterns.append("adapter_model.bin")
+    else:
+        raise PermanentModelError(
+            "unsupported format: the repo has no safetensors or pytorch_model.bin weights "
+            f"(files: {', '.join(sorted(root)[:8])})"
+        )
+    return patterns
+
+
+def _offline_snapshot(model_id: str, revision: str | None, cache_dir: Path | None) -> Path:
+    """The cached snapshot of model_id@revision (HF_HUB_OFFLINE=1: no request is made)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model_id, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=_OFFLINE_PATTERNS))
+    except WorkerError:
+        raise
+    except Exception as e:
+        raise classify_hub_error(e, model_id, revision) from e

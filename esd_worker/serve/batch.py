@@ -1,0 +1,323 @@
+"""Many models in one worker process: each model's outcome in the store, one bad model never
+stops the others.
+
+Owns the per-model loop of a long-lived worker: skip what is done, the attempt note that
+finds a model which crashed a predecessor ("poison model"), analysis, the failure record a
+failed model gets (the controller's schema: esd_worker.core.store.records), and one protocol result
+per
+model (esd_worker.core.protocol). Does not parse flags (esd_worker.cli), read requests
+(esd_worker.requests) or download ahead (esd_worker.fetch.prefetch).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, TextIO
+
+from esd_worker.core.errors import (
+    ERROR_PREFIX,
+    EXIT_OK,
+    EXIT_TRANSIENT,
+    EXIT_USAGE,
+    Terminated,
+    WorkerError,
+    classify_exit,
+    exit_code_for,
+    failure_message,
+)
+from esd_worker.core.models.naming import is_model_key
+from esd_worker.core.protocol import (
+    DONE,
+    FAILED,
+    SKIPPED,
+    Request,
+    Result,
+    begin_line,
+    end_line,
+    event_line,
+)
+from esd_worker.core.redact import redact
+from esd_worker.core.settings import WorkerSettings
+from esd_worker.core.store.layout import attempt_key, canonical_parameters, check_files, read_marker
+from esd_worker.core.store.records import (
+    FailureRecord,
+    clear_failure,
+    read_failure,
+    utc_now,
+    write_failure,
+)
+from esd_worker.core.store.stores import Store
+
+log = logging.getLogger("esd_worker")
+
+TAIL_LINES = 20
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """What a long-lived worker does with every model.
+
+    template: the analysis settings (its `model` is replaced per request). run_id: stamped on
+    the failure records. max_retries: a model whose attempt note shows more than this many
+    starts without an outcome crashed every worker that tried it: recorded as a permanent
+    failure and not started again. overwrite: analyse models that are done. skip_failed:
+    skip models with a permanent failure record. skip_own_failures: skip models with a
+    permanent failure record of this run (a shard's pod retry: that record is the model's
+    outcome, while records of earlier runs are tried again, as `esd-sweep run` does).
+    """
+
+    template: WorkerSettings
+    run_id: str = ""
+    max_retries: int = 2
+    overwrite: bool = False
+    skip_failed: bool = False
+    skip_own_failures: bool = False
+
+
+class ModelLog(logging.Handler):
+    """The last log lines of the model in progress (its failure record's tail)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # a log line must never fail a model
+            self.handleError(record)
+
+
+@dataclass
+class Tally:
+    """Outcomes so far; `exit_code` is the batch's: 0 all done or skipped, 4 some failure a
+    retry may fix, 3 only permanent failures."""
+
+    done: int = 0
+    failed: int = 0
+    skipped: int = 0
+    retryable: int = 0
+
+    def add(self, result: Result) -> None:
+        if result.status == DONE:
+            self.done += 1
+        elif result.status == SKIPPED:
+            self.skipped += 1
+        else:
+            self.failed += 1
+            self.retryable += result.retryable
+
+    @property
+    def exit_code(self) -> int:
+        if self.retryable:
+            return EXIT_TRANSIENT
+        return 3 if self.failed else EXIT_OK
+
+
+Analyse = Callable[[WorkerSettings, Store, str], Any]
+
+
+class Batch:
+    """Analyse requests one by one; `emit` gets one protocol line per event (stdout)."""
+
+    def __init__(self, settings: BatchSettings, store: Store, analyse: Analyse,
+                 emit: Callable[[str], None], stderr: TextIO | None = None,
+                 finished: Callable[[Request], None] | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.analyse = analyse
+        self.emit = emit
+        self.stderr = stderr or sys.stderr
+        self.finished = finished  # after each model (the prefetcher evicts what it used)
+        self.tally = Tally()
+        self.fatal = False  # the process cannot go on (a CUDA context error): exit after this
+        self._params = canonical_parameters(settings.template.analysis.as_dict())
+
+    def run(self, requests: Iterator[Request]) -> Tally:
+        for request in requests:
+            try:
+                result = self.one(request)
+            except BaseException:
+                self._finished(request)
+                raise
+            self.tally.add(result)
+            self.emit(result.to_line())  # first: whoever waits on it need not wait for eviction
+            self._finished(request)
+            if self.fatal:
+                log.error("the worker cannot go on after this error; exiting so that a fresh "
+                          "one takes the next models")
+                break
+        return self.tally
+
+    def _finished(self, request: Request) -> None:
+        if self.finished is not None:
+            self.finished(request)
+
+    def one(self, request: Request) -> Result:
+        """Analyse one model and record how it ended; never raises but for a stop."""
+        started = time.perf_counter()
+        self.stderr.write(begin_line(request.key, request.attempt))
+        self.stderr.flush()
+        tail = ModelLog()
+        tail.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(tail)
+        try:
+            result = self._one(request, tail)
+        finally:
+            logging.getLogger().removeHandler(tail)
+            self.stderr.write(end_line(request.key))
+            self.stderr.flush()
+        return replace(result, seconds=round(time.perf_counter() - started, 3))
+
+    def _one(self, request: Request, tail: ModelLog) -> Result:
+        key = request.key
+        if not is_model_key(key):  # the protocol refuses these; a list never makes one
+            error = f"UsageError: {key[:100]!r} is not a model key: nothing was written"
+            log.error("model=%s %s", request.model, error)
+            return Result(key, FAILED, EXIT_USAGE, error=error)
+        try:
+            skip = self._skip_reason(key)
+            if skip:
+                log.info("model=%s key=%s skipped: %s", request.model, key, skip)
+                return Result(key, SKIPPED, EXIT_OK, error=skip)
+            starts = self._note_start(request)
+        except Exception as e:  # the store, before the model started: this model's outcome
+            return self._error(request, e, tail)
+        # After the note: a worker killed from here on is found by the next one.
+        self.emit(event_line("start", key=key))
+        if starts > self.settings.max_retries + 1:
+            error = (f"WorkerCrashed: {starts - 1} worker(s) died analysing {request.model} "
+                     "(out of host memory, a segfault or a fatal CUDA error): a poison model, "
+                     "not tried again")
+            log.error("model=%s key=%s %s", request.model, key, error)
+            return self._failed(request, error, None, False, tail, attempts=starts - 1)
+        settings = replace(self.settings.template, model=request.model,
+                           base_model=request.base_model, relation=request.relation)
+        try:
+            self.analyse(settings, self.store, key)
+        except (KeyboardInterrupt, Terminated):
+            self._clear_note(key)  # a stop, not the model's fault
+            raise
+        except Exception as e:
+            return self._error(request, e, tail)
+        _release_gpu_memory()
+        try:
+            clear_failure(self.store, key)
+            self._clear_note(key)
+        except Exception as e:  # the marker is written: done; a stale record or note stays
+            log.warning("model=%s key=%s done, but its old failure record or attempt note "
+                        "could not be removed: %s", request.model, key, redact(str(e)))
+        return Result(key, DONE, EXIT_OK)
+
+    def _error(self, request: Request, e: Exception, tail: ModelLog) -> Result:
+        code = exit_code_for(e)
+        if _fatal_cuda(e):
+            code, self.fatal = EXIT_TRANSIENT, True
+        elif not isinstance(e, (WorkerError, MemoryError)):
+            log.error("unexpected error analysing %s", request.model, exc_info=e)
+        message = redact(failure_message(e, request.model))  # stderr is a pod's log
+        self.stderr.write(ERROR_PREFIX + message + "\n")
+        tail.lines.append(ERROR_PREFIX + message)
+        cls, retryable = classify_exit(code, None)
+        return self._failed(request, f"{cls}: {message}", code, retryable, tail,
+                            attempts=request.attempt)
+
+    def _skip_reason(self, key: str) -> str:
+        if not self.settings.overwrite:
+            marker = read_marker(self.store, key)
+            if marker is not None and marker.parameters == self._params:
+                damage = check_files(self.store, marker)
+                if damage is None:
+                    return "done already (same parameters)"
+                log.warning("model_key=%s result damaged (%s): analysing it again", key,
+                            damage)
+        if self.settings.skip_failed or self.settings.skip_own_failures:
+            record = read_failure(self.store, key)
+            if record is not None and not record.retryable and (
+                    self.settings.skip_failed or record.run_id == self.settings.run_id):
+                return f"permanent failure record ({record.error})"
+        return ""
+
+    def _failed(self, request: Request, error: str, code: int | None, retryable: bool,
+                tail: ModelLog, *, attempts: int) -> Result:
+        _release_gpu_memory()
+        record = FailureRecord(
+            model=request.model, model_key=request.key, error=error, exit_code=code,
+            signal=None, retryable=retryable, attempts=attempts, stderr_tail=tuple(tail.lines),
+            run_id=self.settings.run_id, time=utc_now(),
+        )
+        try:
+            write_failure(self.store, record)
+            self._clear_note(request.key)
+        except Exception as e:
+            # The store refuses now (an outage, a full disk): the outcome is not recorded, so
+            # it must be retryable, or a shard's pod would count the model as settled.
+            log.error("model=%s key=%s failure record not written: %s", request.model,
+                      request.key, redact(str(e)))
+            retryable = True
+        return Result(request.key, FAILED, code if code is not None else 3, error=error,
+                      retryable=retryable)
+
+    # -- the attempt note: a model that kills its worker is found by the next one ------------
+
+    def _note_start(self, request: Request) -> int:
+        """Record that this worker starts the model; the number of starts so far, this one
+        included (earlier starts without an outcome are crashes)."""
+        key = attempt_key(request.key)
+        data = self.store.get_bytes(key)
+        starts = 1 + (0 if data is None else self._earlier_starts(key, data))
+        note = {"model": request.model, "starts": starts, "run_id": self.settings.run_id,
+                "host": platform.node(), "pid": os.getpid(), "time": utc_now()}
+        self.store.put_bytes(key, (json.dumps(note) + "\n").encode())
+        return starts
+
+    def _earlier_starts(self, key: str, data: bytes) -> int:
+        """The starts a note counts for this run. Another run's note counts none: that run
+        recorded the model (its controller counted the crashes and removes the note with the
+        record) or was stopped under it, and `--retry-failed` means try again. A note that
+        is not one (forged, or more starts than this run allows: the start after the last
+        allowed one records the model and removes the note) counts none either: it must not
+        make an untried model poison."""
+        try:
+            note = json.loads(data)
+            starts, run_id = note["starts"], note.get("run_id", "")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("attempt note %s is not one: ignored", key)
+            return 0
+        if (isinstance(starts, bool) or not isinstance(starts, int)
+                or not 1 <= starts <= self.settings.max_retries + 1 or not isinstance(run_id, str)):
+            log.warning("attempt note %s holds starts=%.40r: ignored", key, starts)
+            return 0
+        if run_id != self.settings.run_id:
+            log.info("attempt note %s is run %.80r's (%d start(s)): this run %.80r counts "
+                     "its own", key, run_id, starts, self.settings.run_id)
+            return 0
+        return starts
+
+    def _clear_note(self, key: str) -> None:
+        self.store.delete(attempt_key(key))
+
+
+def _fatal_cuda(e: BaseException) -> bool:
+    """A CUDA error after which the process's context is unusable (not an out-of-memory)."""
+    if isinstance(e, WorkerError) or not isinstance(e, RuntimeError):
+        return False
+    text = str(e)
+    return "CUDA error" in text or "CUBLAS_STATUS" in text or "cuda runtime error" in text
+
+
+def _release_gpu_memory() -> None:
+    """Give cached GPU blocks back between models (the next may need them all)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+

@@ -1,0 +1,188 @@
+"""`esd-worker --models FILE`, `--shards URL` and `--serve`: wire the inbox, the prefetcher and
+the batch loop.
+
+Owns the process side of a long-lived worker: which shard of a sharded run a pod takes
+(`locate_shard`), the protocol stream (stdout kept for protocol lines only: stray prints go
+to stderr), the batch's exit code, and the one-line summary. Imports torch only once the
+store has been checked (esd_worker.cli). Does not own the shard keys (esd_worker.core.store.layout)
+nor
+how the controller splits a run into shards.
+
+Exit codes of a batch (the codes themselves are esd_worker.core.errors'):
+
+- `--models`, `--serve`: 0 every model done or skipped; 3 some failed permanently (each has
+  its failure record); 4 some failure a retry may fix, a stop (SIGTERM, Ctrl+C), or a CUDA
+  error that left the process unusable.
+- `--shards` (a contract: the controller's Indexed Job podFailurePolicy maps these):
+  0 every model of the shard has its outcome in the store: done, skipped, or failed
+    permanently (the failure record is the outcome: where --models exits 3, --shards
+    exits 0, so that Kubernetes counts the index complete and does not retry it);
+  4 some model failed in a way a retry may fix (its record says retryable), a fatal CUDA
+    error, or a stop: Kubernetes retries the index (backoffLimitPerIndex) and the next pod
+    skips what is done, and what failed permanently in this run (--run-id: that record is
+    the model's outcome; records of earlier runs are tried again unless --skip-failed);
+  2 the shard cannot run at all: no index (neither --shard-index nor JOB_COMPLETION_INDEX),
+    an index that is not a whole number >= 0, the shard missing or not a model list;
+  3 (as for any worker) the store is unusable as configured (no bucket, access denied) or a
+    bug outside any model; a store that cannot be reached just now is 4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esd_worker.core.errors import (
+    EXIT_OK,
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    ModelListError,
+    UsageError,
+)
+from esd_worker.core.protocol import Request, event_line
+from esd_worker.core.redact import redact
+from esd_worker.core.settings import WorkerSettings
+from esd_worker.core.store.stores import Store
+from esd_worker.serve.batch import Batch, BatchSettings
+from esd_worker.serve.inbox import Inbox, requests_from_list
+
+log = logging.getLogger("esd_worker")
+
+SHARD_INDEX_ENV = "JOB_COMPLETION_INDEX"  # Kubernetes sets it in every pod of an Indexed Job
+_WHOLE_NUMBER = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of the shard folder `folder`: the model list at `url`."""
+
+    folder: str
+    index: int
+
+    @property
+    def url(self) -> str:
+        return f"{self.folder.rstrip('/')}/{self.index}.csv"
+
+
+def locate_shard(folder: str, index: str | None,
+                 environ: Mapping[str, str] = os.environ) -> Shard:
+    """The shard this process takes: `index` (--shard-index) when given, else
+    $JOB_COMPLETION_INDEX; UsageError naming the folder and the index when there is none or
+    it is not a whole number >= 0."""
+    if not folder.strip():
+        raise UsageError("--shards needs the URL of a shard folder")
+    where = "--shard-index" if index is not None else SHARD_INDEX_ENV
+    raw = index if index is not None else environ.get(SHARD_INDEX_ENV)
+    if raw is None or not raw.strip():
+        raise UsageError(f"no shard index for {folder}: pass --shard-index N or set "
+                         f"{SHARD_INDEX_ENV} (Kubernetes sets it in Indexed Job pods)")
+    if not _WHOLE_NUMBER.fullmatch(raw.strip()):
+        raise UsageError(f"shard index {raw!r} ({where}) of {folder} is not a whole "
+                         "number >= 0")
+    return Shard(folder, int(raw.strip()))
+
+
+def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
+              shard: Shard | None = None) -> int:
+    """Analyse every model of --models or of `shard` (--shards), or of the requests on stdin
+    with --serve; the exit code as the module docstring says."""
+    if args.prefetch < 0 or args.max_retries < 0:
+        raise UsageError("--prefetch and --max-retries must be >= 0")
+    started = time.perf_counter()
+    if args.serve:
+        inbox = Inbox()
+    elif shard is not None:
+        requests = _shard_requests(shard)
+        inbox = Inbox(requests, closed=True)
+        log.info("shard %d of %s: %d model(s)", shard.index, shard.folder, len(requests))
+    else:
+        requests = requests_from_list(args.models)
+        inbox = Inbox(requests, closed=True)
+        log.info("%d model(s) from %s", len(requests), args.models)
+    protocol = _protocol_stream()
+
+    from esd_worker.fetch.prefetch import Prefetcher  # no torch: downloads start during imports
+
+    cache_dir: Path | None = args.cache_dir
+    try:
+        prefetcher = Prefetcher(inbox, depth=args.prefetch,
+                                budget=args.cache_budget or _default_budget(cache_dir),
+                                cache_dir=cache_dir, own_cache=cache_dir is not None)
+    except OSError as e:  # the cache folder cannot be made or written
+        raise UsageError(f"--cache-dir {cache_dir}: {e.strerror or e}") from e
+    if args.serve:
+        inbox.read_from(sys.stdin)
+    from esd_worker.analysis.analyze import analyse_model  # torch: after the store check
+    from esd_worker.analysis.layers import warm_up
+
+    # transformers and CUDA start while the first model downloads (not a daemon: a thread
+    # killed inside an import at exit can abort the interpreter).
+    threading.Thread(target=warm_up, kwargs={"cuda": template.device != "cpu"},
+                     name="esd-warm-up").start()
+
+    def analyse(settings: WorkerSettings, target: Store, key: str) -> Any:
+        return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve)
+
+    def emit(line: str) -> None:
+        protocol.write(redact(line))  # a result's error may quote a URL or a config value
+        protocol.flush()
+
+    batch = Batch(
+        # A shard's pod retry must not retry what failed for good in this run: that record is
+        # the model's outcome. A later run tries it again, as `esd-sweep run` does.
+        BatchSettings(template=template, run_id=args.run_id, max_retries=args.max_retries,
+                      overwrite=args.overwrite, skip_failed=args.skip_failed,
+                      skip_own_failures=shard is not None),
+        store, analyse, emit, finished=prefetcher.finished,
+    )
+    emit(event_line("ready", pid=os.getpid()))
+    try:
+        tally = batch.run(iter(inbox))
+    finally:
+        prefetcher.close()
+    log.info("batch: %d done, %d failed, %d skipped in %.1fs", tally.done, tally.failed,
+             tally.skipped, time.perf_counter() - started)
+    code = EXIT_TRANSIENT if batch.fatal else tally.exit_code
+    if shard is not None and code == EXIT_PERMANENT:
+        return EXIT_OK  # every model has its outcome in the store: the index is complete
+    return code
+
+
+def _shard_requests(shard: Shard) -> list[Request]:
+    """The shard's models; a shard that is missing or no model list is one usage error that
+    names the folder and the index (the store's own errors pass through)."""
+    try:
+        return requests_from_list(shard.url)
+    except ModelListError as e:
+        raise ModelListError(f"shard {shard.index} of {shard.folder} cannot run: {e}") from e
+
+
+def _protocol_stream() -> Any:
+    """The real stdout for protocol lines; fd 1 then points at stderr, so a print from a
+    library (or C code) cannot corrupt the protocol."""
+    sys.stdout.flush()
+    stream = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    return stream
+
+
+def _default_budget(cache_dir: Path | None) -> int:
+    """Half the free space where downloads go (the HF cache when no --cache-dir)."""
+    where = cache_dir or Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME")
+                              or Path.home() / ".cache" / "huggingface")
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free // 2
+    except OSError:
+        return 0  # unknown: fetch ahead one model at a time whatever its size
