@@ -3,7 +3,7 @@
 controller), or the device check (`--self-check`, esd_worker.serve.selfcheck); the hub rate limit
 (`--hub-rate`); each failure one line + exit code.
 
-A batch's per-model loop is esd_worker.serve.batch's, its read-ahead esd_worker.fetch.prefetch's,
+A batch's per-model loop is esd_worker.serve.batch's, its read-ahead esd_worker.serve.prefetch's,
 which
 shard a pod takes and a batch's exit code esd_worker.serve.runner's.
 """

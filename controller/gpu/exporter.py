@@ -2,7 +2,8 @@
 
 Runs on each GPU node (a DaemonSet, or a sidecar) so the Kubernetes backend can see which
 GPUs are free. It serves what NVIDIA's dcgm-exporter serves for GPU memory, so either one
-can be scraped by the same reader (controller.backends.kubernetes.common.telemetry):
+can be scraped by the same reader (controller.backends.kubernetes.common.telemetry; the names
+are controller.gpu.dcgm's):
 
     # HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).
     # TYPE DCGM_FI_DEV_FB_USED gauge
@@ -58,7 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
 from typing import Any
 
-from controller.backends.kubernetes.common.telemetry import FB_FREE, FB_TOTAL, FB_USED
+from controller.gpu.dcgm import FB_FREE, FB_TOTAL, FB_USED
 from controller.gpu.gpus import NvmlUnavailable
 from esd_worker.core.flags import PORT, add_flag
 

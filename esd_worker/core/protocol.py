@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from esd_worker.core.models.naming import KEY_MAX, is_model_key
+
+if TYPE_CHECKING:
+    from esd_worker.core.models.modellist import ModelRow
 
 MODEL_BEGIN = "::esd-model-begin "
 MODEL_END = "::esd-model-end "
@@ -48,6 +51,13 @@ class Request:
     def refs(self) -> tuple[str, ...]:
         """The model references it needs: the model, and the base it names, if any."""
         return (self.model, self.base_model) if self.base_model else (self.model,)
+
+    @classmethod
+    def for_row(cls, row: ModelRow, attempt: int = 1) -> Request:
+        """The request for a model-list row (the controller's slots and the worker's own
+        `--models` list build it the same way)."""
+        return cls(key=row.key, model=row.ref, relation=row.relation,
+                   base_model=row.source_model, attempt=attempt)
 
     def to_line(self) -> str:
         return json.dumps({"op": "analyse", **asdict(self)}, ensure_ascii=False) + "\n"

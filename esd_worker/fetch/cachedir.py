@@ -21,7 +21,7 @@ folder that looks usable. flock is per machine (and per open file): workers on o
 machines must not share one --cache-dir over a network filesystem.
 
 Does not download (esd_worker.fetch.resolve) nor decide which models are needed next
-(esd_worker.fetch.prefetch).
+(esd_worker.serve.prefetch).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ finds a model which crashed a predecessor ("poison model"), analysis, the failur
 failed model gets (the controller's schema: esd_worker.core.store.records), and one protocol result
 per
 model (esd_worker.core.protocol). Does not parse flags (esd_worker.cli), read requests
-(esd_worker.requests) or download ahead (esd_worker.fetch.prefetch).
+(esd_worker.requests) or download ahead (esd_worker.serve.prefetch).
 """
 
 from __future__ import annotations

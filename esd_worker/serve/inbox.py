@@ -14,18 +14,13 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from esd_worker.core.models.modellist import ModelRow, bad_rows_log, base_first, read_model_list
+from esd_worker.core.models.modellist import bad_rows_log, base_first, read_model_list
 from esd_worker.core.models.naming import split_model_ref
 from esd_worker.core.protocol import DRAIN, Request, parse_op
 
 log = logging.getLogger(__name__)
 
 _WAIT_S = 0.5  # a waiting worker wakes this often, so SIGTERM is handled promptly
-
-
-def request_for(row: ModelRow, attempt: int = 1) -> Request:
-    return Request(key=row.key, model=row.ref, relation=row.relation,
-                   base_model=row.source_model, attempt=attempt)
 
 
 def requests_from_list(url: str) -> list[Request]:
@@ -39,7 +34,7 @@ def requests_from_list(url: str) -> list[Request]:
     for problem in models.problems:
         shown(problem)
     shown.close()
-    return [request_for(row) for row in base_first(models.rows)]
+    return [Request.for_row(row) for row in base_first(models.rows)]
 
 
 class Inbox:
@@ -54,7 +49,7 @@ class Inbox:
         self._closed = closed
         self._cond = threading.Condition()
         # What the queue needs, counted as it changes: whether a later model needs a
-        # download is asked after every model, of queues of a million (esd_worker.fetch.prefetch).
+        # download is asked after every model, of queues of a million (esd_worker.serve.prefetch).
         self._refs: Counter[str] = Counter()
         self._repos: Counter[str] = Counter()
         self.current: Request | None = None  # the last one taken (being analysed)

@@ -111,7 +111,7 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         log.info("%d model(s) from %s", len(requests), args.models)
     protocol = _protocol_stream()
 
-    from esd_worker.fetch.prefetch import Prefetcher  # no torch: downloads start during imports
+    from esd_worker.serve.prefetch import Prefetcher  # no torch: downloads start during imports
 
     cache_dir: Path | None = args.cache_dir
     try:

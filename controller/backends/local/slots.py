@@ -24,8 +24,7 @@ from controller.backends.local.process import Ended, WorkerLogs, describe_exit
 from controller.backends.local.served import ServedWorker
 from controller.backends.local.tasks import Job
 from esd_worker.core.errors import signal_name
-from esd_worker.core.protocol import DONE, SKIPPED, result_from
-from esd_worker.serve.inbox import request_for
+from esd_worker.core.protocol import DONE, SKIPPED, Request, result_from
 
 log = logging.getLogger("controller.backends.local.backend")
 
@@ -146,7 +145,7 @@ class Slots:
         job.started = now  # until it starts: a model found done is answered without a start
         assert job.task.row is not None
         slot.sent.append(job)
-        slot.worker.send(request_for(job.task.row, job.attempts))
+        slot.worker.send(Request.for_row(job.task.row, job.attempts))
         slot.served += 1
         if self.reuse is not None and slot.served >= self.reuse:
             slot.worker.close_input()  # it exits after these; a fresh one takes the next

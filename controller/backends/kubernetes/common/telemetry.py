@@ -42,14 +42,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from controller.gpu.dcgm import FB_FREE, FB_RESERVED, FB_TOTAL, FB_USED
+
 log = logging.getLogger(__name__)
 
 # The metric names: dcgm-exporter's, and the one owner of them for our exporter too
 # (controller.gpu.exporter serves them under these names).
-FB_USED = "DCGM_FI_DEV_FB_USED"
-FB_FREE = "DCGM_FI_DEV_FB_FREE"
-FB_TOTAL = "DCGM_FI_DEV_FB_TOTAL"
-FB_RESERVED = "DCGM_FI_DEV_FB_RESERVED"
 _WANTED = frozenset({FB_USED, FB_FREE, FB_TOTAL, FB_RESERVED})
 _PREFIX = "DCGM_FI_DEV_FB_"
 
