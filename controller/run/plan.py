@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from array import array
-from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from controller.keyset import Hashes, KeySet
 from esd_worker.core.models.modellist import ModelRow, RowProblem, base_first
 from esd_worker.core.store.layout import (
     LAYERS_NAME,
@@ -50,58 +50,6 @@ DAMAGE_LINES = 20  # damaged results named one line each, then only counted
 Items = Callable[[], Iterable[ModelRow | RowProblem]]
 
 
-class KeySet:
-    """A set of model keys held as their 64-bit hashes in one sorted array: a store's 2M
-    marker keys in 16 MB (a Python set of them: ~250 MB of strings, ~130 MB of hashes).
-    Python's string hash (salted per process, so only within one) makes a false "present"
-    about 2M² / 2^64 ≈ 2e-7 likely in a whole 2M-model run. Built once, then only read."""
-
-    CHUNK = 1 << 16  # hashes gathered per chunk before they are sorted into the whole
-
-    def __init__(self, keys: Iterable[object] = ()) -> None:
-        builder = _Hashes()
-        for key in keys:
-            builder.add(hash(key))
-        self._hashes = builder.sorted()
-
-    @classmethod
-    def of_hashes(cls, hashes: array[int]) -> KeySet:
-        self = cls()
-        self._hashes = hashes
-        return self
-
-    def __contains__(self, key: object) -> bool:
-        h = hash(key)
-        i = bisect_left(self._hashes, h)
-        return i < len(self._hashes) and self._hashes[i] == h
-
-    def __len__(self) -> int:
-        return len(self._hashes)
-
-
-class _Hashes:
-    """Hashes gathered in chunks, each made unique as it fills, then one sorted array."""
-
-    def __init__(self) -> None:
-        self._chunks: list[np.ndarray] = []
-        self._chunk = array("q")
-
-    def add(self, h: int) -> None:
-        self._chunk.append(h)
-        if len(self._chunk) >= KeySet.CHUNK:
-            self._chunks.append(np.unique(np.frombuffer(self._chunk, dtype=np.int64)))
-            self._chunk = array("q")
-
-    def unique(self) -> np.ndarray:
-        chunks = [*self._chunks, np.unique(np.frombuffer(self._chunk, dtype=np.int64))]
-        return np.unique(np.concatenate(chunks)) if len(chunks) > 1 else chunks[0]
-
-    def sorted(self) -> array[int]:
-        # bisect on an array.array reads C longs straight; on a numpy array each probe
-        # would build a numpy scalar (~10 times slower per lookup).
-        return array("q", self.unique().tobytes())
-
-
 @dataclass(frozen=True)
 class StoreIndex:
     """What one listing of the store says about its models, as hashes (see KeySet).
@@ -116,7 +64,7 @@ class StoreIndex:
 
     @classmethod
     def of(cls, store: Store) -> StoreIndex:
-        markers, tables, files = _Hashes(), _Hashes(), _Hashes()
+        markers, tables, files = Hashes(), Hashes(), Hashes()
         for key, name, size in iter_model_files(store):
             if name == MARKER_NAME:
                 markers.add(hash(key))
