@@ -53,12 +53,12 @@ from esd_worker.core.protocol import Request, event_line
 from esd_worker.core.redact import redact
 from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.stores import Store
+from esd_worker.core.workerparser import SHARD_INDEX_ENV
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import Inbox, requests_from_list
 
 log = logging.getLogger("esd_worker")
 
-SHARD_INDEX_ENV = "JOB_COMPLETION_INDEX"  # Kubernetes sets it in every pod of an Indexed Job
 _WHOLE_NUMBER = re.compile(r"[0-9]+")
 
 
