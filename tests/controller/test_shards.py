@@ -1,5 +1,5 @@
-"""Tests of controller.backends.kubernetes.sharded.plan: resource classes, units, shard counts,
-packing, shard CSVs."""
+"""Tests of controller.backends.kubernetes.sharded.plan and common.resources: resource classes,
+units, shard counts, packing, shard CSVs."""
 
 from __future__ import annotations
 
@@ -11,19 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.kubernetes.sharded.plan import (
+from controller.backends.kubernetes.common.resources import (
     GIB,
+    ResourceClass,
+    cache_budget,
+    disk_for,
+    memory_for,
+)
+from controller.backends.kubernetes.sharded.plan import (
     SMALL_BYTES,
     Item,
     Packer,
-    ResourceClass,
     Shard,
     Unit,
-    cache_budget,
     classify,
     default_classes,
-    disk_for,
-    memory_for,
     shard_count,
     shard_csv,
     target_bytes,

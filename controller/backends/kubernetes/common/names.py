@@ -30,8 +30,7 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_GROUP = "kueue.x-k8s.io"
 KUEUE_VERSION = "v1beta2"
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-# A sharded run's Indexed Jobs (one per resource class,
-# controller.backends.kubernetes.sharded.indexed)
+# A sharded run's Indexed Jobs (one per resource class, built by the sharded mode's indexed)
 # carry MODE_LABEL=MODE_SHARDED and their class; per-model Jobs carry no mode label.
 MODE_LABEL = "esd-sweep/mode"
 MODE_SHARDED = "sharded"

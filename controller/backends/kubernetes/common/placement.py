@@ -8,7 +8,7 @@ with reservations held until the pod runs. Telemetry only ever adds a preference
 node affinity) and paces submissions: the GPU request is the hard constraint, and the
 scheduler (and Kueue) decide where a Job runs. The per-GPU rule is
 telemetry.NodeGpuTracker's; this module does not create Jobs or read Job state
-(controller.backends.kubernetes.per_model.backend does).
+(the per_model mode's backend does).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 strings are quantities, the number each stands for, and which are too big to mean anything.
 
 Pure. Does not build resources (controller.backends.kubernetes.common.jobs) nor size them
-(controller.backends.kubernetes.sharded.sharding).
+(common.resources, and the sharded mode's sharding).
 """
 
 from __future__ import annotations

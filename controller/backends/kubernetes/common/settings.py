@@ -17,7 +17,7 @@ from typing import Any
 
 from controller import __version__
 from controller.backends.kubernetes.common.jobs import JobSettings
-from controller.backends.kubernetes.sharded.plan import ResourceClass, disk_for, memory_for
+from controller.backends.kubernetes.common.resources import ResourceClass, disk_for, memory_for
 from esd_worker.core.flags import (
     DAY_S,
     HOUR_S,
@@ -65,8 +65,7 @@ class ClusterSettings:
     service_account (default esd-sweep-worker), hf_token_secret (NAME:KEY), s3_secret,
     hf_cache_pvc, image_pull_secrets, tolerations ((key, value or None, effect) each),
     cpu_request: passed to each Job. memory_request / ephemeral_storage_request: Kubernetes
-    quantities, or AUTO (the default): sized from the weights' bytes
-    (controller.backends.kubernetes.sharded.plan
+    quantities, or AUTO (the default): sized from the weights' bytes (common.resources
     .memory_for, disk_for) per model, or per resource class for shards.
     job_deadline_s: activeDeadlineSeconds of each worker pod, counted once it is on a node
     (None: 6 h for one Job per model, no limit for shard pods, which run many models).

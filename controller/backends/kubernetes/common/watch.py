@@ -3,7 +3,7 @@
 Owns keeping one watch open (from the last resourceVersion seen) and relisting on 410 Gone.
 Touches nothing of the backend's: it gets a client, a namespace, a selector and a queue,
 and puts ("event", WatchEvent), ("relist", [Job, ...]) or ("error", exception) on it. The
-controller thread decides what each means (controller.backends.kubernetes.per_model.backend).
+controller thread decides what each means (the per_model mode's backend).
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ itself from the sweep's settings, the run loop that ties the parts together, dry
 run report's "kubernetes" section, and the boundary where Kubernetes errors become sweep
 errors (errors.as_sweep_error). The parts: ModelTable (state.py: each model's state),
 Submitter (submit.py: adopt and create Jobs), JobEvents (events.py: what Job changes mean),
-JobWatcher (watch.py: the watch thread), Placement (placement.py: GPU telemetry). Does not
-build Job objects (jobs.py), talk HTTP (client.py, imported only in from_settings, so the
-local backend runs without the optional `kubernetes` package) or write records (the
-sweep's recorder turns each Outcome into a store record).
+JobWatcher (watch.py: the watch thread), Placement (placement.py: GPU telemetry); what it is
+built from, with the sharded mode: common.wiring. Does not build Job objects (jobs.py), talk
+HTTP (client.py, imported only when common.wiring opens a client, so the local backend runs
+without the optional `kubernetes` package) or write records (the sweep's recorder turns each
+Outcome into a store record).
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
@@ -25,9 +25,15 @@ from controller.backends.kubernetes.common.errors import JobSpecError, sweep_err
 from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.names import per_model_selector
 from controller.backends.kubernetes.common.placement import Placement, ScrapeFn
-from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.common.telemetry import scrape
 from controller.backends.kubernetes.common.watch import JobWatcher, WatchQueue
+from controller.backends.kubernetes.common.wiring import (
+    client_for,
+    sweep_gpu_counts,
+    sweep_job_settings,
+    sweep_sizer,
+)
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.per_model.events import JobEvents
 from controller.backends.kubernetes.per_model.state import ModelTable
@@ -35,8 +41,7 @@ from controller.backends.kubernetes.per_model.submit import SizeFn, Submitter, m
 from controller.errors import SweepError
 from controller.progress import Progress
 from controller.settings import SweepSettings
-from controller.weights.sizing import Sizer
-from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.models.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -307,73 +312,3 @@ def _row(task: Task) -> ModelRow:
     if task.row is None:
         raise SweepError("--mode custom runs on the local backend only")
     return task.row
-
-
-def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings:
-    """How every Job of this run looks (checking first that pods can reach the output,
-    unless nothing will be created: --dry-run)."""
-    if not settings.dry_run:
-        check_output(settings)
-    gpus = 0 if settings.device == "cpu" else max(settings.gpu.gpus_per_job, 0)
-    return settings.cluster.job_settings(
-        run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
-        worker_args=spec.flags(), log_format=spec.log_format)
-
-
-def sweep_gpu_counts(settings: SweepSettings, sizer: Sizer,
-                     job_settings: JobSettings) -> GpuCounts | None:
-    """The GPU rule over model shapes (found through `sizer`, the run's sizes' lookups) for
-    this run's GPU Jobs, at most --max-gpus-per-job each; None: every Job asks for the run's
-    count (CPU Jobs, an explicit --gpus-per-job, --no-parallel-gpu)."""
-    rule = settings.applied_gpu_rule
-    if job_settings.gpus_per_job == 0 or not rule.splits(rule.max_gpus_per_job):
-        return None
-    return GpuCounts(rule, ShapeFinder(sizer, rule), rule.max_gpus_per_job)
-
-
-def sweep_sizer(cluster: ClusterSettings) -> Sizer:
-    """Model sizes for requests and shards: from the list's size_bytes column, local files
-    or the hub's metadata. Hub lookups are about a minute's worth at the sweep's hub rate,
-    then the estimate (a size_bytes column makes them unnecessary)."""
-    return Sizer(rate_per_s=cluster.hub_rate, lookup_limit=max(100, int(cluster.hub_rate * 60)))
-
-
-@contextmanager
-def client_for(settings: SweepSettings,
-               kube: KubeClient | None) -> Iterator[tuple[KubeClient | None, bool]]:
-    """(the client a backend uses, whether the backend owns it): `kube` when given, none
-    for a dry run, else one from the kubeconfig, closed again if the backend fails to build."""
-    own = kube is None and not settings.dry_run
-    if own:
-        kube = open_client(settings.cluster.kube_context)
-    try:
-        yield kube, own
-    except BaseException:
-        if own and kube is not None:
-            kube.close()
-        raise
-
-
-def check_output(settings: SweepSettings) -> None:
-    """The pods must reach the store: object storage, or a shared volume when allowed."""
-    url = settings.output
-    remote = "://" in url and not url.startswith("file://")
-    if not remote and not settings.cluster.allow_local_output:
-        raise SweepError(
-            f"--output-dir {url}: the kubernetes backend needs a store the pods can reach "
-            "(s3://bucket/prefix); pass --allow-local-output if this path is a volume "
-            "mounted at the same path in every pod"
-        )
-
-
-def open_client(context: str | None) -> KubeClient:
-    """The client for a kubeconfig context (None: the current one, or in-cluster)."""
-    try:
-        from controller.backends.kubernetes.common import client  # the optional [kube] extra
-    except ImportError as e:
-        raise SweepError(
-            f"--backend kubernetes needs the Kubernetes client ({e}): "
-            "pip install 'esd-sweep[kube]'"
-        ) from e
-    with sweep_errors():
-        return client.load_client(context)

@@ -22,8 +22,8 @@ from controller.backends.kubernetes.common.diagnosis import (
     pod_sort_key,
     seconds_between,
 )
-from controller.backends.kubernetes.common.errors import KubePermissionError
-from controller.backends.kubernetes.common.names import JOB_NAME_LABEL, KUEUE_JOB_UID_LABEL
+from controller.backends.kubernetes.common.kueue import queued_workloads
+from controller.backends.kubernetes.common.names import JOB_NAME_LABEL
 from controller.backends.kubernetes.common.placement import Placement
 from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.per_model.state import ModelState, ModelTable
@@ -171,19 +171,3 @@ class JobEvents:
             log.warning("model=%s key=%s job=%s pending for %.0fs: %s", model.row.ref,
                         model.key, model.name, now - model.submitted_at, reason)
 
-
-def queued_workloads(kube: KubeClient, settings: ClusterSettings,
-                     job: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """The Kueue Workloads of a Job that Kueue holds suspended (none otherwise: a Job not
-    queued, or one already admitted, has its answer in its pods); None when RBAC does not
-    let the controller read them (the sweep goes on: this only explains a wait)."""
-    if not settings.kueue_queue or not (job.get("spec") or {}).get("suspend"):
-        return []
-    uid = (job.get("metadata") or {}).get("uid")
-    if not uid:
-        return []
-    try:
-        return kube.list_workloads(settings.namespace, f"{KUEUE_JOB_UID_LABEL}={uid}")
-    except KubePermissionError as e:
-        log.debug("cannot read Kueue Workloads: %s", e)
-        return None

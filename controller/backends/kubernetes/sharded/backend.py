@@ -1,13 +1,14 @@
 """The sharded Kubernetes backend: one Indexed Job per resource class over shards of the list.
 
 Owns the Backend contract (controller.backends.base) for `--backend kubernetes` when models
-are sharded (the default; `--shard-size 1` keeps one Job per model: .backend): checking the
-API server can run it, re-attaching to the sweep's Indexed Jobs a run before left running,
-creating this run's Jobs, following them by polling (a handful of objects, whatever the
-number of models), and each model's Outcome at the end, read from the store: the workers
-write markers and failure records themselves; only a shard whose pods never finished it
-(a failed index) is diagnosed from its pods. Does not cut shards (.sharding), build Jobs
-(.indexed) or talk HTTP (.client).
+are sharded (the default; `--shard-size 1` keeps one Job per model: per_model.backend):
+checking the API server can run it, re-attaching to the sweep's Indexed Jobs a run before
+left running, creating this run's Jobs, following them by polling (a handful of objects,
+whatever the number of models), and each model's Outcome at the end, read from the store:
+the workers write markers and failure records themselves; only a shard whose pods never
+finished it (a failed index) is diagnosed from its pods. Does not cut shards (.sharding),
+build Jobs (.indexed), wire its parts from the settings (common.wiring) or talk HTTP
+(common.client).
 """
 
 from __future__ import annotations
@@ -21,15 +22,22 @@ from controller.backends.base import Outcome, OutcomeCallback, Task, Work, Worke
 from controller.backends.kubernetes.common.errors import sweep_errors
 from controller.backends.kubernetes.common.jobs import CACHE_DIR, JobSettings
 from controller.backends.kubernetes.common.names import RUN_LABEL, sharded_selector
+from controller.backends.kubernetes.common.resources import ResourceClass, cache_budget
 from controller.backends.kubernetes.common.settings import ClusterSettings
+from controller.backends.kubernetes.common.wiring import (
+    client_for,
+    sweep_gpu_counts,
+    sweep_job_settings,
+    sweep_sizer,
+)
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
-from controller.backends.kubernetes.sharded.plan import ResourceClass, cache_budget, default_classes
+from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures
 from controller.errors import SweepError
+from controller.keyset import KeySet
 from controller.progress import Progress
-from controller.run.plan import KeySet
 from controller.settings import SweepSettings
 from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
@@ -89,13 +97,6 @@ class ShardedBackend:
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
                       kube: KubeClient | None = None) -> ShardedBackend:
         """The backend `esd-sweep run --backend kubernetes` uses (sharded mode)."""
-        from controller.backends.kubernetes.per_model.backend import (
-            client_for,
-            sweep_gpu_counts,
-            sweep_job_settings,
-            sweep_sizer,
-        )
-
         cluster = settings.cluster
         job_settings = sweep_job_settings(settings, spec)
         gpus = job_settings.gpus_per_job

@@ -1,98 +1,35 @@
-"""The shard plan of a sharded Kubernetes run: resource classes, units, shard counts, packing.
+"""The shard plan of a sharded Kubernetes run: the run's classes, units, shard counts, packing.
 
 Owns how the models to run are split into the shards of one Indexed Job per resource class:
-which class a model goes to (by the bytes of its weights, or "gpu-x<N>" for the models the
-GPU rule gives N > 1 GPUs: controller.gpu.gpurule), which models must share a shard
-(a base and the adapters that follow it), how many shards a class gets, the greedy packing
-by bytes, and a shard's model-list CSV. Pure: no store, no hub, no Kubernetes; where a
-shard is written (esd_worker.core.store.layout.shard_key) and how sizes are found
-(controller.weights.sizing)
+the classes a run uses (size bands) and which class a model goes to (by the bytes of its
+weights, or "gpu-x<N>" for the models the GPU rule gives N > 1 GPUs: controller.gpu.gpurule),
+which models must share a shard (a base and the adapters that follow it), how many shards a
+class gets, the greedy packing by bytes, and a shard's model-list CSV. Pure: no store, no
+hub, no Kubernetes; what a class's pods ask for (common.resources), where a shard is written
+(esd_worker.core.store.layout.shard_key) and how sizes are found (controller.weights.sizing)
 are not its business. Streaming: every step takes an iterator and keeps at most one unit
 and one shard, so a list of millions of models is planned in constant memory.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from esd_worker.core.flags import parse_size
+from controller.backends.kubernetes.common.resources import (
+    MAX_MEMORY_GIB,
+    ResourceClass,
+    disk_for,
+    disk_gib,
+    memory_for,
+)
 from esd_worker.core.models.modellist import ADAPTER_RELATIONS, ModelRow, is_local_path
 
-GIB = 1024**3
 API_COMPLETIONS_LIMIT = 100_000  # completions of an Indexed Job with backoffLimitPerIndex
 SHARD_COLUMNS = ("model_id", "base_model_relation", "source_model", "size_bytes")
-# Disk beyond two models: configs, the HF cache's bookkeeping, logs, a partial download.
-_DISK_HEADROOM_GIB = 8
-
-
-@dataclass(frozen=True)
-class ResourceClass:
-    """What one Indexed Job's pods request, and which models it takes.
-
-    name: a DNS-1123 label part ("gpu", "gpu-large", "cpu"), used in Job names and store
-    keys; gpus: nvidia.com/gpu per pod (0: a CPU pod); max_bytes: the largest model (weights
-    bytes) this class takes, None for no bound; memory, ephemeral_storage: the pod's requests
-    as Kubernetes quantities ("16Gi"), the storage being room for the downloads.
-    """
-
-    name: str
-    gpus: int
-    max_bytes: int | None
-    memory: str
-    ephemeral_storage: str
-
-
 SMALL_BYTES = 8 * 10**9  # the "-small" classes: models that fit a 16 GiB single-GPU node
-_BASE_MEMORY_GIB = 4  # Python, torch, a CUDA context, the HF and safetensors readers
-_MAX_MEMORY_GIB = 64
-
-
-def memory_for(size: int) -> str:
-    """The host memory a worker asks for to analyse models of up to `size` weight bytes.
-
-    The worker reads a checkpoint tensor by tensor, so host memory is bounded by the largest
-    tensor, not the model: the embedding or output matrix, at most ~20% of a real
-    checkpoint's bytes, held once as stored and once in float32 (2x a bf16 copy) while it
-    goes to the device, hence 0.4 x size on top of the process's own ~4 GiB, capped at 64Gi.
-    An 8 GB model asks for 7Gi, so it fits a 16 GiB single-GPU instance (whose allocatable
-    memory is ~14 GiB); 30 GB asks for 16Gi.
-    """
-    if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
-    gib = _BASE_MEMORY_GIB + math.ceil(0.4 * size / GIB)
-    return f"{min(gib, _MAX_MEMORY_GIB)}Gi"
-
-
-def disk_for(size: int, *, copies: int = 2) -> str:
-    """The ephemeral storage a worker asks for: `copies` models of up to `size` bytes on disk
-    (the one analysed and the next one downloaded ahead, or a base and its adapter) and
-    room for configs, the HF cache's bookkeeping and logs."""
-    return f"{_disk_gib(size, copies)}Gi"
-
-
-def _disk_gib(size: int, copies: int) -> int:
-    if size < 0 or copies < 1:
-        raise ValueError(f"size must be >= 0 and copies >= 1, got {size}, {copies}")
-    return math.ceil(copies * size / GIB) + _DISK_HEADROOM_GIB
-
-
-def cache_budget(disk: str | None) -> int | None:
-    """The download budget of a worker whose disk request is `disk` (a quantity: "23Gi",
-    "200G"): the request less the headroom, at least 1 GiB, in bytes; None for no request
-    or a quantity that is not a plain size (milli-units: Kubernetes' "m", which
-    parse_size, being case-blind, would read as mega)."""
-    if disk is None or disk.endswith("m"):
-        return None
-    try:
-        size = parse_size(disk)
-    except argparse.ArgumentTypeError:
-        return None
-    return max(size - _DISK_HEADROOM_GIB * GIB, GIB)
 
 
 def default_classes(
@@ -119,8 +56,8 @@ def default_classes(
                                  disk_for(SMALL_BYTES)))
     out.append(ResourceClass(kind, gpus, large_bytes, memory_for(large_bytes),
                              disk_for(large_bytes)))
-    large_disk = max(400, _disk_gib(large_bytes, 2))
-    out.append(ResourceClass(f"{kind}-large", gpus, None, f"{_MAX_MEMORY_GIB}Gi",
+    large_disk = max(400, disk_gib(large_bytes, 2))
+    out.append(ResourceClass(f"{kind}-large", gpus, None, f"{MAX_MEMORY_GIB}Gi",
                              f"{large_disk}Gi"))
     return tuple(out)
 
@@ -132,7 +69,7 @@ def multi_gpu_class(gpus: int, largest: int) -> ResourceClass:
     if gpus < 2 or largest < 0:
         raise ValueError(f"gpus must be >= 2 and largest >= 0, got {gpus}, {largest}")
     return ResourceClass(f"gpu-x{gpus}", gpus, None, memory_for(largest),
-                         f"{max(400, _disk_gib(largest, 2))}Gi")
+                         f"{max(400, disk_gib(largest, 2))}Gi")
 
 
 def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:

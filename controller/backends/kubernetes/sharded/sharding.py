@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from controller.backends.base import Task
+from controller.backends.kubernetes.common.resources import ResourceClass
 from controller.backends.kubernetes.sharded.plan import (
     Item,
     Packer,
-    ResourceClass,
     Shard,
     Unit,
     classify,

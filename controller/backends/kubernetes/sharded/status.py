@@ -21,13 +21,13 @@ from controller.backends.kubernetes.common.diagnosis import (
     diagnose_failure,
     job_condition,
 )
+from controller.backends.kubernetes.common.kueue import queued_workloads
 from controller.backends.kubernetes.common.names import (
     CLASS_LABEL,
     JOB_NAME_LABEL,
     RUN_LABEL,
 )
 from controller.backends.kubernetes.common.settings import ClusterSettings
-from controller.backends.kubernetes.per_model.events import queued_workloads
 from esd_worker.core.models.modellist import ModelRow, read_model_list
 from esd_worker.core.store.layout import shard_key
 from esd_worker.core.store.stores import Store
