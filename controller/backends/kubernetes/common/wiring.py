@@ -19,12 +19,12 @@ from controller.backends.kubernetes.common.errors import sweep_errors
 from controller.backends.kubernetes.common.jobs import JobSettings
 from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
 from controller.errors import SweepError
-from controller.settings import SweepSettings
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import GpuCounts, ShapeFinder
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient
+    from controller.settings import SweepSettings
 
 
 def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings:
@@ -35,7 +35,7 @@ def sweep_job_settings(settings: SweepSettings, spec: WorkerSpec) -> JobSettings
     gpus = 0 if settings.device == "cpu" else max(settings.gpu.gpus_per_job, 0)
     return settings.cluster.job_settings(
         run_id=spec.run_id, instance=sweep_instance(spec.store_url), gpus_per_job=gpus,
-        worker_args=spec.flags(), log_format=spec.log_format)
+        worker=spec.invocation())
 
 
 def sweep_gpu_counts(settings: SweepSettings, sizer: Sizer,

@@ -40,12 +40,12 @@ from controller.backends.kubernetes.per_model.state import ModelTable
 from controller.backends.kubernetes.per_model.submit import SizeFn, Submitter, model_job_settings
 from controller.errors import SweepError
 from controller.progress import Progress
-from controller.settings import SweepSettings
 from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.models.modellist import ModelRow
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient
+    from controller.settings import SweepSettings
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
@@ -38,7 +39,6 @@ from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailu
 from controller.errors import SweepError
 from controller.keyset import KeySet
 from controller.progress import Progress
-from controller.settings import SweepSettings
 from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.core.store.records import read_failure
@@ -46,6 +46,7 @@ from esd_worker.core.store.stores import Store, open_store
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient
+    from controller.settings import SweepSettings
 
 log = logging.getLogger(__name__)
 
@@ -227,23 +228,25 @@ class ShardedBackend:
         """The Indexed Job of one class; pods: the run's pods at once, all classes (the
         sweep's hub rate is shared among them)."""
         hub_rate = self.settings.hub_rate / max(pods, 1)
-        batch = [*self.spec.batch_flags(), "--hub-rate", f"{hub_rate:.6g}"]
         settings = self.settings.for_class(self.job_settings, c.cls)
+        batch = self.spec.batch()
         if not self.spec.cache_dir and not settings.hf_cache_pvc:
             # The pod's disk is bounded (the cache volume's sizeLimit): the worker downloads
             # into a folder of its own there and deletes each model once analysed, within
             # the disk asked for less the headroom.
-            batch += ["--cache-dir", f"{CACHE_DIR}/models"]
-            budget = cache_budget(settings.ephemeral_storage_request)
-            if budget is not None and self.spec.cache_budget is None:
-                batch += ["--cache-budget", str(budget)]
+            budget = batch.cache_budget
+            if budget is None:
+                budget = cache_budget(settings.ephemeral_storage_request)
+            batch = replace(batch, cache_dir=f"{CACHE_DIR}/models", cache_budget=budget)
+        settings = replace(settings, worker=settings.worker.replace(batch=batch,
+                                                                    hub_rate=hub_rate))
         prefix = shard_prefix(self.spec.run_id, c.cls.name).rstrip("/")
         return build_indexed_job(
             run_id=self.spec.run_id, class_name=c.cls.name, completions=c.shards,
             parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
             shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
             output_url=self.spec.store_url, settings=settings,
-            batch_args=batch, models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
+            models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
 
     def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:
         job = self._job(c, pods)
