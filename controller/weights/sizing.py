@@ -2,8 +2,9 @@
 
 Owns where a size comes from: the model list's size_bytes column, a local directory's weight
 files, or the HF hub's file metadata (an HTTP adapter: stdlib urllib, rate-limited, bounded
-retries, a bounded number of lookups), else a default; which files count as weights; and how
-the list's numeric columns are read (ListNumbers: a bad cell is unknown, said once).
+retries, a bounded number of lookups), else a default; and how the list's numeric columns
+are read (ListNumbers: a bad cell is unknown, said once). Which files count as weights is
+esd_worker.core.models.weightfiles' rule, the one the worker downloads by.
 Its hub client also serves controller.weights.weightmeta (the model info's parameter count, a
 safetensors header's bytes through a Range request), within the same limits. Does not
 download anything, parse headers (controller.weights.weightmeta), decide which class or shard a
@@ -15,7 +16,6 @@ meets them again and records them.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import http.client
 import json
 import logging
@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, Literal
 from urllib.parse import quote, urlsplit
@@ -33,6 +33,7 @@ from urllib.parse import quote, urlsplit
 from esd_worker.core.echo import quoted
 from esd_worker.core.flags import MAX_BYTES, parse_size
 from esd_worker.core.models.modellist import ModelRow, is_local_path
+from esd_worker.core.models.weightfiles import weight_names
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ _MAX_WAIT_S = 60.0
 _DOWN_AFTER = 5
 _WARNED_FAILURES = 5  # failed lookups logged one by one; the rest only in the stats
 _TRUE = frozenset({"1", "ON", "YES", "TRUE"})  # huggingface_hub's reading of a boolean variable
-# Training state that repos sometimes keep beside the weights: never what the worker reads.
-_NOT_WEIGHTS = ("optimizer", "scheduler", "rng_state", "training_args")
 
 Source = Literal["column", "local", "hub", "default", "failed"]  # a SizeStats field
 
@@ -66,41 +65,6 @@ class SizeStats:
     hub: int = 0
     default: int = 0
     failed: int = 0
-
-
-def weight_files(names: Iterable[str], *, adapter: bool = False) -> list[str]:
-    """The names, among a repo's or directory's files, that the worker downloads as weights.
-
-    The worker's choice (esd_worker.fetch.resolve._choose_files, which the controller cannot import:
-    it brings in the hub client), top level only: the sharded or single model.safetensors,
-    else adapter_model.safetensors, else every *.safetensors, else pytorch_model*.bin,
-    adapter_model.bin; beyond that *.bin / *.pt / *.pth. For an adapter, its adapter files
-    first. A repo with both consolidated.safetensors and model-*.safetensors thus counts once.
-    """
-    root = sorted(n for n in names if "/" not in n)
-    present = set(root)
-
-    def matching(*patterns: str) -> list[str]:
-        return [n for n in root if any(fnmatch.fnmatchcase(n, p) for p in patterns)
-                and not n.startswith(_NOT_WEIGHTS)]
-
-    if adapter:
-        for name in ("adapter_model.safetensors", "adapter_model.bin"):
-            if name in present:
-                return [name]
-    if "model.safetensors.index.json" in present:
-        return matching("model*.safetensors")
-    for name in ("model.safetensors", "adapter_model.safetensors"):
-        if name in present:
-            return [name]
-    if found := matching("*.safetensors"):
-        return found
-    if "pytorch_model.bin.index.json" in present:
-        return matching("pytorch_model*.bin")
-    for name in ("pytorch_model.bin", "adapter_model.bin"):
-        if name in present:
-            return [name]
-    return matching("*.bin", "*.pt", "*.pth")
 
 
 class RateLimiter:
@@ -165,10 +129,11 @@ class _LookupFailed(Exception):
 
 class Sizer:
     """The bytes a model's weights take, before any download: the list's size_bytes column, else
-    the weight files of a local directory (weight_files), else the hub's file metadata (GET
+    the weight files of a local directory (esd_worker.core.models.weightfiles: what the worker
+    downloads and reads), else the hub's file metadata (GET
     {endpoint}/api/models/{id}/revision/{rev or main}?blobs=true: the siblings' sizes of the
-    weight files; for an adapter: its adapter files), else `default_bytes` (counted in
-    `stats`; log_stats() logs them once, at the end).
+    weight files; for an adapter, adapter_config.json among them: its adapter files), else
+    `default_bytes` (counted in `stats`; log_stats() logs them once, at the end).
 
     Hub lookups: at most `rate_per_s` requests a second (RateLimiter: injectable clock and
     sleep), at most `lookup_limit` lookups in all (beyond: the default, so that planning a
@@ -263,13 +228,13 @@ class Sizer:
             log.warning("model=%s: cannot size the local directory (%s); the default size is used",
                         row.ref, e.strerror or e)
             return 0, "failed"
-        return sum(sizes[n] for n in weight_files(sizes, adapter=row.is_adapter)), "local"
+        return sum(sizes[n] for n in weight_names(sizes)), "local"
 
     def _hub_size(self, row: ModelRow) -> tuple[int, Source]:
         info, source = self._hub_lookup(row)
         if info is None:
             return 0, source
-        return sum(info.files[n] for n in weight_files(info.files, adapter=row.is_adapter)), "hub"
+        return sum(info.files[n] for n in weight_names(info.files)), "hub"
 
     # --- the hub's answers, for sizes and for controller.weights.weightmeta
     # -----------------------------

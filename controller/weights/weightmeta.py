@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.gpu.gpurule import GpuRule, WeightShape, describe, width_from_params
-from controller.weights.sizing import Sizer, weight_files
+from controller.weights.sizing import Sizer
 from esd_worker.core.models.modellist import ModelRow, is_local_path, parse_ref
+from esd_worker.core.models.weightfiles import weight_names
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,12 @@ def read_header(path: Path) -> HeaderShape:
 
 
 def local_shape(directory: Path) -> WeightShape | None:
-    """The shape of a local model from its weight files (controller.weights.sizing.weight_files):
-    every safetensors header read; files without one (*.bin, *.pt) give an estimate from
+    """The shape of a local model from its weight files (esd_worker.core.models.weightfiles):
+    every safetensors header read; files without one (pytorch_model*.bin) give an estimate from
     their bytes (2 per parameter). None without weights. Raises OSError, HeaderError."""
     with os.scandir(directory) as entries:
         sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
-    files = weight_files(sizes)
+    files = weight_names(sizes)
     if not files:
         return None
     if not all(name.endswith(".safetensors") for name in files):
@@ -211,7 +212,7 @@ class ShapeFinder:
 
     def _hub_lookup(self, row: ModelRow) -> WeightShape | None:
         info = self.sizer.hub_info(row)
-        files = weight_files(info.files) if info is not None else []
+        files = weight_names(info.files) if info is not None else []
         if info is None or not files:
             return None
         total = sum(info.files[name] for name in files)

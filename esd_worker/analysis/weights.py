@@ -19,60 +19,45 @@ from typing import Any
 import torch
 
 from esd_worker.core.errors import PermanentModelError
+from esd_worker.core.models.weightfiles import ADAPTER_SAFETENSORS, SAFETENSORS_INDEX, weight_files
 
 log = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-BIN_INDEX = "pytorch_model.bin.index.json"
-
 
 def find_weight_files(directory: Path, *, adapter: bool = False) -> tuple[str, list[Path]]:
-    """The weight files of a model directory, safetensors preferred, and their format.
-
-    The order follows what `save_pretrained` writes: a sharded index, a single file, then
-    any other root-level safetensors; `pytorch_model*.bin` only when no safetensors exist.
+    """The weight files of a model directory, and their format: the top-level files that
+    esd_worker.core.models.weightfiles picks (the download's rule: safetensors preferred, an
+    adapter's own files for an adapter), the shards an index names when there is one.
     """
-    if adapter:
-        candidates = [
-            ("safetensors", ["adapter_model.safetensors"]),
-            ("bin", ["adapter_model.bin"]),
-        ]
-        for fmt, names in candidates:
-            files = [directory / n for n in names if (directory / n).is_file()]
-            if files:
-                return fmt, files
+    try:
+        names = [p.name for p in directory.iterdir() if p.is_file()]
+    except OSError:
+        names = []  # no directory: no weights, said below
+    chosen = weight_files(names, adapter=adapter)
+    if chosen is None and adapter:
         raise PermanentModelError(
-            f"no adapter weights in {directory} (looked for adapter_model.safetensors/.bin)"
+            f"no adapter weights in {directory} (looked for {ADAPTER_SAFETENSORS}/.bin)"
         )
-    for fmt, index_name in (("safetensors", SAFETENSORS_INDEX), ("bin", BIN_INDEX)):
-        index = directory / index_name
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise PermanentModelError(f"corrupt checkpoint index {index}: {e}") from e
-            files = [directory / name for name in dict.fromkeys(weight_map.values())]
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                raise PermanentModelError(
-                    f"checkpoint index {index.name} names missing shards: {', '.join(missing[:3])}"
-                )
-            return fmt, files
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return "safetensors", [single]
-    others = sorted(
-        p for p in directory.glob("*.safetensors") if not p.name.startswith("adapter_model")
-    )
-    if others:
-        return "safetensors", others
-    bins = sorted(p for p in directory.glob("pytorch_model*.bin"))
-    if bins:
-        return "bin", bins
-    raise PermanentModelError(
-        f"no weights in {directory} (looked for *.safetensors, {SAFETENSORS_INDEX}, "
-        "pytorch_model*.bin): unsupported format"
-    )
+    if chosen is None:
+        raise PermanentModelError(
+            f"no weights in {directory} (looked for *.safetensors, {SAFETENSORS_INDEX}, "
+            "pytorch_model*.bin): unsupported format"
+        )
+    if chosen.index is None:
+        return chosen.format, [directory / name for name in chosen.names]
+    # The index, not the names that look like shards, says which files hold the tensors.
+    index = directory / chosen.index
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PermanentModelError(f"corrupt checkpoint index {index}: {e}") from e
+    files = [directory / name for name in dict.fromkeys(weight_map.values())]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise PermanentModelError(
+            f"checkpoint index {index.name} names missing shards: {', '.join(missing[:3])}"
+        )
+    return chosen.format, files
 
 
 class Checkpoint:

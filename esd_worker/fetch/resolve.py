@@ -2,13 +2,14 @@
 and say beforehand which files that takes and how many bytes they are.
 
 Owns: telling local paths from hub ids, which files of a repo the analysis needs
-(`_choose_files`), and offline mode (HF_HUB_OFFLINE=1: the HF cache only). The hub's HTTP
-side (model info, downloads, retries, error mapping) is esd_worker.fetch.hub's.
+(`_choose_files`: its configs, and the weights that esd_worker.core.models.weightfiles picks,
+the rule the controller's sizes follow too), and offline mode (HF_HUB_OFFLINE=1: the HF cache
+only). The hub's HTTP side (model info, downloads, retries, error mapping) is
+esd_worker.fetch.hub's.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import re
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from esd_worker.core.errors import PermanentModelError, WorkerError
 from esd_worker.core.models.naming import split_model_ref
+from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, weight_files
 from esd_worker.fetch.hub import (
     RetryPolicy,
     classify_hub_error,
@@ -37,10 +39,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 # images, GGUF, ONNX or other variants.
 _CONFIG_FILES = ["config.json", "adapter_config.json"]
 # Offline, without the hub's file list: whatever of these the cached snapshot holds.
-_OFFLINE_PATTERNS = [
-    *_CONFIG_FILES, "*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin",
-    "pytorch_model.bin.index.json", "adapter_model.bin",
-]
+_OFFLINE_PATTERNS = [*_CONFIG_FILES, *PATTERNS]
 
 
 @dataclass(frozen=True)
@@ -169,13 +168,6 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _selected(names: Iterable[str]) -> list[str]:
-    """The names `_choose_files` selects (by the same glob rules snapshot_download uses)."""
-    names = sorted(names)
-    patterns = _choose_files(names)
-    return [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
-
-
 def _hub_files(model_id: str, revision: str | None, policy: RetryPolicy) -> ModelFiles:
     info = model_info(model_id, revision, policy)
     if not info.sha:
@@ -184,41 +176,31 @@ def _hub_files(model_id: str, revision: str | None, policy: RetryPolicy) -> Mode
     for s in info.siblings or []:
         size = s.size if s.size is not None else (s.lfs.size if s.lfs is not None else 0)
         sizes[s.rfilename] = int(size)
-    chosen = _selected(sizes)
+    chosen = _choose_files(sizes)
     return ModelFiles(model_id, revision, info.sha, tuple((n, sizes[n]) for n in chosen))
 
 
 def _sized(model_id: str, revision: str | None, sha: str | None, directory: Path) -> ModelFiles:
     on_disk = {p.relative_to(directory).as_posix(): p for p in directory.rglob("*") if p.is_file()}
-    chosen = _selected(on_disk)
+    chosen = _choose_files(on_disk)
     return ModelFiles(model_id, revision, sha,
                       tuple((n, on_disk[n].stat().st_size) for n in chosen))
 
 
-def _choose_files(filenames: list[str]) -> list[str]:
-    names = set(filenames)
-    root = {n for n in names if "/" not in n}
-    patterns = [n for n in _CONFIG_FILES if n in root]
-    if "model.safetensors.index.json" in root:
-        patterns += ["model.safetensors.index.json", "model*.safetensors"]
-    elif "model.safetensors" in root:
-        patterns.append("model.safetensors")
-    elif "adapter_model.safetensors" in root:
-        patterns.append("adapter_model.safetensors")
-    elif any(n.endswith(".safetensors") for n in root):
-        patterns += sorted(n for n in root if n.endswith(".safetensors"))
-    elif "pytorch_model.bin.index.json" in root:
-        patterns += ["pytorch_model.bin.index.json", "pytorch_model*.bin"]
-    elif "pytorch_model.bin" in root:
-        patterns.append("pytorch_model.bin")
-    elif "adapter_model.bin" in root:
-        patterns.append("adapter_model.bin")
-    else:
+def _choose_files(filenames: Iterable[str]) -> list[str]:
+    """The files of a repo (or directory) the analysis needs, sorted: its configs, and its
+    weights with their index (esd_worker.core.models.weightfiles: an adapter's own files
+    when adapter_config.json is there). PermanentModelError when it has no weights."""
+    root = sorted({n for n in filenames if "/" not in n})
+    chosen = weight_files(root)
+    if chosen is None:
+        wanted = ("adapter_model.safetensors or adapter_model.bin" if is_adapter(root)
+                  else "safetensors or pytorch_model.bin")
         raise PermanentModelError(
-            "unsupported format: the repo has no safetensors or pytorch_model.bin weights "
-            f"(files: {', '.join(sorted(root)[:8])})"
+            f"unsupported format: the repo has no {wanted} weights "
+            f"(files: {', '.join(root[:8])})"
         )
-    return patterns
+    return sorted([n for n in _CONFIG_FILES if n in root] + chosen.files)
 
 
 def _offline_snapshot(model_id: str, revision: str | None, cache_dir: Path | None) -> Path:

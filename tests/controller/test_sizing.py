@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from controller.weights.sizing import SIZE_COLUMN, RateLimiter, Sizer, SizeStats, weight_files
+from controller.weights.sizing import SIZE_COLUMN, RateLimiter, Sizer, SizeStats
 from esd_worker.core.models.modellist import ModelRow, parse_ref
 from tests.support.hubserver import HubServer, Request
 
@@ -126,44 +126,6 @@ def api_requests(hub: HubServer, org: str, at_least: int = 0) -> list[Request]:
         time.sleep(0.01)
 
 
-# --- which files are weights ----------------------------------------------------------------
-
-WEIGHT_CASES = {
-    "sharded-safetensors-not-consolidated": (
-        ["config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-         "model-00002-of-00002.safetensors", "consolidated.safetensors"], False,
-        ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
-    "single-safetensors-over-bin": (
-        ["model.safetensors", "pytorch_model.bin"], False, ["model.safetensors"]),
-    "other-safetensors": (["a.safetensors", "b.safetensors", "c.bin"], False,
-                          ["a.safetensors", "b.safetensors"]),
-    "sharded-bin": (["pytorch_model.bin.index.json", "pytorch_model-00001-of-00002.bin",
-                     "pytorch_model-00002-of-00002.bin", "training_args.bin"], False,
-                    ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"]),
-    "bin-pt-pth-without-training-state": (
-        ["weights.bin", "model.pt", "model.pth", "optimizer.pt", "rng_state.pth",
-         "training_args.bin", "scheduler.pt"], False, ["model.pt", "model.pth", "weights.bin"]),
-    "subfolders-ignored": (["original/consolidated.pth", "model.safetensors",
-                            "onnx/model.safetensors"], False, ["model.safetensors"]),
-    "adapter-files-for-an-adapter": (
-        ["adapter_model.safetensors", "model.safetensors"], True, ["adapter_model.safetensors"]),
-    "adapter-bin": (["adapter_model.bin", "adapter_config.json"], True, ["adapter_model.bin"]),
-    "adapter-repo-as-a-model": (["adapter_model.safetensors", "adapter_config.json"], False,
-                                ["adapter_model.safetensors"]),
-    "adapter-without-adapter-files": (["model.safetensors"], True, ["model.safetensors"]),
-    "no-weights": (["config.json", "model.gguf"], False, []),
-}
-
-
-@pytest.mark.parametrize(("names", "adapter", "expected"), WEIGHT_CASES.values(),
-                         ids=WEIGHT_CASES.keys())
-def test_weight_files(names: list[str], adapter: bool, expected: list[str]) -> None:
-    """What the worker downloads (esd_worker.fetch.resolve._choose_files): a repo's duplicate
-    formats
-    and training state do not count."""
-    assert weight_files(names, adapter=adapter) == expected
-
-
 # --- the size_bytes column ------------------------------------------------------------------
 
 
@@ -226,7 +188,7 @@ LOCAL_CASES = {
     "safetensors": ({"model.safetensors": 1000, "config.json": 50, "pytorch_model.bin": 900},
                     "", 1000),
     "bin-fallback": ({"pytorch_model.bin": 900, "training_args.bin": 20}, "", 900),
-    "pt-and-pth": ({"a.pt": 30, "b.pth": 40}, "finetune", 70),
+    "pt-and-pth-not-weights": ({"a.pt": 30, "b.pth": 40}, "finetune", 0),
     "adapter": ({"adapter_model.safetensors": 60, "adapter_config.json": 5}, "lora", 60),
     "subfolder-ignored": ({"model.safetensors": 10, "sub/model.safetensors": 500}, "", 10),
 }
