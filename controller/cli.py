@@ -17,7 +17,7 @@ from controller.backends.kubernetes.common.settings import (
     add_cluster_flags,
     cluster_from_args,
 )
-from controller.backends.local.backend import LocalSettings
+from controller.backends.local.settings import LocalSettings
 from controller.doctor.doctor import add_doctor_flags, run_doctor
 from controller.errors import EXIT_USAGE, SweepError, describe_error
 from controller.gpu.exporter import add_exporter_flags, run_exporter

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from controller.backends.kubernetes.common.settings import ClusterSettings
-from controller.backends.local.backend import LocalSettings
+from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpurule import GpuRule
 from controller.gpu.gpus import GpuSettings
 from controller.output.lease import LEASE_TTL_S

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from controller.backends.local.backend import LocalSettings
+from controller.backends.local.settings import LocalSettings
 from controller.errors import EXIT_INFRA
 from controller.output.lease import observe
 from controller.output.tenure import LeaseLostError, Tenure

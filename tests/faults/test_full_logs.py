@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from controller.backends.base import Outcome, Task
-from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.backends.local.backend import LocalBackend
+from controller.backends.local.settings import LocalSettings
 from tests.controller.backends.test_served import backend, tasks
 from tests.faults.conftest import esd_sweep, run_args
 from tests.support.local import FAST, make_task

@@ -8,7 +8,7 @@ import textwrap
 from typing import Any
 
 from controller.backends.base import Outcome, Task
-from controller.backends.local.backend import LocalSettings
+from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpus import GpuSettings, GpuTracker, Nvml
 from tests.support.nvml import FakePynvml
 

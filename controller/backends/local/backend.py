@@ -15,13 +15,12 @@ import random
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.local.loop import Loop
 from controller.backends.local.needs import GpuNeeds
+from controller.backends.local.settings import LocalSettings
 from controller.backends.local.tasks import Job, Outcomes
 from controller.errors import SweepError
 from controller.gpu.gpurule import GpuRule, describe
@@ -38,50 +37,6 @@ log = logging.getLogger(__name__)
 
 _REAP_WAIT_S = 0.02  # how often running processes are checked: exits are noticed within this
 _PROGRESS_EVERY_S = 0.5
-
-
-@dataclass(frozen=True)
-class LocalSettings:
-    """How the local backend runs workers.
-
-    max_retries: extra attempts for transient failures (exit 4/5, killed by a signal);
-        default 2, so at most 3 attempts.
-    backoff_s: pause before the first retry, seconds (default 5.0); doubles per retry, with
-        jitter (x0.5..1.0); other tasks keep running meanwhile.
-    backoff_max_s: longest pause between attempts, seconds (default 300).
-    cpu_workers: workers at the same time without a GPU tracker (CPU mode; default 1).
-    log_dir: each attempt's stdout+stderr is appended to <log_dir>/workers/<key>.log under
-        an attempt header (default None: output kept only for the stderr tail).
-    terminate_grace_s: after SIGTERM, seconds before SIGKILL (default 10).
-    worker_reuse: models one long-lived worker analyses before a fresh one replaces it
-        (default None: no limit).
-    """
-
-    max_retries: int = 2
-    backoff_s: float = 5.0
-    backoff_max_s: float = 300.0
-    cpu_workers: int = 1
-    log_dir: Path | None = None
-    terminate_grace_s: float = 10.0
-    worker_reuse: int | None = None
-
-    def validate(self) -> None:
-        """Raise one ValueError that names every bad field."""
-        problems: list[str] = []
-        if self.max_retries < 0:
-            problems.append(f"max_retries: must be >= 0, got {self.max_retries}")
-        if not self.backoff_s >= 0:
-            problems.append(f"backoff_s: must be >= 0 s, got {self.backoff_s}")
-        if not self.backoff_max_s >= 0:
-            problems.append(f"backoff_max_s: must be >= 0 s, got {self.backoff_max_s}")
-        if self.cpu_workers < 1:
-            problems.append(f"cpu_workers: must be >= 1, got {self.cpu_workers}")
-        if self.worker_reuse is not None and self.worker_reuse < 1:
-            problems.append(f"worker_reuse: must be >= 1, got {self.worker_reuse}")
-        if not self.terminate_grace_s >= 0:
-            problems.append(f"terminate_grace_s: must be >= 0 s, got {self.terminate_grace_s}")
-        if problems:
-            raise ValueError("invalid local backend settings: " + "; ".join(problems))
 
 
 def worker_argv(
@@ -279,7 +234,38 @@ class LocalBackend:
             needs.close()
             loop.cleanup()
 
-    # What the loop asks of the backend ---------------------------------------------------------
+    # What the loop asks of the backend (loop.Dispatcher) ----------------------------------------
+
+    @property
+    def stop_requests(self) -> int:
+        """Stops requested so far: 1 starts nothing new, 2 terminates running workers."""
+        return self._stop_requests
+
+    @property
+    def prefetch(self) -> int:
+        """Models a long-lived worker is given ahead of the one it analyses."""
+        return self.spec.prefetch if self.spec is not None else 0
+
+    def serves(self, task: Task) -> bool:
+        """Whether the task goes to a long-lived worker (a model, with this run's WorkerSpec);
+        else it is a custom command, one process per attempt (command)."""
+        return task.row is not None and not task.argv and self.spec is not None
+
+    def command(self, task: Task) -> tuple[str, ...]:
+        """The command of one attempt of a task that is not served, on this run's device."""
+        return self.argv(task, self.device)
+
+    def poll_gpus(self) -> float | None:
+        """Look at the GPUs again; seconds until the next look (None: no tracker, CPU slots)."""
+        if self.tracker is None:
+            return None
+        self.tracker.poll()
+        return self.tracker.settings.poll_interval_s
+
+    def started(self, task: Task, gpus: tuple[int, ...]) -> None:
+        """An attempt started on `gpus` (on_start's)."""
+        if self.on_start is not None:
+            self.on_start(task, gpus)
 
     def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
         """`gpus` GPUs for one more worker ((): a CPU slot), or None when none may start now."""

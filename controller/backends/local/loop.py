@@ -5,8 +5,9 @@ Owns the order of one pass (every ~20 ms) and the retry decision: a retryable fa
 attempts left goes back after a backoff; a model whose every attempt crashed its worker is a
 poison model, reported as not retryable. Models go to long-lived workers
 (controller.backends.local.slots), custom commands to one process per attempt
-(controller.backends.local.process). What may start where is the backend's (GPU tracker, CPU
-slots); how many GPUs a model wants is controller.backends.local.needs'.
+(controller.backends.local.process). What may start where, and what it runs, is the
+dispatcher's (Dispatcher, the local backend: GPU tracker, CPU slots, worker commands); how
+many GPUs a model wants is controller.backends.local.needs'.
 """
 
 from __future__ import annotations
@@ -16,42 +17,99 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from controller.backends.base import Outcome, Task
 from controller.backends.local.needs import GpuNeeds
 from controller.backends.local.process import Attempt, Ended, LogDirError, WorkerLogs
+from controller.backends.local.settings import LocalSettings
 from controller.backends.local.slots import Slot, Slots
 from controller.backends.local.tasks import Job, Outcomes, Running, Waiting
 from controller.errors import SweepError
 
-if TYPE_CHECKING:
-    from controller.backends.local.backend import LocalBackend
-
-log = logging.getLogger("controller.backends.local.backend")
+log = logging.getLogger(__name__)
 
 _REAP_WAIT_S = 0.02  # how often workers are checked: exits are noticed within this
 _PROGRESS_EVERY_S = 0.5
 
 
-class Loop:
-    """One run() of the local backend over `tasks`."""
+class Dispatcher(Protocol):
+    """What the loop asks of the backend it runs for (controller.backends.local.backend's
+    LocalBackend): the run's settings, the stops asked for, which GPUs or CPU slot a worker
+    may take, and what a worker runs. The loop reaches nothing else of it."""
 
-    def __init__(self, backend: LocalBackend, tasks: Sequence[Task], outcomes: Outcomes,
-                 needs: GpuNeeds | None = None) -> None:
+    @property
+    def settings(self) -> LocalSettings: ...
+
+    @property
+    def stop_requests(self) -> int:
+        """Stops requested so far: 1 starts nothing new, 2 terminates running workers."""
+        ...
+
+    @property
+    def worker_cmd(self) -> tuple[str, ...]:
+        """The worker's command (named when it cannot start)."""
+        ...
+
+    @property
+    def prefetch(self) -> int:
+        """Models a long-lived worker is given ahead of the one it analyses."""
+        ...
+
+    def serves(self, task: Task) -> bool:
+        """Whether the task goes to a long-lived worker, else to a process of its own."""
+        ...
+
+    def serve_command(self) -> tuple[str, ...]:
+        """A long-lived worker's command."""
+        ...
+
+    def command(self, task: Task) -> tuple[str, ...]:
+        """The command of one attempt of a task that is not served."""
+        ...
+
+    def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
+        """`gpus` GPUs for one more worker ((): a CPU slot), or None when none may start."""
+        ...
+
+    def release(self, gpus: tuple[int, ...]) -> bool:
+        """Give GPUs back; True when there were any."""
+        ...
+
+    def poll_gpus(self) -> float | None:
+        """Look at the GPUs again; seconds until the next look (None: nothing to look at)."""
+        ...
+
+    def threads(self) -> int | None:
+        """CPU threads per worker (None: no limit)."""
+        ...
+
+    def backoff(self, job: Job) -> float:
+        """Seconds before the job's next attempt."""
+        ...
+
+    def started(self, task: Task, gpus: tuple[int, ...]) -> None:
+        """An attempt started on `gpus`."""
+        ...
+
+
+class Loop:
+    """One run() over `tasks` for `dispatcher`; needs: each model's GPU count."""
+
+    def __init__(self, dispatcher: Dispatcher, tasks: Sequence[Task], outcomes: Outcomes,
+                 needs: GpuNeeds) -> None:
         now = time.monotonic()
-        self.b = backend
-        self.needs = needs or GpuNeeds(None, backend.gpus_per_job if backend.tracker else 0)
-        self.settings = backend.settings
+        self.d = dispatcher
+        self.needs = needs
+        self.settings = dispatcher.settings
         self.waiting = Waiting([Job(task, ready_since=now) for task in tasks])
         self.running = Running()
-        spec = backend.spec
         # One for the run: a full disk is said once, whichever worker's log found it.
         self.logs = WorkerLogs(self.settings.log_dir)
         self.slots = Slots(
-            lambda gpus: backend.serve_command(), depth=1 + (spec.prefetch if spec else 0),
+            lambda gpus: dispatcher.serve_command(), depth=1 + dispatcher.prefetch,
             reuse=self.settings.worker_reuse,
-            logs=self.logs, threads=backend.threads(), release=backend.release,
+            logs=self.logs, threads=dispatcher.threads(), release=dispatcher.release,
             on_start=self._started,
         )
         self.outcomes = outcomes
@@ -60,7 +118,7 @@ class Loop:
 
     @property
     def stopping(self) -> bool:
-        return self.b._stop_requests > 0
+        return self.d.stop_requests > 0
 
     def run(self) -> list[Outcome]:
         while True:
@@ -72,10 +130,10 @@ class Loop:
             self.slots.kill_overdue(now, grace)
             changed |= self.waiting.move_due(now)
             if self.waiting.ready:
-                tracker = self.b.tracker
-                if tracker is not None and now >= self.next_poll:
-                    tracker.poll()
-                    self.next_poll = now + tracker.settings.poll_interval_s
+                if now >= self.next_poll:
+                    interval = self.d.poll_gpus()
+                    if interval is not None:
+                        self.next_poll = now + interval
                 changed |= self._dispatch(now)
             if not self.waiting:
                 self.slots.close_idle()  # nothing left to give them: their GPUs go back
@@ -98,8 +156,8 @@ class Loop:
             now = time.monotonic()
             self.running.terminate(now)
             self.slots.terminate(now)
-            self.running.reap_all(self.settings.terminate_grace_s, self.b.release)
-            self.slots.reap_all(self.settings.terminate_grace_s, self.b.release)
+            self.running.reap_all(self.settings.terminate_grace_s, self.d.release)
+            self.slots.reap_all(self.settings.terminate_grace_s, self.d.release)
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -111,11 +169,11 @@ class Loop:
             job.duration_s = max(now - job.started, 0.0)
             job.total_s += job.duration_s
             job.last = job.running.ended()
-            self._released(self.b.release(job.gpus), now)
+            self._released(self.d.release(job.gpus), now)
             self._ended(job, now)
         got = self.slots.collect(now)
         for gpus in got.released:
-            self._released(self.b.release(gpus), now)
+            self._released(self.d.release(gpus), now)
         for job in got.ended:
             self._ended(job, now)
         for job in got.unstarted:
@@ -134,7 +192,7 @@ class Loop:
         last = job.last
         assert last is not None
         if job.should_retry(self.settings.max_retries, self.stopping):
-            delay = self.b.backoff(job)
+            delay = self.d.backoff(job)
             log.warning("model=%s key=%s attempt %d failed (%s); retry in %.3gs",
                         job.task.label, job.task.key, job.attempts, last.error, delay)
             self.waiting.retry_at(now + delay, job)
@@ -147,7 +205,7 @@ class Loop:
         self.outcomes.add(job, job.status())
 
     def _stops(self, now: float) -> bool:
-        stop = self.b._stop_requests
+        stop = self.d.stop_requests
         if stop <= self.stop_seen:
             return False
         if self.stop_seen == 0:
@@ -174,12 +232,12 @@ class Loop:
         while queue and not self.stopping:
             job = queue[0]
             in_use = len(self.slots) + len(self.running)
-            if job.task.row is not None and not job.task.argv and self.b.spec is not None:
+            if self.d.serves(job.task):
                 want = self.needs.want(job.task)
                 if want is None:
                     break  # its shape is being looked up (.needs): next pass
                 try:
-                    taken = self.slots.offer(job, now, functools.partial(self.b.acquire, in_use),
+                    taken = self.slots.offer(job, now, functools.partial(self.d.acquire, in_use),
                                              want)
                 except LogDirError as e:
                     raise SweepError(f"{e} (--log-dir)") from e  # setup, not this task's
@@ -194,7 +252,8 @@ class Loop:
                 queue.popleft()
                 self.needs.taken()
             else:
-                gpus = self.b.acquire(in_use, self.b.gpus_per_job)
+                # needs.fixed: the run's count for a custom command (0 on CPU slots)
+                gpus = self.d.acquire(in_use, self.needs.fixed)
                 if gpus is None:
                     break
                 queue.popleft()
@@ -207,16 +266,16 @@ class Loop:
         task = job.task
         job.wait_s += max(now - job.ready_since, 0.0)
         job.gpus, job.started, job.terminate_at, job.killed = gpus, now, None, False
-        argv = self.b.argv(task, self.b.device)
+        argv = self.d.command(task)
         try:
             job.running = Attempt(task.key, argv, number=job.attempts + 1, gpus=gpus,
                                   env=task.env, logs=self.logs,
-                                  threads=self.b.threads())
+                                  threads=self.d.threads())
         except LogDirError as e:
-            self.b.release(gpus)
+            self.d.release(gpus)
             raise SweepError(f"{e} (--log-dir)") from e
         except (OSError, ValueError) as e:
-            self.b.release(gpus)
+            self.d.release(gpus)
             self._could_not_start(job, e, argv)
             return
         job.attempts += 1
@@ -226,7 +285,7 @@ class Loop:
 
     def _could_not_start(self, job: Job, e: Exception, argv: Sequence[str] = ()) -> None:
         job.attempts += 1
-        what = argv[0] if argv else (self.b.worker_cmd[0] if self.b.worker_cmd else "(empty)")
+        what = argv[0] if argv else (self.d.worker_cmd[0] if self.d.worker_cmd else "(empty)")
         job.last = Ended(None, None, (f"could not start: {e}",),
                          f"StartFailed: cannot run {what}: {e}", False)
         log.error("model=%s key=%s could not start: %s", job.task.label, job.task.key, e)
@@ -239,5 +298,4 @@ class Loop:
         task, gpus = job.task, job.gpus
         log.info("model=%s key=%s started attempt %d on %s pid=%d", task.label, task.key,
                  job.attempts, f"gpus={','.join(map(str, gpus))}" if gpus else "cpu", pid)
-        if self.b.on_start is not None:
-            self.b.on_start(task, gpus)
+        self.d.started(task, gpus)

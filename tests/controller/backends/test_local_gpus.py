@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from controller.backends.base import Outcome, Task, WorkerSpec
-from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.backends.local.backend import LocalBackend
+from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpurule import GpuRule
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from controller.backends.base import Outcome, Task
-from controller.backends.local.backend import LocalBackend, LocalSettings
+from controller.backends.local.backend import LocalBackend
+from controller.backends.local.settings import LocalSettings
 from tests.support import REPO_ROOT
 from tests.support.local import FAST, exit_task, make_task
 
@@ -84,7 +85,7 @@ def test_stop_during_a_retry_pause_reports_the_failure_as_retryable() -> None:
             if "retry in" in record.getMessage():
                 backend.request_stop()
 
-    logger = logging.getLogger("controller.backends.local.backend")
+    logger = logging.getLogger("controller.backends.local.loop")
     handler = StopOnRetry()
     logger.addHandler(handler)
     try:
@@ -129,7 +130,9 @@ def test_workers_die_with_a_killed_controller(tmp_path: Path) -> None:
     )
     controller = textwrap.dedent(f"""
         import sys
-        from controller.backends.local.backend import LocalBackend, LocalSettings, Task
+        from controller.backends.base import Task
+        from controller.backends.local.backend import LocalBackend
+        from controller.backends.local.settings import LocalSettings
         task = Task(key="w", argv=(sys.executable, "-c", {worker!r}), label="w")
         LocalBackend(LocalSettings(), None).run([task])
     """)
