@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from controller.progress import Progress
-from esd_worker.core.flags import analysis_argv
+from esd_worker.core.invocation import BATCH_MODES, MODEL, BatchOptions, WorkerInvocation
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.settings import AnalysisSettings
 
@@ -109,7 +109,7 @@ class WorkerSpec:
     long-lived worker downloads ahead; cache_budget: its bytes on disk for them (None:
     the worker's default); cache_dir: a download directory the worker owns and evicts
     (None: the HF cache, never evicted). parallel_gpu: a worker spreads one model over all its
-    GPUs (False: --no-parallel-gpu).
+    GPUs (False: --no-parallel-gpu). Its workers' command lines: invocation(), for_row().
     """
 
     run_id: str
@@ -127,38 +127,28 @@ class WorkerSpec:
     cache_dir: str | None = None
     parallel_gpu: bool = True
 
-    def flags(self) -> list[str]:
-        """The worker flags that do not depend on the model (analysis, eigenvalues, code)."""
-        argv = analysis_argv(self.analysis)
-        if not self.save_eigs:
-            argv.append("--no-eigs")
-        if self.trust_remote_code:
-            argv.append("--trust-remote-code")
-        if not self.parallel_gpu:
-            argv.append("--no-parallel-gpu")
-        return argv
+    def batch(self) -> BatchOptions:
+        """The many-models flags of this run's long-lived workers (--serve, --shards)."""
+        return BatchOptions(run_id=self.run_id, max_retries=self.max_retries,
+                            prefetch=self.prefetch, overwrite=self.overwrite,
+                            cache_dir=self.cache_dir or None, cache_budget=self.cache_budget)
 
-    def batch_flags(self) -> list[str]:
-        """The flags of a worker that analyses many models (`--serve`, `--models`)."""
-        argv = ["--run-id", self.run_id, "--max-retries", str(self.max_retries),
-                "--prefetch", str(self.prefetch)]
-        if self.cache_budget is not None:
-            argv += ["--cache-budget", str(self.cache_budget)]
-        if self.cache_dir:
-            argv += ["--cache-dir", self.cache_dir]
-        if self.overwrite:
-            argv.append("--overwrite")
-        return argv
+    def invocation(self, mode: str = MODEL, target: str = "", *,
+                   device: str | None = None) -> WorkerInvocation:
+        """A worker of this run (esd_worker.core.invocation): its store, analysis, switches
+        and log format, the run's batch flags in a batch mode; device None leaves --device
+        out. With the default mode and no target, the template a backend gives each model
+        (WorkerInvocation.for_model)."""
+        return WorkerInvocation(
+            mode=mode, target=target, output=self.store_url, log_format=self.log_format,
+            device=device, batch=self.batch() if mode in BATCH_MODES else BatchOptions(),
+            analysis=self.analysis, save_eigs=self.save_eigs,
+            trust_remote_code=self.trust_remote_code, parallel_gpu=self.parallel_gpu)
 
-    def model_args(self, row: ModelRow) -> list[str]:
-        """The worker's per-model flags: an argv list, never a shell string (ids are not
-        trusted)."""
-        argv = ["--model", row.ref, "--output", self.store_url, "--model-key", row.key]
-        if row.relation:
-            argv += ["--relation", row.relation]
-        if row.source_model:
-            argv += ["--base-model", row.source_model]
-        return argv
+    def for_row(self, row: ModelRow, device: str | None = None) -> WorkerInvocation:
+        """The one-model worker of `row` (its reference, key, relation and base)."""
+        return self.invocation(device=device).for_model(
+            row.ref, key=row.key, relation=row.relation, base_model=row.source_model)
 
 
 class Backend(Protocol):

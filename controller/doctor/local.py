@@ -30,6 +30,7 @@ from controller.doctor.checks import FAIL, INFO, PASS, SKIP, Check
 from controller.errors import SweepError
 from controller.gpu.gpus import GpuSettings, GpuTracker, Nvml, NvmlUnavailable, inherited_allocation
 from controller.settings import SweepSettings
+from esd_worker.core.invocation import SELF_CHECK, WorkerInvocation
 from esd_worker.core.redact import redact
 
 WORKER_TIMEOUT_S = 120.0
@@ -168,8 +169,8 @@ def check_worker(
                      "worker without a GPU (see gpus)")
     command = tuple(worker_cmd or SweepSettings(output="").worker_cmd)
     # What the local backend passes: cuda when it hands out GPUs, cpu otherwise.
-    argv = (*command, "--self-check", "--device", "cuda" if gpu else "cpu",
-            "--log-format", "text")
+    argv = WorkerInvocation(SELF_CHECK, device="cuda" if gpu else "cpu",
+                            log_format="text").command(command)
     gpus = (gpu.index,) if gpu else ()
     try:
         proc = subprocess.Popen(

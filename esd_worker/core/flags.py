@@ -241,17 +241,3 @@ def analysis_from_args(args: argparse.Namespace) -> AnalysisSettings:
         include_embeddings=args.include_embeddings,
     )
 
-
-def analysis_argv(analysis: AnalysisSettings) -> list[str]:
-    """The worker flags that reproduce `analysis` (the controller passes them on)."""
-    argv = [
-        "--fix-fingers", analysis.fix_fingers,
-        "--evals-thresh", repr(analysis.evals_thresh),
-        "--bins", str(analysis.bins),
-        "--min-evals", str(analysis.min_evals),
-        "--conv-norm", repr(analysis.conv_norm),
-        "--precision", analysis.precision,
-    ]
-    if analysis.include_embeddings:
-        argv.append("--include-embeddings")
-    return argv

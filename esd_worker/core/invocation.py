@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from esd_worker.core.echo import has_control
 from esd_worker.core.errors import UsageError
 from esd_worker.core.flags import Parser, analysis_from_args
 from esd_worker.core.logs import LOG_FORMATS
@@ -34,6 +34,7 @@ SELF_CHECK = "self-check"
 MODES = (MODEL, MODELS, SHARDS, SERVE, SELF_CHECK)
 BATCH_MODES = (MODELS, SHARDS, SERVE)  # many models in one process: the batch flags apply
 _TARGET_FLAGS = {MODEL: "--model", MODELS: "--models", SHARDS: "--shards"}
+_LINE_BREAK = re.compile(r"[\x00-\x1f\x7f]")  # C0 controls and DEL: they break a line
 _HUB_RATE_DIGITS = 6  # a rate limit needs no more; the argv says it so ("3", not "3.0")
 
 
@@ -152,9 +153,9 @@ class WorkerInvocation:
         return [*program, *self.to_argv()]
 
     def structure_problems(self) -> list[str]:
-        """What no argv can say: a mode without its target or store, a value that is not
-        one line, a device or log format the worker does not know. Ranges are the
-        parser's (problems())."""
+        """What no argv can say: a mode without its target or store, a device or log
+        format the worker does not know, a shard index without shards. Ranges are the
+        parser's and line breaks the caller's to refuse (problems())."""
         out: list[str] = []
         if self.mode not in MODES:
             out.append(f"mode: {self.mode!r} is not one of {', '.join(MODES)}")
@@ -163,25 +164,26 @@ class WorkerInvocation:
                        else f"target: {self.mode} takes none")
         if not self.output and self.mode != SELF_CHECK:
             out.append(f"output: {self.mode} needs a store URL")
-        if self.device is not None and self.device not in DEVICES:
-            out.append(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
-        if self.log_format is not None and self.log_format not in LOG_FORMATS:
-            out.append(f"log_format: {self.log_format!r} must be one of "
-                       f"{', '.join(LOG_FORMATS)}")
         if self.batch.shard_index is not None and self.mode != SHARDS:
             out.append("batch.shard_index: goes with the shards mode")
-        texts = {"target": self.target, "output": self.output, "model_key": self.model_key,
-                 "relation": self.relation, "base_model": self.base_model,
-                 "batch.run_id": self.batch.run_id, "batch.cache_dir": self.batch.cache_dir}
-        for name, text in texts.items():
-            if text is not None and has_control(text):
-                out.append(f"{name}: must be one line without control characters")
-        return out
+        return out + self._choice_problems()
+
+    def flag_problems(self) -> list[str]:
+        """The problems of a template that a backend completes per worker with a mode,
+        target and store (a Job's model, a shard folder): an unknown device or log format,
+        a line break in a value (a Job's argv is read in logs and `kubectl get -o yaml`)."""
+        texts = {"model_key": self.model_key, "relation": self.relation,
+                 "base_model": self.base_model, "batch.run_id": self.batch.run_id,
+                 "batch.cache_dir": self.batch.cache_dir}
+        return self._choice_problems() + _line_problems(texts)
 
     def problems(self) -> list[str]:
-        """Every reason the worker would refuse this command line, each naming its field or
-        flag (empty: the worker's parser takes it, and it reads back as this value)."""
+        """Every reason the worker would refuse this command line, or a line break in it,
+        each naming its field or flag (empty: the worker's parser takes it, and it reads
+        back as this value)."""
         out = self.structure_problems()
+        out += _line_problems({"target": self.target, "output": self.output})
+        out += self.flag_problems()[len(self._choice_problems()):]
         try:
             self.analysis.validate()
         except UsageError as e:
@@ -193,6 +195,20 @@ class WorkerInvocation:
         except InvalidInvocation as e:
             return [str(e)]
         return [] if back == self else [f"does not read back from its argv: {self!r}"]
+
+    def _choice_problems(self) -> list[str]:
+        out: list[str] = []
+        if self.device is not None and self.device not in DEVICES:
+            out.append(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.log_format is not None and self.log_format not in LOG_FORMATS:
+            out.append(f"log_format: {self.log_format!r} must be one of "
+                       f"{', '.join(LOG_FORMATS)}")
+        return out
+
+
+def _line_problems(texts: dict[str, str | None]) -> list[str]:
+    return [f"{name}: must be a single-line string" for name, text in texts.items()
+            if text is not None and _LINE_BREAK.search(text)]
 
 
 def parse(argv: Sequence[str]) -> WorkerInvocation:

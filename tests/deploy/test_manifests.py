@@ -379,7 +379,7 @@ def test_controller_args_parse_with_the_real_cli(
         model_ref="Qwen/Qwen2.5-0.5B", model_key="qwen-qwen2-5-0-5b-0123456789", relation="",
         source_model=None, output_url=settings.output,
         settings=cluster.job_settings(run_id="manifests", instance="manifests",
-                                      gpus_per_job=1, worker_args=()))
+                                      gpus_per_job=1))
     for version in K8S_VERSIONS:
         kubernetes_validate.validate(job, version, strict=True)
     # The worker pods use what these manifests and the Secret templates define.

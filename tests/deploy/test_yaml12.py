@@ -50,7 +50,7 @@ def default_settings(**overrides: Any) -> JobSettings:
         image="ghcr.io/example/esd-sweep:0.1.0", namespace="esd", run_id=RUN,
         hf_token_secret="hf-token:token", s3_secret="esd-s3",
         env={"AWS_ENDPOINT_URL": "http://minio.esd:9000", "AWS_REGION": "us-east-1"},
-        worker_args=tuple(spec.flags()),
+        worker=spec.invocation(),
     )
     return replace(base, **overrides)
 
@@ -66,11 +66,12 @@ def per_model_job(ref: str = "openai-community/gpt2", *, relation: str = "",
 
 def indexed_job(**settings: Any) -> dict[str, Any]:
     spec = WorkerSpec(run_id=RUN, store_url=OUTPUT)
+    job_settings = default_settings(**settings)
+    job_settings = replace(job_settings, worker=job_settings.worker.replace(batch=spec.batch()))
     return build_indexed_job(
         run_id=RUN, class_name="gpu1", completions=12, parallelism=4,
         backoff_limit_per_index=2, shards_url=f"{OUTPUT}/_shards/{RUN}/gpu1",
-        output_url=OUTPUT, settings=default_settings(**settings),
-        batch_args=spec.batch_flags(), models=1000, shard_bytes=10**12,
+        output_url=OUTPUT, settings=job_settings, models=1000, shard_bytes=10**12,
     )
 
 

@@ -23,6 +23,7 @@ from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.names import run_selector
 from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.per_model.backend import KubernetesBackend
+from esd_worker.core.invocation import WorkerInvocation
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.settings import AnalysisSettings
@@ -97,7 +98,7 @@ def make_rows(n: int, prefix: str = "org/model") -> list[ModelRow]:
 def make_backend(
     kube: KubeClient, store: Store, *, max_retries: int = 2, gpus_per_job: int = 1,
     poll_interval_s: float = 0.02, max_checks: int = 1,
-    worker_args: Sequence[str] = ("--fix-fingers", "xmin_mid"), log_format: str = "json",
+    worker: WorkerInvocation | None = None,
     run_id: str = RUN_ID, scrape_fn: Callable[..., list[Any]] | None = None,
     clock: Callable[[], float] | None = None,
     size: Callable[[ModelRow], int] | None = None, **overrides: Any,
@@ -110,7 +111,7 @@ def make_backend(
     settings = ClusterSettings(**options)
     job_settings = settings.job_settings(
         run_id=run_id, instance=sweep_instance(store.url), gpus_per_job=gpus_per_job,
-        worker_args=tuple(worker_args), log_format=log_format)
+        worker=worker)
     extra: dict[str, Any] = {}
     if scrape_fn is not None:
         extra["scrape_fn"] = scrape_fn

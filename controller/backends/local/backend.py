@@ -28,6 +28,7 @@ from controller.gpu.gpus import GpuTracker, open_tracker
 from controller.progress import Progress
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from esd_worker.core.invocation import SERVE
 from esd_worker.core.models.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -44,14 +45,12 @@ def worker_argv(
 ) -> tuple[str, ...]:
     """A model's one-model worker command: a list, never a shell string (ids are not
     trusted). What --dry-run prints: run() feeds the same models to long-lived workers."""
-    return (*command, *spec.model_args(row), "--device", device,
-            "--log-format", spec.log_format, *spec.flags())
+    return tuple(spec.for_row(row, device).command(command))
 
 
 def serve_argv(command: Sequence[str], spec: WorkerSpec, device: str) -> tuple[str, ...]:
     """A long-lived worker's command: models come on its stdin (esd_worker.core.protocol)."""
-    return (*command, "--serve", "--output", spec.store_url, "--device", device,
-            "--log-format", spec.log_format, *spec.batch_flags(), *spec.flags())
+    return tuple(spec.invocation(SERVE, device=device).command(command))
 
 
 class LocalBackend:

@@ -352,10 +352,10 @@ def test_a_model_task_runs_the_worker_with_the_runs_flags(
     full = backend.argv(Task.for_model(row), "cpu")
     assert full[:len(ECHO_ARGV)] == ECHO_ARGV
     argv = list(full[len(ECHO_ARGV):])
-    assert argv[:6] == ["--model", row.ref, "--output", "/out", "--model-key", row.key]
-    assert argv[6:6 + len(expected)] == expected
-    rest = argv[6 + len(expected):]
-    assert rest[:4] == ["--device", "cpu", "--log-format", "json"]
+    assert argv[:10] == ["--model", row.ref, "--output", "/out", "--model-key", row.key,
+                         "--log-format", "json", "--device", "cpu"]
+    assert argv[10:10 + len(expected)] == expected
+    rest = argv[10 + len(expected):]
     assert "--no-eigs" in rest and rest[rest.index("--fix-fingers") + 1] == "DKS"
 
 

@@ -142,8 +142,8 @@ def test_the_worker_gets_the_runs_flags_as_an_argument_list(
     argv = serve_argv(("esd-worker",), WorkerSpec(
         run_id="r", store_url="s3://b/p", analysis=AnalysisSettings(fix_fingers="DKS"),
         prefetch=3, cache_budget=10**9, cache_dir="/scratch", overwrite=True), "cuda")
-    assert argv[:8] == ("esd-worker", "--serve", "--output", "s3://b/p", "--device", "cuda",
-                        "--log-format", "text")
+    assert argv[:8] == ("esd-worker", "--serve", "--output", "s3://b/p", "--log-format", "text",
+                        "--device", "cuda")
     for flag, value in [("--run-id", "r"), ("--prefetch", "3"), ("--cache-budget", "1000000000"),
                         ("--cache-dir", "/scratch"), ("--fix-fingers", "DKS")]:
         assert argv[argv.index(flag) + 1] == value

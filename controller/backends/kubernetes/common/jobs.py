@@ -38,6 +38,7 @@ from controller.backends.kubernetes.common.names import (
 )
 from controller.backends.kubernetes.common.quantities import quantity_problem
 from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.core.invocation import MODEL, WorkerInvocation
 from esd_worker.core.models.naming import split_model_ref
 from esd_worker.core.redact import has_userinfo
 
@@ -94,8 +95,9 @@ class JobSettings:
     kueue_queue: LocalQueue name; the Job is created suspended and Kueue admits it.
     do_not_disrupt: ask Karpenter and the cluster autoscaler not to consolidate the node
     away from under a running worker.
-    worker_args: extra `esd-worker` flags (ESD analysis flags), passed through verbatim.
-    log_format: the worker's log format ("json" for cluster log pipelines, or "text").
+    worker: what every worker of the run is given (esd_worker.core.invocation; its log
+    format "json" for cluster log pipelines, or "text"); each Job's is it with the Job's
+    model or shards and store (pod_argv). Device None: cuda with GPUs, else cpu.
     """
 
     image: str
@@ -121,8 +123,8 @@ class JobSettings:
     hf_cache_pvc: str | None = None
     kueue_queue: str | None = None
     do_not_disrupt: bool = False
-    worker_args: tuple[str, ...] = ()
-    log_format: str = "json"
+    worker: WorkerInvocation = field(
+        default_factory=lambda: WorkerInvocation(MODEL, log_format="json"))
 
     @property
     def instance(self) -> str:
@@ -202,11 +204,10 @@ class JobSettings:
         if self.kueue_queue is not None and not (self.kueue_queue
                                                  and is_label_value(self.kueue_queue)):
             out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
-        for arg in self.worker_args:
-            if not isinstance(arg, str) or _CONTROL.search(arg):
-                out.append(f"worker_args: {arg!r} must be a single-line string")
-        if self.log_format not in ("json", "text"):
-            out.append(f"log_format: {self.log_format!r} must be json or text")
+        # The worker's mode, target and store are each Job's (build_job, build_indexed_job).
+        out.extend(f"worker: {p}" for p in self.worker.flag_problems())
+        if self.worker.log_format is None:
+            out.append("worker: log_format: must be given (json or text)")
         return out
 
 
@@ -230,26 +231,13 @@ def labels_for(model_key: str, settings: JobSettings, attempt: int = 0) -> dict[
     }
 
 
-def worker_argv(
-    *, model_ref: str, model_key: str, relation: str, source_model: str | None,
-    output_url: str, settings: JobSettings,
-) -> list[str]:
-    """The worker container's argv, one element per argument (never a shell string)."""
-    args = [
-        "esd-worker",
-        "--model", model_ref,
-        "--output", output_url,
-        "--model-key", model_key,
-        "--log-format", settings.log_format,
-    ]
-    if not any(a == "--device" or a.startswith("--device=") for a in settings.worker_args):
-        args += ["--device", "cuda" if settings.gpus_per_job > 0 else "cpu"]
-    if relation:
-        args += ["--relation", relation]
-    if source_model:
-        args += ["--base-model", source_model]
-    args += list(settings.worker_args)
-    return args
+def pod_argv(settings: JobSettings, worker: WorkerInvocation) -> list[str]:
+    """The worker container's argv, `esd-worker` and `worker`'s flags, one element per
+    argument (never a shell string); a device the run left open is the pod's: cuda when
+    it asks for GPUs, else cpu (the one place a Job's --device is decided)."""
+    if worker.device is None:
+        worker = worker.replace(device="cuda" if settings.gpus_per_job > 0 else "cpu")
+    return worker.command()
 
 
 def pod_failure_policy() -> dict[str, Any]:
@@ -469,10 +457,9 @@ def build_job(
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if settings.do_not_disrupt:
         template_meta["annotations"] = pod_annotations(settings)
-    args = worker_argv(
-        model_ref=model_ref, model_key=model_key, relation=relation,
-        source_model=source_model, output_url=output_url, settings=settings,
-    )
+    args = pod_argv(settings, settings.worker.for_model(
+        model_ref, key=model_key, relation=relation, base_model=source_model,
+    ).replace(output=output_url))
     spec: dict[str, Any] = {
         "backoffLimit": settings.backoff_limit,
         "podFailurePolicy": pod_failure_policy(),

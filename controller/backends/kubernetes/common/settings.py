@@ -2,7 +2,8 @@
 
 Owns ClusterSettings (built in controller.cli from flags and env), the instance label value
 that ties a sweep's Jobs to its output (the key is names.INSTANCE_LABEL), the environment
-passed through to workers, and which worker flags do not change a result (for adoption).
+passed through to workers, and which worker flags do not change a result (for adoption: the
+worker's command line is read as a value, esd_worker.core.invocation).
 Pure: no Kubernetes client here.
 """
 
@@ -29,6 +30,7 @@ from esd_worker.core.flags import (
     int_in,
     size_in,
 )
+from esd_worker.core.invocation import InvalidInvocation, WorkerInvocation, parse_command
 
 DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"
@@ -164,11 +166,12 @@ class ClusterSettings:
         return out
 
     def job_settings(
-        self, *, run_id: str, instance: str, gpus_per_job: int, worker_args: Sequence[str],
-        log_format: str = "json",
+        self, *, run_id: str, instance: str, gpus_per_job: int,
+        worker: WorkerInvocation | None = None,
     ) -> JobSettings:
         """Every worker Job's settings, sized for one model of unknown size (sized_for and
-        for_class size them for real)."""
+        for_class size them for real); worker: what every worker of the run is given
+        (None: the defaults, JSON logs)."""
         deadline = PER_MODEL_DEADLINE_S if self.job_deadline_s is None else self.job_deadline_s
         job = JobSettings(
             image=self.image, namespace=self.namespace, run_id=run_id, sweep_name=instance,
@@ -180,9 +183,10 @@ class ClusterSettings:
             tolerations=self.tolerations, hf_token_secret=self.hf_token_secret,
             s3_secret=self.s3_secret, hf_cache_pvc=self.hf_cache_pvc,
             kueue_queue=self.kueue_queue, do_not_disrupt=self.do_not_disrupt,
-            worker_args=tuple(worker_args), log_format=log_format,
             env=worker_passthrough_env(),
         )
+        if worker is not None:
+            job = replace(job, worker=worker)
         return self.sized_for(job, 0, copies=1)
 
     def sized_for(self, job: JobSettings, size: int, *, copies: int) -> JobSettings:
@@ -215,25 +219,15 @@ PASSTHROUGH_ENV = (
 )
 
 
-# Worker flags that change how a worker runs or logs, not what it computes or where it
-# writes: a Job that differs only in these is still this sweep's Job for the same model.
-_PRESENTATION_FLAGS = frozenset({"--log-format", "--device"})
-
-
-def result_args(args: Sequence[str]) -> tuple[str, ...]:
-    """The worker args without _PRESENTATION_FLAGS and their values (for adoption)."""
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        name = arg.split("=", 1)[0]
-        if name in _PRESENTATION_FLAGS:
-            skip = "=" not in arg
-            continue
-        out.append(arg)
-    return tuple(out)
+def result_invocation(args: Sequence[str]) -> WorkerInvocation | None:
+    """What a Job's worker computes and where it writes: the invocation its container args
+    say (read by the worker's own parser) without what only changes how it runs or logs
+    (device, log format, -v), for adoption; None: not an esd-worker command this reads."""
+    try:
+        worker = parse_command(args)
+    except InvalidInvocation:
+        return None
+    return worker.replace(device=None, log_format=None, verbose=False)
 
 
 def worker_passthrough_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -257,8 +251,7 @@ _JOB_FIELD_FLAGS = {
 
 def job_setting_problems(settings: ClusterSettings, gpus_per_job: int) -> list[str]:
     """JobSettings' problems for these flags, worded by flag name."""
-    job = settings.job_settings(run_id="check", instance="check", gpus_per_job=gpus_per_job,
-                                worker_args=())
+    job = settings.job_settings(run_id="check", instance="check", gpus_per_job=gpus_per_job)
     out = []
     for problem in job.problems():
         for fieldname, flag in _JOB_FIELD_FLAGS.items():

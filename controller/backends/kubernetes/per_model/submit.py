@@ -25,7 +25,7 @@ from controller.backends.kubernetes.common.names import (
     OUTPUT_ANNOTATION,
 )
 from controller.backends.kubernetes.common.placement import Placement
-from controller.backends.kubernetes.common.settings import ClusterSettings, result_args
+from controller.backends.kubernetes.common.settings import ClusterSettings, result_invocation
 from controller.backends.kubernetes.per_model.events import JobEvents
 from controller.backends.kubernetes.per_model.state import ModelState, ModelTable
 from esd_worker.core.models.modellist import ModelRow, parse_ref
@@ -141,7 +141,8 @@ class Submitter:
         containers = ((job.get("spec") or {}).get("template") or {}).get("spec", {}).get(
             "containers") or []
         args = next((c.get("args") for c in containers if c.get("name") == CONTAINER_NAME), None)
-        return result_args(args or ()) == result_args(self._args_for(model))
+        ours = result_invocation(self._args_for(model))
+        return ours is not None and result_invocation(args or ()) == ours
 
     def adopt(self) -> str:
         """List this sweep's Jobs: take their attempt numbers, adopt unfinished ones of

@@ -1,6 +1,6 @@
 """The Indexed Job of a sharded run: one per resource class, one completion index per shard.
 
-Owns what a sharded worker Job looks like (its name, the worker's argv, the per-index
+Owns what a sharded worker Job looks like (its name, the worker's mode, the per-index
 podFailurePolicy, the labels and annotations a controller finds it by) and the oldest API
 server that runs it. Pure: dicts out, no client. Does not cut the shards or write them to
 the store (the shard lists' keys are esd_worker.core.store.layout's), submit or watch Jobs, or read
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
 from typing import Any
 
 from controller.backends.kubernetes.common.errors import JobSpecError
@@ -21,6 +20,7 @@ from controller.backends.kubernetes.common.jobs import (
     JobSettings,
     job_object,
     pod_annotations,
+    pod_argv,
     pod_spec,
     sweep_labels,
 )
@@ -38,6 +38,7 @@ from controller.backends.kubernetes.common.names import (
     output_annotation,
 )
 from esd_worker.core.errors import EXIT_PERMANENT, EXIT_USAGE
+from esd_worker.core.invocation import SHARDS
 from esd_worker.core.redact import without_userinfo
 
 # Pods of an Indexed Job are named <job>-<index>-<5 random> and get the hostname
@@ -83,29 +84,6 @@ def indexed_job_name(run_id: str, class_name: str) -> str:
     cut = readable[: max(room - _HASH_LEN - 1, 0)].rstrip("-")
     run_part = f"{cut}-{digest}" if cut else digest
     return f"{JOB_NAME_PREFIX}{run_part}-{class_name}"
-
-
-def shard_worker_argv(
-    *, shards_url: str, output_url: str, settings: JobSettings, batch_args: Sequence[str],
-) -> list[str]:
-    """The sharded worker's argv, one element per argument (never a shell string).
-
-    The worker picks its shard `<shards_url>/<JOB_COMPLETION_INDEX>.csv` itself (Kubernetes
-    sets the variable in Indexed Job pods), so no `$(VAR)` expansion is needed. batch_args:
-    the many-models flags (run id, retries, prefetch, cache); the analysis flags
-    (settings.worker_args) come last, as in per-model Jobs.
-    """
-    args = [
-        "esd-worker",
-        # The worker reads the store with the AWS credential chain and refuses
-        # user:password@ in a URL; in argv anyone who can get the Job would read it.
-        "--shards", without_userinfo(shards_url),
-        "--output", without_userinfo(output_url),
-        "--log-format", settings.log_format,
-    ]
-    if not any(a == "--device" or a.startswith("--device=") for a in settings.worker_args):
-        args += ["--device", "cuda" if settings.gpus_per_job > 0 else "cpu"]
-    return [*args, *batch_args, *settings.worker_args]
 
 
 def shard_failure_policy() -> dict[str, Any]:
@@ -175,7 +153,6 @@ def build_indexed_job(
     shards_url: str,
     output_url: str,
     settings: JobSettings,
-    batch_args: Sequence[str] = (),
     active_deadline_s: int | None = None,
     models: int | None = None,
     shard_bytes: int | None = None,
@@ -186,7 +163,8 @@ def build_indexed_job(
     number of shards (index i runs shard i); parallelism: pods at once (the GPU budget,
     capped by completions); backoff_limit_per_index: counted pod failures an index absorbs
     before it fails; shards_url: the store URL of the class's shard lists; output_url: the
-    result store; batch_args: the worker's many-models flags; active_deadline_s: a limit on
+    result store; settings.worker: the rest of the worker's command line (its batch flags,
+    hub rate); active_deadline_s: a limit on
     the whole Job (None: none; a sharded run may last days; settings.active_deadline_s is
     each pod's, and the sharded backend leaves it unset unless asked); models / shard_bytes:
     recorded as annotations for people and the run report. Raises JobSpecError listing
@@ -210,9 +188,6 @@ def build_indexed_job(
             _check_count(what, count, 0, None, problems)
     _check_url("shards_url", shards_url, problems)
     _check_url("output_url", output_url, problems)
-    for arg in batch_args:
-        if not isinstance(arg, str) or not arg.isprintable():
-            problems.append(f"batch_args: {arg!r} must be a single-line string")
     if problems:
         raise JobSpecError("; ".join(problems))
 
@@ -233,9 +208,13 @@ def build_indexed_job(
         # Kueue 0.5) lets Kueue start it with as few as one pod when quota is short.
         annotations[KUEUE_MIN_PARALLELISM] = "1"
 
-    args = shard_worker_argv(shards_url=shards_url, output_url=output_url,
-                             settings=settings, batch_args=batch_args)
-    pod = pod_spec(args, settings)
+    # The worker picks its shard <shards_url>/<JOB_COMPLETION_INDEX>.csv itself (Kubernetes
+    # sets the variable in Indexed Job pods): no $(VAR) expansion. It reads the store with
+    # the AWS credential chain and refuses user:password@ in a URL, which anyone who can
+    # get the Job would read in its argv.
+    worker = settings.worker.replace(mode=SHARDS, target=without_userinfo(shards_url),
+                                     output=without_userinfo(output_url))
+    pod = pod_spec(pod_argv(settings, worker), settings)
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if settings.do_not_disrupt:
         template_meta["annotations"] = pod_annotations(settings)

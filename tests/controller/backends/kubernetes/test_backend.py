@@ -27,7 +27,9 @@ from controller.backends.kubernetes.common.settings import ClusterSettings, swee
 from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 from controller.errors import InfrastructureError, SweepError
 from controller.settings import SweepSettings
+from esd_worker.core.invocation import MODEL, WorkerInvocation
 from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import MARKER_NAME
 from esd_worker.core.store.stores import Store
 from tests.support.cluster import (
@@ -265,7 +267,8 @@ def test_other_parameters_are_not_adopted(sim: KubeSim, kube: KubeClient, store:
     settings = ClusterSettings(namespace=NS, watch_timeout_s=2, telemetry=False)
     job_settings = settings.job_settings(
         run_id="r2", instance=sweep_instance(store.url), gpus_per_job=1,
-        worker_args=("--fix-fingers", "DKS"))
+        worker=WorkerInvocation(MODEL, log_format="json",
+                                analysis=AnalysisSettings(fix_fingers="DKS")))
     outcomes: list[Outcome] = []
     backend = KubernetesBackend(settings, kube, job_settings=job_settings,
                                 output_url=store.url)
@@ -287,7 +290,7 @@ def test_restart_with_another_log_format_still_adopts(
                                image="ghcr.io/example/esd-sweep:0.1.0")
     job_settings = settings.job_settings(
         run_id="r2", instance=sweep_instance(store.url), gpus_per_job=1,
-        worker_args=("--fix-fingers", "xmin_mid"), log_format="text")
+        worker=WorkerInvocation(MODEL, log_format="text"))
     outcomes: list[Outcome] = []
     backend = KubernetesBackend(settings, kube, job_settings=job_settings,
                                 output_url=store.url)

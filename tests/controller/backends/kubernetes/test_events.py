@@ -26,8 +26,7 @@ def test_relist_confirms_a_missing_job_before_resubmitting(
     second Job)."""
     settings = ClusterSettings(namespace=NS, telemetry=False, image=IMAGE)
     instance = sweep_instance(store.url)
-    job_settings = settings.job_settings(run_id=RUN_ID, instance=instance, gpus_per_job=1,
-                                         worker_args=())
+    job_settings = settings.job_settings(run_id=RUN_ID, instance=instance, gpus_per_job=1)
     table = ModelTable(NS)
     placement = Placement(settings, kube, gpus_per_job=1)
     events = JobEvents(table, kube, settings, placement, max_retries=2,

@@ -120,7 +120,7 @@ def test_a_big_models_job_asks_for_its_gpus_and_prefers_a_node_with_room_for_the
     settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=True, watch_timeout_s=2,
                                telemetry_urls=(two_url, wide_url))
     job_settings = settings.job_settings(run_id=RUN_ID, instance=sweep_instance(store.url),
-                                         gpus_per_job=1, worker_args=())
+                                         gpus_per_job=1)
     backend = KubernetesBackend(settings, kube, job_settings=job_settings,
                                 output_url=store.url, max_checks=1, poll_interval_s=0.02,
                                 size=lambda r: int(r.metadata["size_bytes"]),
@@ -180,7 +180,7 @@ def test_a_sharded_run_gives_the_big_model_an_indexed_job_asking_for_its_gpus(
                                poll_interval_s=0.02, max_parallel=8)
     spec = WorkerSpec(run_id=RUN_ID, store_url=store.url, max_retries=2)
     job_settings = settings.job_settings(run_id=RUN_ID, instance=sweep_instance(store.url),
-                                         gpus_per_job=1, worker_args=spec.flags())
+                                         gpus_per_job=1, worker=spec.invocation())
     backend = ShardedBackend(
         settings, kube, spec=spec, job_settings=job_settings, store=store,
         classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB),

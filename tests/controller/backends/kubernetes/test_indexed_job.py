@@ -36,19 +36,20 @@ from controller.backends.kubernetes.sharded.indexed import (
     indexed_job_name,
     server_too_old,
     shard_failure_policy,
-    shard_worker_argv,
 )
 from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
-from esd_worker.core.flags import analysis_argv
+from esd_worker.core.invocation import MODEL, BatchOptions, WorkerInvocation
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.settings import AnalysisSettings
 
 K8S_VERSIONS = ("1.31.0", "1.37.0")
 RUN = "20261123T070501Z-3fa9c2"
 OUTPUT = "s3://esd-results/atlas"
 SHARDS = f"{OUTPUT}/_shards/{RUN}/gpu1"
-ANALYSIS = tuple(analysis_argv(AnalysisSettings()))
-BATCH = ("--run-id", RUN, "--max-retries", "2", "--prefetch", "1")
+# The default analysis flags as a shard pod's argv has held them.
+ANALYSIS = ("--fix-fingers", "xmin_mid", "--evals-thresh", "1e-05", "--bins", "100",
+            "--min-evals", "10", "--conv-norm", "0.5", "--precision", "float32")
+BATCH = BatchOptions(run_id=RUN)
+BATCH_ARGV = ("--run-id", RUN, "--max-retries", "2", "--prefetch", "1")
 # Kubernetes names an Indexed Job's pods <job>-<index>-<5 random> with hostname
 # <job>-<index>; indexes run up to completions - 1.
 LAST_INDEX = str(MAX_COMPLETIONS - 1)
@@ -58,7 +59,8 @@ def make_settings(**overrides: Any) -> JobSettings:
     base = JobSettings(
         image="ghcr.io/example/esd-sweep:0.1.0", namespace="esd", run_id=RUN,
         sweep_name="out-0123456789ab", hf_token_secret="hf-token:token", s3_secret="esd-s3",
-        env={"AWS_ENDPOINT_URL": "http://minio.esd:9000"}, worker_args=ANALYSIS,
+        env={"AWS_ENDPOINT_URL": "http://minio.esd:9000"},
+        worker=WorkerInvocation(MODEL, log_format="json"),
     )
     return replace(base, **overrides)
 
@@ -66,15 +68,16 @@ def make_settings(**overrides: Any) -> JobSettings:
 def make_indexed(
     *, class_name: str = "gpu1", completions: int = 12, parallelism: int = 4,
     backoff_limit_per_index: int = 3, shards_url: str = SHARDS, output_url: str = OUTPUT,
-    batch_args: tuple[str, ...] = BATCH, active_deadline_s: int | None = None,
+    batch: BatchOptions = BATCH, active_deadline_s: int | None = None,
     models: int | None = None, shard_bytes: int | None = None, **settings: Any,
 ) -> dict[str, Any]:
     job_settings = make_settings(**settings)
+    job_settings = replace(job_settings, worker=job_settings.worker.replace(batch=batch))
     return build_indexed_job(
         run_id=job_settings.run_id, class_name=class_name, completions=completions,
         parallelism=parallelism, backoff_limit_per_index=backoff_limit_per_index,
         shards_url=shards_url, output_url=output_url, settings=job_settings,
-        batch_args=batch_args, active_deadline_s=active_deadline_s, models=models,
+        active_deadline_s=active_deadline_s, models=models,
         shard_bytes=shard_bytes,
     )
 
@@ -254,24 +257,24 @@ def test_indexed_job_name_refuses_bad_classes(class_name: str) -> None:
         indexed_job_name(RUN, class_name)
 
 
-@pytest.mark.parametrize(("settings", "batch", "expected_device"), [
-    ({}, BATCH, ["--device", "cuda"]),
-    ({"gpus_per_job": 0}, BATCH, ["--device", "cpu"]),
-    ({"worker_args": ("--device=cpu", *ANALYSIS)}, (), []),
-    ({"worker_args": (*ANALYSIS, "--device", "cuda"), "log_format": "text"}, BATCH, []),
-], ids=["gpu", "cpu", "device-given-inline", "device-given-text-logs"])
-def test_shard_worker_argv(settings: dict[str, Any], batch: tuple[str, ...],
-                           expected_device: list[str]) -> None:
-    """esd-worker, the shard lists and the store, the log format, the device unless the
-    worker args name one, then the batch flags, then the analysis flags (argv, no shell)."""
-    job_settings = make_settings(**settings)
-    argv = shard_worker_argv(shards_url=SHARDS, output_url=OUTPUT, settings=job_settings,
-                             batch_args=batch)
-    assert argv == ["esd-worker", "--shards", SHARDS, "--output", OUTPUT,
-                    "--log-format", job_settings.log_format, *expected_device,
-                    *batch, *job_settings.worker_args]
-    job = make_indexed(batch_args=batch, **settings)
-    assert args_of(job) == argv
+@pytest.mark.parametrize(("settings", "batch", "expected"), [
+    ({}, BATCH, ["--log-format", "json", "--device", "cuda", *BATCH_ARGV]),
+    ({"gpus_per_job": 0}, BATCH, ["--log-format", "json", "--device", "cpu", *BATCH_ARGV]),
+    ({"worker": WorkerInvocation(MODEL, log_format="json", device="cpu")}, BatchOptions(),
+     ["--log-format", "json", "--device", "cpu", "--max-retries", "2", "--prefetch", "1"]),
+    ({"worker": WorkerInvocation(MODEL, log_format="text", device="cuda", hub_rate=0.75)},
+     BatchOptions(run_id=RUN, cache_dir="/cache/models", cache_budget=10**9),
+     ["--log-format", "text", "--device", "cuda", *BATCH_ARGV, "--hub-rate", "0.75",
+      "--cache-dir", "/cache/models", "--cache-budget", "1000000000"]),
+], ids=["gpu", "cpu", "device-given", "device-given-text-logs-cache"])
+def test_shard_pod_argv(settings: dict[str, Any], batch: BatchOptions,
+                        expected: list[str]) -> None:
+    """esd-worker, the shard lists and the store, the log format, the device the run gave
+    (else the pod's: cuda with GPUs), the batch flags, the hub rate and download folder,
+    then the analysis flags (argv, no shell): byte for byte what a cluster has held."""
+    job = make_indexed(batch=batch, **settings)
+    assert args_of(job) == ["esd-worker", "--shards", SHARDS, "--output", OUTPUT,
+                            *expected, *ANALYSIS]
     assert "command" not in pod_of(job)["containers"][0]
 
 
@@ -432,9 +435,9 @@ def test_credentials_in_urls_appear_nowhere(output: str, shards: str) -> None:
     ({"output_url": "s3://b/x\n--device"}, "output_url"),
     ({"output_url": ""}, "output_url"),
     ({"output_url": "s3://[bad/x"}, "output_url"),
-    ({"batch_args": ("--cache-dir", "/x\n--y")}, "batch_args"),
+    ({"batch": BatchOptions(cache_dir="/x\n--y")}, "batch.cache_dir"),
     ({"namespace": "ESD"}, "namespace"),
-], ids=lambda v: json.dumps(v) if isinstance(v, dict) else str(v))
+], ids=lambda v: json.dumps(v, default=str) if isinstance(v, dict) else str(v))
 def test_bad_inputs_are_refused(overrides: dict[str, Any], problem: str) -> None:
     with pytest.raises(JobSpecError, match=problem):
         make_indexed(**overrides)

@@ -35,7 +35,9 @@ from controller.backends.kubernetes.common.names import (
     run_selector,
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from esd_worker.core.invocation import MODEL, WorkerInvocation
 from esd_worker.core.models.naming import model_key, split_model_ref
+from esd_worker.core.settings import AnalysisSettings
 
 OLDEST = "1.31.0"
 NEWEST = all_versions()[-1]
@@ -84,7 +86,8 @@ BUILDS: dict[str, dict[str, Any]] = {
     "odd-characters": {"ref": ODD_ID},
     "multi-gpu-limits": {"gpus_per_job": 4, "memory_limit": "64Gi",
                          "ephemeral_storage_request": "200Gi", "do_not_disrupt": True},
-    "cpu-only": {"gpus_per_job": 0, "worker_args": ("--precision", "float64")},
+    "cpu-only": {"gpus_per_job": 0, "worker": WorkerInvocation(
+        MODEL, log_format="json", analysis=AnalysisSettings(precision="float64"))},
     "no-secrets-no-ttl": {"hf_token_secret": None, "s3_secret": None, "env": {},
                           "ttl_after_finished_s": None},
 }
@@ -277,11 +280,13 @@ def test_resources_and_gpu_toleration() -> None:
     assert res["limits"] == {"nvidia.com/gpu": "2"}
     assert spec["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    assert spec["containers"][0]["args"][-2:] == ["--device", "cuda"]
+    args = spec["containers"][0]["args"]
+    assert args[args.index("--device") + 1] == "cuda"
     cpu = make_job(gpus_per_job=0)["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in json.dumps(cpu)
     assert "tolerations" not in cpu
-    assert cpu["containers"][0]["args"][-2:] == ["--device", "cpu"]
+    args = cpu["containers"][0]["args"]
+    assert args[args.index("--device") + 1] == "cpu"
 
 
 def test_kueue_and_karpenter() -> None:
@@ -353,7 +358,7 @@ def test_settings_problems_name_every_field() -> None:
         memory_limit="16 GB", backoff_limit=-1, node_selector={"pool": "a b"},
         priority_class="Low", hf_token_secret="no-colon", s3_secret="S3!",
         env={"HF_TOKEN": "x", "MY_API_KEY": "y", "OK": "multi\nline"}, kueue_queue="",
-        log_format="xml",
+        worker=WorkerInvocation(MODEL, log_format="xml"),
     )
     text = "\n".join(settings.problems())
     for name in ("image", "namespace", "run_id", "gpus_per_job", "cpu_request",

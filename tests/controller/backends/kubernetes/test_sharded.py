@@ -50,7 +50,7 @@ def backend_for(kube: KubeClient, store: Store, *, run_id: str = RUN_A, max_para
                                poll_interval_s=0.02, max_parallel=max_parallel, **overrides)
     spec = WorkerSpec(run_id=run_id, store_url=store.url, max_retries=2)
     job_settings = settings.job_settings(run_id=run_id, instance=sweep_instance(store.url),
-                                         gpus_per_job=1, worker_args=spec.flags())
+                                         gpus_per_job=1, worker=spec.invocation())
     return ShardedBackend(
         settings, kube, spec=spec, job_settings=job_settings, store=store,
         classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB),
