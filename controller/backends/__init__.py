@@ -3,8 +3,8 @@
 `open_backend` is the one place that picks a backend by name; each backend builds itself
 from the run's settings with its own `from_settings`. On Kubernetes, models go in shards
 run by Indexed Jobs (kubernetes.sharded), or one Job each with `--shard-size 1`
-(kubernetes.backend). The Kubernetes backends, and with them the optional `kubernetes`
-client, are imported only when asked for.
+(kubernetes.per_model). Custom commands run on the local backend. The Kubernetes backends,
+and with them the optional `kubernetes` client, are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ BACKENDS = ("local", "kubernetes")
 
 
 def open_backend(settings: SweepSettings, spec: WorkerSpec) -> Backend:
-    """The backend `settings.backend` names, built from the run's settings."""
-    if settings.backend == "kubernetes" and settings.cluster.shard_size == 1:
+    """The backend `settings.backend` names, built from the run's settings; the local one
+    for custom commands (settings.commands), whatever it names: a command line is this
+    machine's (controller.cli refuses them with --backend kubernetes)."""
+    kubernetes = settings.backend == "kubernetes" and settings.commands is None
+    if kubernetes and settings.cluster.shard_size == 1:
         from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 
         return KubernetesBackend.from_settings(settings, spec)
-    if settings.backend == "kubernetes":
+    if kubernetes:
         from controller.backends.kubernetes.sharded.backend import ShardedBackend
 
         return ShardedBackend.from_settings(settings, spec)

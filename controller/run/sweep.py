@@ -20,7 +20,6 @@ from typing import Any, TextIO
 
 from controller.backends import open_backend
 from controller.backends.base import Backend, Task, Work, WorkerSpec
-from controller.backends.local.backend import LocalBackend
 from controller.errors import (
     EXIT_ALL_DONE,
     EXIT_INFRA,
@@ -142,8 +141,7 @@ def _run_commands(settings: SweepSettings, store: Store, started: _Started,
     except (OSError, ValueError) as e:
         raise SweepError(f"--commands {settings.commands}: {e}") from e
     log.info("custom mode: %d command(s) from %s", len(tasks), settings.commands)
-    backend = LocalBackend.from_settings(settings, worker_spec(settings, started.run_id,
-                                                               store.url))
+    backend = open_backend(settings, worker_spec(settings, started.run_id, store.url))
     recorder = Recorder(store, started.run_id)
     interrupted = execute(backend, tasks, recorder, tenure)
     counts = {"models": len(tasks), "bad_rows": 0, "already_done": 0, "skipped_failed": 0}
