@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_REAP_WAIT_S = 0.02  # how often running processes are checked: exits are noticed within this
-_PROGRESS_EVERY_S = 0.5
-
 
 def worker_argv(
     command: Sequence[str], row: ModelRow, spec: WorkerSpec, device: str
