@@ -1,13 +1,14 @@
 """A model's weight shape before any download (parameters, its largest matrix), and its GPU count.
 
 Owns where a WeightShape (controller.gpu.gpurule) comes from: the model list's num_params and
-matrix_dim columns; the safetensors headers of a local directory's weight files (8 bytes of
-little-endian header length, then JSON with each tensor's dtype, shape and data offsets: no
-tensor data is read); or the hub: the model info's parameter count (the Sizer's lookup,
-shared with sizes: no second call) and, only for a model big enough that its width can
-change the answer (GpuRule.width_matters: ~95B parameters and up at the default threshold),
-the header of its first safetensors file through Range requests (the first 100 kB, as
-huggingface_hub's get_safetensors_metadata does, then the rest if the header is longer).
+matrix_dim columns; the safetensors headers of a local directory's weight files (parsed and
+checked by esd_worker.core.models.safetensors, as the worker's reader does: a header the
+worker refuses gives no shape here either; no tensor data is read); or the hub: the model
+info's parameter count (the Sizer's lookup, shared with sizes: no second call) and, only
+for a model big enough that its width can change the answer (GpuRule.width_matters: ~95B
+parameters and up at the default threshold), the header of its first safetensors file
+through Range requests (the first 100 kB, as huggingface_hub's get_safetensors_metadata
+does, then the rest if the header is longer).
 An adapter's shape is its base's: the worker analyses the merged matrices. GpuCounts puts
 shape and rule together: one count per model, one log line per multi-GPU model, unknown
 shapes (1 GPU) counted for one line at the end. Does not talk HTTP itself (the Sizer's
@@ -30,6 +31,14 @@ from pathlib import Path
 from controller.gpu.gpurule import GpuRule, WeightShape, describe, width_from_params
 from controller.weights.sizing import Sizer
 from esd_worker.core.models.modellist import ModelRow, is_local_path, parse_ref
+from esd_worker.core.models.safetensors import (
+    PREFIX_BYTES,
+    Header,
+    HeaderError,
+    header_length,
+    parse_header,
+    read_header,
+)
 from esd_worker.core.models.weightfiles import weight_names
 
 log = logging.getLogger(__name__)
@@ -38,7 +47,6 @@ PARAMS_COLUMN = "num_params"  # an optional model-list column: parameters ("70e9
 WIDTH_COLUMN = "matrix_dim"  # an optional column: the smaller side of the largest matrix
 MAX_PARAMS = 10**15  # 1000T parameters: a num_params past it is no model's
 MAX_WIDTH = 10**7  # a matrix_dim past it is no model's matrix
-MAX_HEADER_BYTES = 25_000_000  # huggingface_hub's bound on a safetensors header
 FIRST_READ_BYTES = 100_001  # bytes=0-100000: one request holds ~97% of the hub's headers
 _WARNED = 5  # bad headers logged one by one; the rest only counted
 _COUNTED_KEYS = 100_000  # models remembered as counted in the stats (beyond: counted again)
@@ -46,11 +54,6 @@ _COUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
 Listed = Callable[[str], "ModelRow | None"]  # a model key -> the run's row of it, if listed
-
-
-class HeaderError(ValueError):
-    """Not a safetensors header: too short or too long, cut off, or not a JSON object of
-    tensors with integer shapes."""
 
 
 @dataclass(frozen=True)
@@ -63,52 +66,18 @@ class HeaderShape:
     data_bytes: int
 
 
-def header_length(prefix: bytes) -> int:
-    """The JSON header's length, from a file's first 8 bytes."""
-    if len(prefix) < 8:
-        raise HeaderError(f"{len(prefix)} bytes, fewer than the 8 of the header length")
-    length = int.from_bytes(prefix[:8], "little")
-    if not 2 <= length <= MAX_HEADER_BYTES:
-        raise HeaderError(f"a header length of {length} bytes (at most {MAX_HEADER_BYTES})")
-    return length
-
-
-def parse_header(raw: bytes) -> HeaderShape:
+def header_shape(header: Header) -> HeaderShape:
     """The shape of a header's tensors. Width as the worker sees it: a 2-D weight's Gram
     has the smaller side's width; a 4-D (conv) weight [out, in, kh, kw] is kh·kw matrices of
     out x in (esd_worker.analysis.spectra.as_matrices); other ranks are not analysed."""
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise HeaderError("the header is not JSON") from None
-    if not isinstance(header, dict):
-        raise HeaderError("the header is not a JSON object")
-    params = width = data = 0
-    for name, tensor in header.items():
-        if name == "__metadata__":
-            continue
-        shape = tensor.get("shape") if isinstance(tensor, dict) else None
-        if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise HeaderError(f"tensor {str(name)[:80]!r} has no shape of whole numbers")
-        params += math.prod(shape)
-        if len(shape) in (2, 4):
-            width = max(width, min(shape[0], shape[1]))
-        offsets = tensor.get("data_offsets")
-        if (isinstance(offsets, list) and len(offsets) == 2
-                and all(isinstance(o, int) for o in offsets)):
-            data += max(0, offsets[1] - offsets[0])
-    return HeaderShape(params, width, data)
+    shapes = [t.shape for t in header.tensors.values()]
+    width = max((min(s[0], s[1]) for s in shapes if len(s) in (2, 4)), default=0)
+    return HeaderShape(sum(math.prod(s) for s in shapes), width, header.data_bytes)
 
 
-def read_header(path: Path) -> HeaderShape:
-    """A local safetensors file's header (OSError, HeaderError)."""
-    with open(path, "rb") as f:
-        length = header_length(f.read(8))
-        raw = f.read(length)
-    if len(raw) < length:
-        raise HeaderError(f"the header is cut off ({len(raw)} of {length} bytes)")
-    return parse_header(raw)
+def read_shape(path: Path) -> HeaderShape:
+    """A local safetensors file's header shape (OSError, HeaderError)."""
+    return header_shape(read_header(path))
 
 
 def local_shape(directory: Path) -> WeightShape | None:
@@ -123,7 +92,7 @@ def local_shape(directory: Path) -> WeightShape | None:
     if not all(name.endswith(".safetensors") for name in files):
         params = sum(sizes[name] for name in files) // 2
         return WeightShape(params, width_from_params(params), "local", width_inferred=True)
-    headers = [read_header(directory / name) for name in files]
+    headers = [read_shape(directory / name) for name in files]
     params = sum(h.params for h in headers)
     return WeightShape(params, max(h.width for h in headers) or 1, "local")
 
@@ -236,15 +205,15 @@ class ShapeFinder:
             return None
         try:
             length = header_length(first)
-            raw = first[8:8 + length]
+            raw = first[PREFIX_BYTES:PREFIX_BYTES + length]
             if len(raw) < length:
-                rest = self.sizer.read_range(row, name, len(first), 8 + length - 1)
+                rest = self.sizer.read_range(row, name, len(first), PREFIX_BYTES + length - 1)
                 if rest is None:
                     return None
                 raw += rest
             if len(raw) < length:
                 raise HeaderError(f"the header is cut off ({len(raw)} of {length} bytes)")
-            return parse_header(raw)
+            return header_shape(parse_header(raw))
         except HeaderError as e:
             self._bad_header(row, f"{name}: {e}")
             return None

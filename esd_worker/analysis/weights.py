@@ -1,15 +1,18 @@
-"""Checkpoint files of one model: which tensors exist, their shapes, reading them one by one."""
+"""Checkpoint files of one model: which tensors exist, their shapes, reading them one by one.
+
+Which files are the weights (esd_worker.core.models.weightfiles) and what a safetensors header
+holds (esd_worker.core.models.safetensors) are the shared core's, the controller's rules too;
+here they are read with torch.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import math
 import os
 import pickle
 import re
-import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from esd_worker.core.errors import PermanentModelError
+from esd_worker.core.models.safetensors import PREFIX_BYTES, header_length, parse_header
 from esd_worker.core.models.weightfiles import ADAPTER_SAFETENSORS, SAFETENSORS_INDEX, weight_files
 
 log = logging.getLogger(__name__)
@@ -148,7 +152,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
 
 @dataclass(frozen=True)
@@ -156,14 +159,14 @@ class _Entry:
     dtype: torch.dtype | None  # None: a dtype torch here cannot hold (reported, never read)
     dtype_name: str
     shape: tuple[int, ...]
-    start: int
+    start: int  # in the file
     end: int
 
 
 class SafetensorsFile:
-    """One .safetensors file: its header parsed once, each tensor read on demand into a
-    buffer of its own (the format: an 8-byte little-endian header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the data). Thread-safe: reads are positioned
+    """One .safetensors file: its header parsed once (esd_worker.core.models.safetensors,
+    the controller's parser too, with the file's size checked against the data), each
+    tensor read on demand into a buffer of its own. Thread-safe: reads are positioned
     (os.pread), so the read-ahead and the speculation threads may read at once."""
 
     def __init__(self, path: Path) -> None:
@@ -177,36 +180,12 @@ class SafetensorsFile:
 
     def _header(self) -> dict[str, _Entry]:
         size = os.fstat(self._fd).st_size
-        head = os.pread(self._fd, 8, 0)
-        if len(head) < 8:
-            raise ValueError("shorter than a safetensors header")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"header length {length} does not fit a {size}-byte file")
-        try:
-            header = json.loads(os.pread(self._fd, length, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"header is not JSON: {e}") from e
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-        data = 8 + length
-        entries: dict[str, _Entry] = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                name, shape = info["dtype"], tuple(int(d) for d in info["shape"])
-                start, end = (data + int(o) for o in info["data_offsets"])
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"bad header entry {key!r}: {e}") from e
-            dtype, dtype_name = _DTYPES.get(name), str(name)
-            if not data <= start <= end <= size or any(d < 0 for d in shape):
-                raise ValueError(f"tensor {key!r} lies outside the file")
-            if dtype is not None and math.prod(shape) * dtype.itemsize != end - start:
-                raise ValueError(f"tensor {key!r}: {end - start} bytes for shape {shape} {name}")
-            entries[key] = _Entry(dtype, dtype_name, shape, start, end)
-        _check_tiling(entries, data, size)
-        return entries
+        length = header_length(os.pread(self._fd, PREFIX_BYTES, 0), file_size=size)
+        header = parse_header(os.pread(self._fd, length, PREFIX_BYTES))
+        header.check_file_size(size)
+        base = header.data_start
+        return {name: _Entry(_DTYPES.get(t.dtype), t.dtype, t.shape, base + t.start, base + t.end)
+                for name, t in header.tensors.items()}
 
     def read(self, key: str) -> torch.Tensor:
         entry = self.entries[key]
@@ -229,21 +208,6 @@ class SafetensorsFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _check_tiling(entries: dict[str, _Entry], data: int, size: int) -> None:
-    """The tensors' byte ranges, sorted, must tile the data exactly (the safetensors loader's
-    rule): an overlap would let one tensor's bytes be analysed under two names, a gap or a
-    tail hides bytes nobody reads. Zero-size tensors sit anywhere in the sequence."""
-    at = data
-    for start, end, key in sorted((e.start, e.end, k) for k, e in entries.items()):
-        if start != at:
-            how = "overlaps the tensor before it" if start < at else "leaves a gap before it"
-            raise ValueError(f"tensor {key!r} {how} in the data (offset {start - data}, "
-                             f"expected {at - data})")
-        at = end
-    if at != size:
-        raise ValueError(f"{size - at} bytes of data after the last tensor")
 
 
 def _load_bin(path: Path) -> dict[str, Any]:

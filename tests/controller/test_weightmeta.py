@@ -27,14 +27,14 @@ from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import (
     FIRST_READ_BYTES,
     GpuCounts,
-    HeaderError,
     ShapeFinder,
     ShapeStats,
+    header_shape,
     local_shape,
-    parse_header,
-    read_header,
+    read_shape,
 )
 from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.models.safetensors import HeaderError, parse_header
 from tests.controller.test_sizing import FakeTime, clean_env  # noqa: F401  (autouse fixture)
 from tests.support.hubserver import HubServer
 
@@ -150,14 +150,14 @@ def test_header_shape(tmp_path: Path, tensors: dict[str, tuple[str, list[int]]],
                       params: int, width: int) -> None:
     """Params count every tensor; width is the largest smaller side among the 2-D weights and
     the out x in of the 4-D ones (the worker's matrices), never a 1-D or 3-D tensor's."""
-    shape = read_header(write_st(tmp_path / "m.safetensors", tensors))
+    shape = read_shape(write_st(tmp_path / "m.safetensors", tensors))
     assert (shape.params, shape.width) == (params, width)
 
 
 def test_a_file_written_by_the_safetensors_package_is_read(tmp_path: Path) -> None:
     save_file({"a": np.zeros((6, 4), np.float32), "b": np.zeros((5,), np.float16)},
               str(tmp_path / "m.safetensors"))
-    shape = read_header(tmp_path / "m.safetensors")
+    shape = read_shape(tmp_path / "m.safetensors")
     assert (shape.params, shape.width, shape.data_bytes) == (29, 4, 6 * 4 * 4 + 5 * 2)
 
 
@@ -182,13 +182,13 @@ BAD_HEADERS = {
 def test_a_bad_header_is_a_header_error(tmp_path: Path, data: bytes) -> None:
     (tmp_path / "m.safetensors").write_bytes(data)
     with pytest.raises(HeaderError):
-        read_header(tmp_path / "m.safetensors")
+        read_shape(tmp_path / "m.safetensors")
 
 
 def test_parse_header_skips_the_metadata() -> None:
     raw = json.dumps({"__metadata__": {"format": "pt"},
                       "w": {"dtype": "F32", "shape": [3, 2], "data_offsets": [0, 24]}})
-    assert parse_header(raw.encode()).params == 6
+    assert header_shape(parse_header(raw.encode())).params == 6
 
 
 # --- local directories and columns ----------------------------------------------------------
