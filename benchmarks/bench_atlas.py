@@ -101,7 +101,7 @@ def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.run.plan import ListPlan
     from esd_worker.core.models.modellist import ListFile
     from esd_worker.core.settings import AnalysisSettings
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"
     total_bytes = write_list(listing, args.rows)
@@ -143,7 +143,7 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     from esd_worker.core.models.modellist import read_model_list
     from esd_worker.core.settings import AnalysisSettings
     from esd_worker.core.store.layout import Marker, canonical_parameters, marker_key
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
     from tests.support.indexed import IndexedJobSimulator
     from tests.support.kubesim import KubeSim
     from tests.support.shardworker import shard_url
@@ -202,7 +202,7 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.run.recorder import Recorder
     from esd_worker.core.models.modellist import ListFile
     from esd_worker.core.settings import AnalysisSettings
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"
     write_list(listing, args.rows)
@@ -281,7 +281,7 @@ def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.run.plan import ListPlan
     from esd_worker.core.models.modellist import ListFile, ModelRow, iter_model_list
     from esd_worker.core.settings import AnalysisSettings
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"
     write_list(listing, args.s3_rows)

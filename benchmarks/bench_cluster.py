@@ -159,7 +159,7 @@ def main() -> int:
     from controller.backends.kubernetes.per_model.backend import KubernetesBackend
     from controller.run.recorder import Recorder
     from esd_worker.core.models.modellist import ModelRow
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:

@@ -35,12 +35,12 @@ from esd_worker.core.models.naming import model_key  # noqa: E402
 from esd_worker.core.powerlaw import layer_metrics  # noqa: E402
 from esd_worker.core.settings import AnalysisSettings  # noqa: E402
 from esd_worker.core.store.layout import EIGS_NAME, LAYERS_NAME, Marker, write_model_result  # noqa: E402
+from esd_worker.core.store.opener import open_store  # noqa: E402
 from esd_worker.core.store.results import (  # noqa: E402
     eigs_to_npz,
     layers_to_csv,
     summarize_layers,
 )
-from esd_worker.core.store.stores import open_store  # noqa: E402
 
 MODEL = "meta-llama/Llama-2-7b-hf"
 HIDDEN, INTERMEDIATE, VOCAB, BLOCKS = 4096, 11008, 32000, 32

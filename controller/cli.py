@@ -54,7 +54,7 @@ from esd_worker.core.models.modellist import RELATIONS, make_single
 from esd_worker.core.redact import redact, redact_data
 from esd_worker.core.settings import DEVICES
 from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
-from esd_worker.core.store.stores import open_store
+from esd_worker.core.store.opener import open_store
 
 log = logging.getLogger("controller")
 

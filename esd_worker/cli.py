@@ -33,7 +33,7 @@ from esd_worker.core.models.naming import is_local_path, normalize_model_ref, sy
 from esd_worker.core.ratelimit import TokenBucket
 from esd_worker.core.redact import redact
 from esd_worker.core.settings import WorkerSettings
-from esd_worker.core.store.stores import open_store
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.workerparser import build_parser  # the command's flags; also tests'
 from esd_worker.fetch.hub import set_rate_limit
 from esd_worker.serve.runner import Shard, locate_shard, run_batch

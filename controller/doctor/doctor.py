@@ -33,7 +33,8 @@ from esd_worker.core.errors import WorkerError
 from esd_worker.core.flags import HOUR_S, add_flag, float_in
 from esd_worker.core.redact import redact
 from esd_worker.core.settings import DEVICES
-from esd_worker.core.store.stores import LocalStore, open_store
+from esd_worker.core.store.opener import open_store
+from esd_worker.core.store.stores import LocalStore
 
 # Top level (no folder left behind once deleted), named for what wrote it and where from.
 PROBE_KEY = "_doctor-probe-{host}-{pid}"

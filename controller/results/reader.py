@@ -44,8 +44,9 @@ from esd_worker.core.store.layout import (
     model_file_key,
     refit_record_key,
 )
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
-from esd_worker.core.store.stores import LocalStore, Store, open_store
+from esd_worker.core.store.stores import LocalStore, Store
 
 log = logging.getLogger(__name__)
 

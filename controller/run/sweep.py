@@ -46,8 +46,9 @@ from esd_worker.core.models.modellist import (
     make_single,
 )
 from esd_worker.core.store.layout import SUMMARY_KEY, Marker, run_report_key
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import utc_now
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
 

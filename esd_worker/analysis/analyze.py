@@ -49,8 +49,9 @@ from esd_worker.core.store.layout import (
     canonical_parameters,
     write_model_result,
 )
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_to_npz, layers_to_csv, summarize_layers
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.stores import Store
 from esd_worker.fetch.resolve import ResolvedModel, parse_model_ref, resolve_model
 
 log = logging.getLogger(__name__)

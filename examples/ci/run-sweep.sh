@@ -53,7 +53,7 @@ if ! "$python" - "$ESD_OUTPUT" "$out_dir/summary.csv" <<'PY'
 import sys
 from pathlib import Path
 
-from esd_worker.core.store.stores import open_store
+from esd_worker.core.store.opener import open_store
 
 data = open_store(sys.argv[1]).get_bytes("summary.csv")
 if data is None:

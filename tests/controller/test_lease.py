@@ -42,15 +42,16 @@ from controller.output.lease import (
     take_lease,
 )
 from esd_worker.core.store.layout import LEASE_KEY
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.s3 import S3Store
-from esd_worker.core.store.stores import LocalStore, open_store
+from esd_worker.core.store.stores import LocalStore
 from tests.support import REPO_ROOT
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 HOLD = textwrap.dedent("""
     import sys
     from controller.output.lease import take_lease
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     lease = take_lease(open_store(sys.argv[1]), command="esd-sweep run", run_id="holder-run",
                        ttl_s=float(sys.argv[2]))

@@ -17,7 +17,8 @@ from controller.keyset import KeySet
 from controller.run.plan import DONE, SKIPPED, STALE, TODO, ListPlan
 from esd_worker.core.models.modellist import ListFile, ModelRow, RowProblem
 from esd_worker.core.store.layout import Marker, marker_key, model_file_key, write_model_result
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.opener import open_store
+from esd_worker.core.store.stores import Store
 from tests.controller.test_plan import (
     OTHER_PARAMS,
     PARAMS,

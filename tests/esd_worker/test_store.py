@@ -1,5 +1,5 @@
-"""Tests of esd_worker.core.store.stores: the LocalStore contract and output-URL parsing (no
-network)."""
+"""Tests of esd_worker.core.store.stores and .opener: the LocalStore contract and output-URL
+parsing (no network)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ from esd_worker.core.errors import (
     StorePathError,
     UsageError,
 )
+from esd_worker.core.store.opener import open_store, parse_s3_url
 from esd_worker.core.store.stores import (
     LocalStore,
     Store,
     local_store_error,
     normalize_key,
-    open_store,
-    parse_s3_url,
 )
 
 # --- LocalStore -----------------------------------------------------------------------------

@@ -63,8 +63,8 @@ from typing import Any
 
 import pytest
 
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.s3 import LIST_PAGE_SIZE, S3Store
-from esd_worker.core.store.stores import open_store
 
 REGION = "us-east-1"
 ACCESS_KEY_ID = "testing"

@@ -25,7 +25,7 @@ def read_url(url: str) -> bytes:
     The store's own errors (no credentials, no bucket) pass through: they are not the
     list's fault, and say what to fix.
     """
-    from esd_worker.core.store.stores import open_store
+    from esd_worker.core.store.opener import open_store
 
     folder, _, name = url.rstrip("/").rpartition("/")
     if not name or folder.endswith(":/"):

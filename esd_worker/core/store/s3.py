@@ -2,8 +2,9 @@
 
 Endpoint and credentials come only from the standard AWS chain (environment, shared config and
 credentials files, web identity / IRSA) plus AWS_ENDPOINT_URL for S3-compatible stores; nothing
-here reads, logs or repeats a credential. Imported only when an s3:// URL is opened, so
-`import esd_worker.core.store.stores` stays free of boto3. URL parsing lives in store.py.
+here reads, logs or repeats a credential. Imported only by esd_worker.core.store.opener when
+an s3:// URL is opened, so the other store modules stay free of boto3; URL parsing lives
+there too.
 """
 
 from __future__ import annotations

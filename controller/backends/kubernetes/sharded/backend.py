@@ -41,8 +41,9 @@ from controller.keyset import KeySet
 from controller.progress import Progress
 from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
+from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import read_failure
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.stores import Store
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from controller.backends.kubernetes.common.client import KubeClient
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.opener import open_store
+from esd_worker.core.store.stores import Store
 from tests.support.cluster import NS, RETRY, MarkerSimulator, write_kubeconfig
 from tests.support.kubesim import KubeSim
 

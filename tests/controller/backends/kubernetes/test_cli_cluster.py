@@ -31,7 +31,7 @@ from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import MARKER_NAME
-from esd_worker.core.store.stores import open_store
+from esd_worker.core.store.opener import open_store
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, MarkerSimulator, wait_for, write_list
 from tests.support.kubesim import K8S_VERSION, KubeSim

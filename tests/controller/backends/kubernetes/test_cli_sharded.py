@@ -22,7 +22,8 @@ import pytest
 from controller.cli import main
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.store.layout import list_markers
-from esd_worker.core.store.stores import Store, open_store
+from esd_worker.core.store.opener import open_store
+from esd_worker.core.store.stores import Store
 from tests.support import REPO_ROOT
 from tests.support.cluster import NS, wait_for, write_list
 from tests.support.indexed import IndexedJobSimulator
