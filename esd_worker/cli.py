@@ -28,8 +28,7 @@ from esd_worker.core.errors import (
 )
 from esd_worker.core.flags import analysis_from_args
 from esd_worker.core.logs import setup_logging
-from esd_worker.core.models.modellist import dotdot_problem
-from esd_worker.core.models.naming import is_local_path, normalize_model_ref, symlink_before_dotdot
+from esd_worker.core.models.naming import folder_warning, normalize_model_ref, symlink_problem
 from esd_worker.core.ratelimit import TokenBucket
 from esd_worker.core.redact import redact
 from esd_worker.core.settings import WorkerSettings
@@ -58,11 +57,15 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 
 
 def _model_ref(ref: str, flag: str) -> str:
-    """A model flag's reference in its one spelling; UsageError for a local path whose '..'
-    would leave a symlink (a list row with it is refused the same way)."""
-    link = symlink_before_dotdot(ref) if is_local_path(ref.strip()) else None
-    if link is not None:
-        raise UsageError(f"{flag} {dotdot_problem(ref.strip(), link)}")
+    """A model flag's reference in its one spelling (esd_worker.core.models.naming's rule, as
+    a list's row); UsageError for a local path whose '..' would leave a symlink (a list row
+    with it is refused the same way); a warning for a hub id that is also a folder here."""
+    why = symlink_problem(ref)
+    if why is not None:
+        raise UsageError(f"{flag} {why}")
+    warning = folder_warning(ref)
+    if warning is not None:
+        log.warning("%s %s", flag, warning)
     return normalize_model_ref(ref)
 
 

@@ -23,14 +23,8 @@ import numpy as np
 
 from controller.keyset import Hashes, KeySet
 from esd_worker.core.models.modellist import ModelRow, RowProblem, base_first
-from esd_worker.core.store.layout import (
-    LAYERS_NAME,
-    MARKER_NAME,
-    Marker,
-    canonical_parameters,
-    iter_model_files,
-    read_markers,
-)
+from esd_worker.core.store.layout import MARKER_NAME, iter_model_files, read_markers
+from esd_worker.core.store.marker import LAYERS_NAME, Marker, canonical_parameters
 from esd_worker.core.store.records import read_failures
 from esd_worker.core.store.stores import Store
 
@@ -127,7 +121,8 @@ class ListPlan:
     rows (each handed to on_problem; the first 100 kept in `problems`), which markers have
     other parameters, which results are damaged (counted in todo and in `damaged`).
     `classify`, `rows` and `todo` read it again. on_done: given each marker the scan read
-    and found done (the summary reuses them rather than reading them again).
+    and found done (the summary reuses them rather than reading them again). on_row: given
+    each valid row the scan keeps, once (duplicates and rows past the limit are not).
     Duplicates (same id and revision) are dropped, the first kept; `limit` applies to valid
     rows after that. overwrite / skip_failed: as `esd-sweep run` takes them.
     """
@@ -142,6 +137,7 @@ class ListPlan:
     threads: int = 16
     on_problem: Callable[[RowProblem], None] | None = None
     on_done: Callable[[Marker], None] | None = None
+    on_row: Callable[[ModelRow], None] | None = None
     counts: PlanCounts = field(default_factory=PlanCounts)
     problems: list[RowProblem] = field(default_factory=list)
     verified: bool = True  # False: more markers than verify_limit, presence counted as done
@@ -253,6 +249,8 @@ class ListPlan:
                     continue
                 seen.add(ident)
                 self.counts.models += 1
+                if self.on_row is not None:
+                    self.on_row(item)
             elif position == next_dropped:
                 next_dropped = next(dropped, -1)
                 continue

@@ -39,13 +39,15 @@ from controller.run.runs import new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.core.errors import StorePathError, UsageError
 from esd_worker.core.models.modellist import (
+    FolderWarnings,
     ListFile,
     ModelRow,
     RowProblem,
     bad_rows_log,
     make_single,
 )
-from esd_worker.core.store.layout import SUMMARY_KEY, Marker, run_report_key
+from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import utc_now
 from esd_worker.core.store.stores import Store
@@ -208,14 +210,18 @@ def plan_models(settings: SweepSettings, store: Store,
                 on_problem: Callable[[RowProblem], None] | None = None) -> ListPlan:
     """The plan of the listed models against the store. Bad rows: each given to
     on_problem; by default the first few logged one line each, then one line that
-    counts the rest (esd_worker.core.models.modellist.bad_rows_log).
+    counts the rest (esd_worker.core.models.modellist.bad_rows_log); hub ids that are also
+    folders here are warned of the same way (modellist.FolderWarnings).
     on_done: given each marker the plan read and found done (ListPlan)."""
     shown = bad_rows_log(lambda line: log.error("%s", line))
+    folders = FolderWarnings(lambda line: log.warning("%s", line))
     plan = ListPlan(
         items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
-        limit=settings.limit, on_problem=on_problem or shown, on_done=on_done).scan()
+        limit=settings.limit, on_problem=on_problem or shown, on_done=on_done,
+        on_row=folders).scan()
     shown.close()
+    folders.close()
     if plan.counts.bad_rows and settings.strict:
         raise SweepError(
             f"{plan.counts.bad_rows} bad row(s) in the model list and --strict is set: "

@@ -38,7 +38,7 @@ from esd_worker.analysis.streams import (
     select_devices,
 )
 from esd_worker.core.errors import GpuOutOfMemoryError, PermanentModelError, WorkerError
-from esd_worker.core.models.naming import model_key as make_model_key
+from esd_worker.core.models.naming import folder_warning, ref_key
 from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.core.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.store.layout import (
@@ -52,7 +52,7 @@ from esd_worker.core.store.layout import (
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_to_npz, layers_to_csv, summarize_layers
 from esd_worker.core.store.stores import Store
-from esd_worker.fetch.resolve import ResolvedModel, parse_model_ref, resolve_model
+from esd_worker.fetch.resolve import ResolvedModel, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def analyse_model_with(
     settings.validate()
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
-    key = model_key or make_model_key(*parse_model_ref(settings.model))
+    key = model_key or ref_key(settings.model)
     if store is None:  # a store passed in has been checked by the caller
         store = open_store(settings.output)
         store.check()  # before any download or analysis: an unwritable output fails in a second
@@ -465,9 +465,11 @@ def _resolve_base(
     try:
         return resolve(ref)
     except WorkerError as e:
+        # A base saved as `models/x` was a folder to peft; by the one rule it is a hub id.
+        folder = folder_warning(ref)
         raise type(e)(
             f"adapter base {ref} (from adapter_config.json) could not be resolved: {e}; "
-            "pass --base-model"
+            + (f"{folder}, or " if folder else "") + "pass --base-model"
         ) from e
 
 

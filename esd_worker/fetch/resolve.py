@@ -1,23 +1,26 @@
 """Turn a model reference (local dir, or HF `org/name@rev`) into a local directory of its files,
 and say beforehand which files that takes and how many bytes they are.
 
-Owns: telling local paths from hub ids, which files of a repo the analysis needs
+Owns: which files of a repo the analysis needs
 (`_choose_files`: its configs, and the weights that esd_worker.core.models.weightfiles picks,
 the rule the controller's sizes follow too), and offline mode (HF_HUB_OFFLINE=1: the HF cache
 only). The hub's HTTP side (model info, downloads, retries, error mapping) is
 esd_worker.fetch.hub's.
+
+What a reference means (a local path or a hub id, its id and revision) is
+esd_worker.core.models.naming's rule, the list reader's: a hub-id-shaped name goes to the hub
+even where a folder of that name exists here.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from esd_worker.core.errors import PermanentModelError, WorkerError
-from esd_worker.core.models.naming import split_model_ref
+from esd_worker.core.models.naming import is_local_path, parse_ref, split_model_ref
 from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, weight_files
 from esd_worker.fetch.hub import (
     RetryPolicy,
@@ -29,12 +32,11 @@ from esd_worker.fetch.hub import (
 
 __all__ = [
     "ModelFiles", "ResolvedModel", "RetryPolicy", "classify_hub_error", "model_files",
-    "parse_model_ref", "repo_cache_dir", "resolve_model",
+    "repo_cache_dir", "resolve_model",
 ]
 
 log = logging.getLogger(__name__)
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 # What the analysis needs from a repo: configs, weights, indices. Never tokenizers,
 # images, GGUF, ONNX or other variants.
 _CONFIG_FILES = ["config.json", "adapter_config.json"]
@@ -60,16 +62,6 @@ class ResolvedModel:
     @property
     def is_adapter(self) -> bool:
         return (self.directory / "adapter_config.json").is_file()
-
-
-def parse_model_ref(ref: str) -> tuple[str, str | None]:
-    """The model id and revision `resolve_model` will record for `ref` (no download).
-
-    An existing directory is its own id (with no revision, even if its name has an '@').
-    """
-    if Path(ref).expanduser().is_dir():
-        return ref, None
-    return split_model_ref(ref)
 
 
 @dataclass(frozen=True)
@@ -99,15 +91,16 @@ def resolve_model(
     ref: str, *, cache_dir: Path | None = None, files: ModelFiles | None = None,
     retry: RetryPolicy | None = None,
 ) -> ResolvedModel:
-    """A local directory as is; anything else through the HF hub (the cache only when offline).
+    """A local path (naming's rule: /, ./, ../, ~) as is; a hub id through the HF hub (the
+    cache only when offline). model_id and revision are split_model_ref's, the list's.
 
     cache_dir: the HF cache to download into (default: the user's, HF_HUB_CACHE).
     files: what `model_files(ref)` returned earlier: the download then needs no second
     model-info call. retry: how hub failures are retried (default: RetryPolicy.from_env()).
     """
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        return ResolvedModel(ref, ref, None, None, path.resolve(), "local")
+    if is_local_path(ref.strip()):
+        path, directory = _local_dir(ref)
+        return ResolvedModel(ref, path, None, None, directory.resolve(), "local")
     model_id, revision = _hub_id(ref)
     if _offline():
         directory = _offline_snapshot(model_id, revision, cache_dir)
@@ -133,9 +126,9 @@ def model_files(
     Hub: one model-info call with file metadata (pass the result to resolve_model to reuse
     it); a local directory: sizes on disk; offline: the cached snapshot's files.
     """
-    path = Path(ref).expanduser()
-    if path.is_dir():
-        return _sized(ref, None, None, path)
+    if is_local_path(ref.strip()):
+        path, directory = _local_dir(ref)
+        return _sized(path, None, None, directory)
     model_id, revision = _hub_id(ref)
     if _offline():
         directory = _offline_snapshot(model_id, revision, cache_dir)
@@ -143,22 +136,22 @@ def model_files(
     return _hub_files(model_id, revision, retry or RetryPolicy.from_env())
 
 
+def _local_dir(ref: str) -> tuple[str, Path]:
+    """(id, directory) of a local reference: its one spelling, and that directory, or
+    PermanentModelError when there is none."""
+    path, _ = split_model_ref(ref)
+    directory = Path(path)
+    if not directory.is_dir():
+        raise PermanentModelError(f"model not found: no directory {ref.strip()}")
+    return path, directory
+
+
 def _hub_id(ref: str) -> tuple[str, str | None]:
-    """(model id, revision) of a reference that is not a directory, or PermanentModelError."""
-    path = Path(ref).expanduser()
-    model_id, revision = split_model_ref(ref)
-    looks_local = (
-        ref.startswith(("/", "./", "../", "~", "."))
-        or "\\" in ref
-        or model_id.count("/") > 1
-        or path.suffix in (".safetensors", ".bin", ".json")
-    )
-    if looks_local:
-        raise PermanentModelError(f"model not found: no directory {ref}")
-    if not _REPO_ID.match(model_id):
-        raise PermanentModelError(
-            f"model not found: {ref} is neither a directory nor a hub id (org/name[@revision])"
-        )
+    """(model id, revision) of a hub reference, or PermanentModelError for one whose syntax
+    no hub id has (parse_ref's problem with it, the line a bad list row gets)."""
+    model_id, revision, problem = parse_ref(ref)
+    if problem is not None:
+        raise PermanentModelError(f"model not found: {problem}")
     return model_id, revision
 
 

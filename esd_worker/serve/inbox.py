@@ -14,7 +14,12 @@ from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from esd_worker.core.models.modellist import bad_rows_log, base_first, read_model_list
+from esd_worker.core.models.modellist import (
+    FolderWarnings,
+    bad_rows_log,
+    base_first,
+    read_model_list,
+)
 from esd_worker.core.models.naming import split_model_ref
 from esd_worker.core.protocol import DRAIN, Request, parse_op
 
@@ -27,13 +32,17 @@ def requests_from_list(url: str) -> list[Request]:
     """The requests of a model-list CSV (local path or store URL), bases before adapters.
 
     Bad rows are left out; the first few are logged (`esd-sweep status --bad-rows` lists
-    every one).
+    every one), and so are the first few hub ids that are also folders here.
     """
     models = read_model_list(url)
     shown = bad_rows_log(lambda line: log.error("%s", line))
     for problem in models.problems:
         shown(problem)
     shown.close()
+    folders = FolderWarnings(lambda line: log.warning("%s", line))
+    for row in models.rows:
+        folders(row)
+    folders.close()
     return [Request.for_row(row) for row in base_first(models.rows)]
 
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from esd_worker.core.errors import TransientError
+from esd_worker.core.models.naming import is_local_path, split_model_ref
 from esd_worker.core.protocol import Request
 from esd_worker.fetch.cachedir import CacheDir, Hold
 from esd_worker.fetch.resolve import (
     ModelFiles,
     ResolvedModel,
     model_files,
-    parse_model_ref,
     resolve_model,
 )
 from esd_worker.serve.inbox import Inbox
@@ -88,10 +88,10 @@ class Prefetcher:
             except TransientError as e:  # it may have been the network then: try again now
                 log.info("prefetch of %s failed (%s); fetching again", ref, e)
                 self._let_go(entry, evict=False)
-        if _local(ref):
+        if is_local_path(ref):
             return resolve_model(ref)
         # Held from now on (its size once known), so the read-ahead leaves it room.
-        entry = _Entry(ref, parse_model_ref(ref)[0], None)
+        entry = _Entry(ref, split_model_ref(ref)[0], None)
         with self._lock:
             self._entries[ref] = entry
         try:
@@ -157,7 +157,7 @@ class Prefetcher:
 
     def _current_unsized(self) -> bool:
         current = self.inbox.current
-        if current is None or _local(current.model):
+        if current is None or is_local_path(current.model):
             return False
         with self._lock:
             return current.model not in self._entries
@@ -167,13 +167,13 @@ class Prefetcher:
         with self._lock:
             if ref in self._entries:
                 return True
-        if _local(ref):
+        if is_local_path(ref):
             return True  # nothing to download
         try:
             files = model_files(ref, cache_dir=self.cache_dir)
         except Exception as e:  # its turn will resolve it again and report the error
             log.info("prefetch: cannot size %s yet (%s)", ref, e)
-            entry = _Entry(ref, parse_model_ref(ref)[0], 0)
+            entry = _Entry(ref, split_model_ref(ref)[0], 0)
             entry.result.set_exception(e)
             with self._lock:
                 self._entries[ref] = entry
@@ -217,11 +217,6 @@ class Prefetcher:
             return
         if isinstance(base, str) and base:
             self._fetch(base)
-
-
-def _local(ref: str) -> bool:
-    """A local directory, used in place (resolve_model's rule): never downloaded."""
-    return Path(ref).expanduser().is_dir()
 
 
 def _gib(size: int) -> str:

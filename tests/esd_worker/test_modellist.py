@@ -16,12 +16,9 @@ from esd_worker.core.models.modellist import (
     RowProblem,
     base_first,
     make_single,
-    parse_ref,
     read_model_list,
-    repo_id_problem,
-    revision_problem,
 )
-from esd_worker.core.models.naming import model_key
+from esd_worker.core.models.naming import model_key, parse_ref, repo_id_problem, revision_problem
 from tests.support.modellist import GOOD, HEADER, make_model_row, write_list
 
 # --- builders -------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from esd_worker.core.models.naming import (
     local_path,
     model_key,
     normalize_model_ref,
+    parse_ref,
+    ref_key,
     split_model_ref,
     symlink_before_dotdot,
 )
@@ -31,11 +33,69 @@ KEY_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
         pytest.param(" org/name@abc \n", ("org/name", "abc"), id="whitespace"),
         pytest.param("org/name@", ("org/name@", None), id="trailing-at"),
         pytest.param("@v1", ("@v1", None), id="leading-at"),
-        pytest.param("/data/a@b/model@v2", ("/data/a@b/model", "v2"), id="last-at-counts"),
+        pytest.param("/data/a@b/model@v2", ("/data/a@b/model@v2", None),
+                     id="a-path-has-no-revision"),
     ],
 )
 def test_split_model_ref(ref: str, expected: tuple[str, str | None]) -> None:
     assert split_model_ref(ref) == expected
+
+
+# --- the rule: what a listed name means ------------------------------------------------------
+
+_BAD = None  # the spelling is refused: no id, no key
+
+
+@pytest.mark.parametrize(
+    ("ref", "local", "model_id", "revision"),
+    [
+        pytest.param("models/x", False, "models/x", None, id="hub-shaped-is-a-hub-id"),
+        pytest.param("./models/x", True, "{tmp}/work/models/x", None, id="dot-slash-is-a-path"),
+        pytest.param("{tmp}/work/models/x", True, "{tmp}/work/models/x", None, id="absolute"),
+        pytest.param("{tmp}/work/models/x/", True, "{tmp}/work/models/x", None,
+                     id="absolute-trailing-slash"),
+        pytest.param("../work/models/x", True, "{tmp}/work/models/x", None, id="dotdot"),
+        pytest.param("~/models/x", True, "{tmp}/home/models/x", None, id="home"),
+        pytest.param("org/name@main", False, "org/name", "main", id="hub-revision"),
+        pytest.param("gpt2@refs/pr/1", False, "gpt2", "refs/pr/1", id="legacy-id-pr-ref"),
+        pytest.param("./tiny@v2", True, "{tmp}/work/tiny@v2", None, id="at-in-a-path"),
+        pytest.param("a/b/c", False, _BAD, None, id="three-parts-no-path"),
+        pytest.param("models\\x", False, _BAD, None, id="backslash"),
+        pytest.param("org/name@", False, _BAD, None, id="empty-revision"),
+        pytest.param("org/name@a..b", False, _BAD, None, id="bad-revision"),
+        pytest.param("-org/name", False, _BAD, None, id="leading-dash"),
+        pytest.param("org/x.git", False, _BAD, None, id="dot-git"),
+    ],
+)
+def test_what_a_listed_name_means(in_work_dir: Path, ref: str, local: bool,
+                                  model_id: str | None, revision: str | None) -> None:
+    """One table for the rule (esd_worker.core.models.naming): /, ./, ../ and ~ make a path,
+    keyed by its absolute normalised spelling; anything else is a hub id `org/name[@rev]`,
+    checked by the one syntax, whatever the disk holds (every `models/x` here is also a
+    folder). Every spelling of a local folder gives one key."""
+    (in_work_dir / "work" / "models" / "x").mkdir(parents=True)
+    ref = ref.format(tmp=in_work_dir)
+    assert is_local_path(ref) is local
+    parsed_id, parsed_revision, problem = parse_ref(ref)
+    if model_id is None:
+        assert problem is not None
+        return
+    model_id = model_id.format(tmp=in_work_dir)
+    assert (parsed_id, parsed_revision, problem) == (model_id, revision, None)
+    assert split_model_ref(ref) == (model_id, revision)
+    assert ref_key(ref) == model_key(model_id, revision)
+    if local:
+        assert normalize_model_ref(ref) == model_id
+
+
+def test_one_folder_one_key_and_a_hub_id_another(in_work_dir: Path) -> None:
+    """The new user's three spellings of one folder: `./models/x` and the absolute path are
+    one model; `models/x` is the hub repo models/x, another key."""
+    (in_work_dir / "work" / "models" / "x").mkdir(parents=True)
+    folder = in_work_dir / "work" / "models" / "x"
+    keys = {ref_key(r) for r in ("./models/x", str(folder), f"{folder}/", "./models/./x")}
+    assert keys == {model_key(str(folder))}
+    assert ref_key("models/x") == model_key("models/x") not in keys
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from esd_worker.core.errors import PermanentModelError, TransientError
-from esd_worker.core.models.naming import model_key
-from esd_worker.fetch.resolve import classify_hub_error, parse_model_ref, resolve_model
+from esd_worker.core.models.naming import model_key, ref_key
+from esd_worker.fetch.resolve import classify_hub_error, resolve_model
 from tests.support.builders import BackgroundRun, CliResult
 from tests.support.hub import HUB_ADAPTER_REPO, HUB_MISSING_REPO, HUB_REPO, HubCache
 
@@ -85,20 +85,22 @@ def test_adapter_base_by_hub_id(hub: HubCache, worker_runs: dict[str, Background
 # --- references that never reach the hub ---------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "ref",
-    ["/no/such/dir", "./no-such-dir", "../no/such", "~/no-such-esd-dir", "a/b/c",
-     "weights.safetensors", "C:\\models\\x"],
-)
+@pytest.mark.parametrize("ref", ["/no/such/dir", "./no-such-dir", "../no/such",
+                                 "~/no-such-esd-dir"])
 def test_paths_that_do_not_exist(ref: str) -> None:
-    """Anything that can only be a path fails as not found, without asking the hub."""
-    with pytest.raises(PermanentModelError, match="model not found"):
+    """A path (/, ./, ../, ~) that names no directory fails as not found, without asking the
+    hub."""
+    with pytest.raises(PermanentModelError, match="model not found: no directory"):
         resolve_model(ref)
 
 
-@pytest.mark.parametrize("ref", ["org/na me", "-org/name", "org/name/"])
+@pytest.mark.parametrize("ref", ["org/na me", "-org/name", "org/name/", "a/b/c",
+                                 "C:\\models\\x", "org/name@bad..rev"])
 def test_malformed_ids(ref: str) -> None:
-    with pytest.raises(PermanentModelError, match="model not found"):
+    """Anything else is a hub id, refused by the list's own syntax check, without asking the
+    hub (`a/b/c` is no path: a path starts with /, ./, ../ or ~)."""
+    refused = r"model not found: (malformed model id|bad revision|.* is not a model id)"
+    with pytest.raises(PermanentModelError, match=refused):
         resolve_model(ref)
 
 
@@ -111,8 +113,7 @@ def test_local_directory(llama_dir: Path, tmp_path: Path) -> None:
         str(at), None, None
     )
     assert resolved.source == "local" and not resolved.is_adapter
-    assert parse_model_ref(str(at)) == (str(at), None)
-    assert parse_model_ref("org/name@abc") == ("org/name", "abc")
+    assert model_key(resolved.model_id, resolved.revision) == ref_key(str(at))
 
 
 def _http_error(cls: type[Exception], status: int) -> Exception:

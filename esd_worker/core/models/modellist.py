@@ -1,10 +1,10 @@
 """The model list: read and validate the CSV (or one --single-model), one problem per bad row.
 
-Owns the CSV layouts users have (both old tools' column orders), id and revision syntax,
-relations, duplicates and --limit. The file's text and its CSV records (quotes that do not
-balance included) are esd_worker.core.models.listcsv's; local paths are spelled as
-esd_worker.core.models.naming.local_path spells them. Does not resolve models on the hub: the worker
-does that.
+Owns the CSV layouts users have (both old tools' column orders), relations, duplicates and
+--limit. The file's text and its CSV records (quotes that do not balance included) are
+esd_worker.core.models.listcsv's; what a name means (a local path or a hub id), its syntax,
+its spelling and its key are esd_worker.core.models.naming's, which every row goes through
+(parse_ref). Does not resolve models on the hub: the worker does that.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import IO
 
-from esd_worker.core.echo import LineCap, echo, has_control, quoted
+from esd_worker.core.echo import LineCap, echo, quoted
 from esd_worker.core.errors import ModelListError
 from esd_worker.core.models.listcsv import csv_records, open_text, read_url
 from esd_worker.core.models.naming import (
+    folder_warning,
     is_local_path,
     local_path,
     model_key,
-    symlink_before_dotdot,
+    parse_ref,
 )
-from esd_worker.core.redact import REDACTED
 
 RELATIONS: tuple[str, ...] = (
     "",
@@ -50,20 +50,8 @@ _ID_COLUMNS = ("model_id", "full_name")  # model_id wins when both are present
 _RELATION_COLUMN = "base_model_relation"
 _SOURCE_COLUMN = "source_model"
 
-# huggingface_hub.utils.validate_repo_id, written out so the controller needs no hub client:
-# each part 1-96 ASCII [A-Za-z0-9_.-] chars, starting and ending with [A-Za-z0-9_]
-# (REPO_ID_REGEX's \b...\b), at most one '/', no '--' or '..', no '.git' suffix.
-_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.\-]{0,94}[A-Za-z0-9_])?", re.ASCII)
-
-# git check-ref-format, which is what the hub accepts as a branch or tag name; commit
-# hashes are a subset. '/' is allowed: the hub has refs like refs/pr/1.
-_REV_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
-_REV_MAX = 255
-# Linux's PATH_MAX: a longer path names no file (and would fill every log line about it).
-_PATH_MAX = 4096
 # A problem line at most (each value it names is cut at esd_worker.core.echo.ECHO_CHARS first).
 _PROBLEM_CHARS = 1000
-_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://")
 
 
 @dataclass(frozen=True)
@@ -128,101 +116,6 @@ class ModelList:
     duplicates: int
 
 
-def repo_id_problem(repo_id: str) -> str | None:
-    """Why repo_id is not valid HF repo id syntax, or None when it is."""
-    if not repo_id:
-        return "empty"
-    if repo_id.count("/") > 1:
-        return "must be 'name' or 'org/name'"
-    if any(not _REPO_PART.fullmatch(part) for part in repo_id.split("/")):
-        return (
-            "use letters, digits, '-', '_' and '.', not starting or ending with '-' or '.', "
-            "at most 96 per part"
-        )
-    if "--" in repo_id or ".." in repo_id:
-        return "'--' and '..' are not allowed"
-    if repo_id.endswith(".git"):
-        return "must not end with '.git'"
-    return None
-
-
-def revision_problem(revision: str) -> str | None:
-    """Why revision is not a valid branch, tag or commit name, or None when it is."""
-    if not revision:
-        return "empty"
-    if len(revision) > _REV_MAX:
-        return f"longer than {_REV_MAX} characters"
-    bad = _REV_BAD_CHARS.search(revision)
-    if bad:
-        char = bad.group()
-        return "whitespace is not allowed" if char.isspace() else f"{char!r} is not allowed"
-    if ".." in revision or "@{" in revision or "//" in revision or revision == "@":
-        return "'..', '//', '@{' and a lone '@' are not allowed"
-    if revision.startswith("/") or revision.endswith(("/", ".")):
-        return "must not start with '/' or end with '/' or '.'"
-    if any(part.startswith(".") or part.endswith(".lock") for part in revision.split("/")):
-        return "no part may start with '.' or end with '.lock'"
-    return None
-
-
-def parse_ref(ref: str) -> tuple[str, str | None, str | None]:
-    """(model_id, revision, problem) for `org/name[@rev]` or a local path.
-
-    A local path is made absolute and normalised (esd_worker.core.models.naming.local_path), '@' and
-    all: a directory name may contain one. Only the last '@' of a hub reference separates
-    the revision, as in esd_worker.core.models.naming.split_model_ref. A reference holding a control
-    character (a newline, ESC) is refused: it would break every log line, command line
-    and record naming it. So is a hub reference holding ':' (a URL, or user:password@host),
-    which no hub id or revision may hold; its problem masks what precedes its last '@'.
-    """
-    ref = ref.strip()
-    if not ref:
-        return "", None, "empty model id"
-    if has_control(ref):
-        return ref, None, f"control characters are not allowed in a model id: {quoted(ref)}"
-    if is_local_path(ref):
-        path = local_path(ref)
-        if len(path) > _PATH_MAX:
-            return ref, None, f"longer than {_PATH_MAX} characters, so no path: {quoted(ref)}"
-        link = symlink_before_dotdot(ref)
-        if link is not None:
-            return path, None, dotdot_problem(ref, link)
-        return path, None, None
-    if ":" in ref:
-        # Checked before the split at '@': 'https://bob:PASS' (the part before the '@')
-        # no longer looks like a URL with a password, and would be shown as it is.
-        return ref, None, (f"{quoted(_masked(ref))} is not a model id (a URL?): give "
-                           "org/name[@revision] or a local directory; a hub token goes in "
-                           "HF_TOKEN, not in the list")
-    model_id, revision = ref, None
-    if "@" in ref:
-        model_id, _, revision = ref.rpartition("@")
-        if not revision:
-            return ref, None, f"empty revision after '@' in {quoted(ref)}"
-        if not model_id:
-            return ref, None, f"empty model id before '@' in {quoted(ref)}"
-    why = repo_id_problem(model_id)
-    if why:
-        return model_id, revision, f"malformed model id {quoted(model_id)}: {why}"
-    if revision is not None:
-        why = revision_problem(revision)
-        if why:
-            return model_id, revision, (f"bad revision {quoted(revision)} in {quoted(ref)}: "
-                                        f"{why}")
-    return model_id, revision, None
-
-
-def _masked(ref: str) -> str:
-    """`ref` with all between its scheme (if any) and its last '@' masked: the userinfo of
-    `https://user:password@host/…` or `user:password@host/…`, a password holding '/', ':'
-    or '@' included (more is masked when an '@' follows the host: safe, not pretty)."""
-    head, at, tail = ref.rpartition("@")
-    if not at:
-        return ref
-    scheme = _SCHEME.match(head)
-    return f"{scheme.group() if scheme else ''}{REDACTED}@{tail}"
-
-
 def _adapter_base_problem(model_id: str) -> str | None:
     """For a local adapter listed without source_model: why its base cannot be found."""
     directory = Path(model_id).expanduser()
@@ -246,14 +139,6 @@ def _adapter_base_problem(model_id: str) -> str | None:
             "and source_model is empty"
         )
     return None
-
-
-def dotdot_problem(ref: str, link: str) -> str:
-    """Why a local path whose '..' leaves the symlink `link` is refused (the OS would read
-    another directory than the one its text names)."""
-    return (f"{quoted(ref)}: its '..' steps out of the symlink {quoted(link)}, which the OS "
-            "resolves from the link's target, not from where the link is: write the path "
-            "without '..'")
 
 
 def _source_problem(source: str) -> str | None:
@@ -461,6 +346,27 @@ def bad_rows_log(emit: Callable[[str], None]) -> LineCap:
     flood a log: esd_worker.core.echo). Call its `close` after the last row."""
     return LineCap(emit, what="bad row(s)",
                    hint=" (`esd-sweep status --bad-rows` lists every one)")
+
+
+class FolderWarnings:
+    """Where a list's hub ids that also name a folder here are shown (the sweep's log, a
+    worker's): naming.folder_warning's line for each such row, the first few, then one line
+    that counts the rest, as bad_rows_log does. Call it with every valid row (once: a
+    duplicate is one name), then `close`."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self._shown = LineCap(emit, what="hub id(s) that are also folders here",
+                              hint=" (write ./name to analyse a folder)")
+
+    def __call__(self, row: ModelRow) -> None:
+        # A local row is a folder by the rule: no warning, and no stat of the disk.
+        if not is_local_path(row.model_id):
+            warning = folder_warning(row.ref)
+            if warning is not None:
+                self._shown(warning)
+
+    def close(self) -> None:
+        self._shown.close()
 
 
 def make_single(ref: str, *, relation: str = "", source_model: str | None = None) -> ModelList:

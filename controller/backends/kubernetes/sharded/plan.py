@@ -25,7 +25,8 @@ from controller.backends.kubernetes.common.resources import (
     disk_gib,
     memory_for,
 )
-from esd_worker.core.models.modellist import ADAPTER_RELATIONS, ModelRow, is_local_path
+from esd_worker.core.models.modellist import ADAPTER_RELATIONS, ModelRow
+from esd_worker.core.models.naming import split_model_ref
 
 API_COMPLETIONS_LIMIT = 100_000  # completions of an Indexed Job with backoffLimitPerIndex
 SHARD_COLUMNS = ("model_id", "base_model_relation", "source_model", "size_bytes")
@@ -143,17 +144,9 @@ def units(items: Iterable[Item]) -> Iterator[Unit]:
         if current:
             yield _unit(current)
         current = [item]
-        base_names = () if item.is_adapter else (item.ref, _model_id(item.ref))
+        base_names = () if item.is_adapter else (item.ref, split_model_ref(item.ref)[0])
     if current:
         yield _unit(current)
-
-
-def _model_id(ref: str) -> str:
-    """The id part of a valid ref, as esd_worker.core.models.modellist.parse_ref splits it (without
-    validating it again: a row's ref is valid)."""
-    if is_local_path(ref) or "@" not in ref:
-        return ref
-    return ref.rpartition("@")[0]
 
 
 @dataclass(frozen=True)
