@@ -1,9 +1,9 @@
 """A token bucket shared by threads: at most `rate` operations a second on average, bursts of
 up to `burst`, and a hold ("nothing before T") for when the other side says to back off.
 
-Owns only the arithmetic of waiting. What is limited (the worker's hub requests) and when a
-hold starts (a 429's Retry-After) are esd_worker.fetch.hub's. Pure: the clock and the sleep are
-injected, so tests need no real time.
+Owns only the arithmetic of waiting. What is limited (hub requests) and when a hold starts (a
+429's Retry-After) are the hub clients' (esd_worker.fetch.hub, controller.weights.hubclient).
+Pure: the clock and the sleep are injected, so tests need no real time.
 """
 
 from __future__ import annotations

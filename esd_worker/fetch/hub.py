@@ -1,8 +1,9 @@
 """The worker's HTTP side of the HuggingFace hub: one model-info call, file downloads into an
 HF cache, bounded retries, and hub errors mapped to the worker's permanent/transient errors.
 
-Owns: which hub failures are retried here and how long to wait (RetryPolicy), the calls to
-huggingface_hub (model_info, hf_hub_download), the cache folder of a repo, and
+Owns: which hub failures are retried here (how many times and how long to wait is
+esd_worker.core.hubretry.RetryPolicy's, the controller's hub client's policy too), the calls
+to huggingface_hub (model_info, hf_hub_download), the cache folder of a repo, and
 classify_hub_error. Does not: choose which files a model needs, or handle local directories
 and offline mode (esd_worker.fetch.resolve does).
 
@@ -25,22 +26,20 @@ a 429 that huggingface_hub retries by itself is seen (and held for) only once it
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from esd_worker.core.errors import PermanentModelError, TransientError, WorkerError
 from esd_worker.core.files import write_atomic
+from esd_worker.core.hubretry import RetryPolicy
 from esd_worker.core.ratelimit import TokenBucket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRIES_ENV = "ESD_HUB_RETRIES"
 _HF_RETRIED_STATUSES = (408, 429)  # what huggingface_hub retries on a GET itself
 _MAX_PARALLEL_FILES = 8  # what snapshot_download uses: shards download side by side
 _TOO_MANY_REQUESTS = 429
@@ -75,37 +74,11 @@ def _hold_for_429(answer: BaseException, wait: float) -> None:
         limiter.hold(wait)
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """attempts: tries in all (1: no retry); the n-th wait is backoff_s * 2**(n-1), or the
-    hub's Retry-After (seconds form) when it sends one, never more than max_wait_s."""
-
-    attempts: int = 4
-    backoff_s: float = 1.0
-    max_wait_s: float = 60.0
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> RetryPolicy:
-        """The defaults, with attempts = 1 + $ESD_HUB_RETRIES when set, then `overrides`."""
-        raw = os.environ.get(RETRIES_ENV, "").strip()
-        if raw:
-            try:
-                retries = int(raw)
-            except ValueError:
-                raise WorkerError(f"{RETRIES_ENV} must be a whole number, got {raw!r}") from None
-            overrides.setdefault("attempts", max(0, retries) + 1)
-        return cls(**overrides)
-
-    def wait_s(self, attempt: int, error: BaseException) -> float:
-        retry_after = _retry_after(error)
-        wait = retry_after if retry_after is not None else self.backoff_s * 2 ** (attempt - 1)
-        return max(0.0, min(wait, self.max_wait_s))
-
-
-def _retry_after(error: BaseException) -> float | None:
+def _retry_after(error: BaseException) -> str | None:
+    """The Retry-After header of the hub's answer behind `error`, if any."""
     headers = getattr(getattr(error, "response", None), "headers", None) or {}
-    value = str(headers.get("Retry-After", "")).strip()
-    return float(value) if value.isdigit() else None  # an HTTP-date: fall back to backoff
+    value = headers.get("Retry-After")
+    return str(value) if value is not None else None
 
 
 def _status(error: BaseException | None) -> int | None:
@@ -142,7 +115,7 @@ def with_retries(
         except Exception as e:
             error = classify_hub_error(e, model_id, revision)
             answer = _hub_answer(e)
-            wait = policy.wait_s(attempt, answer)
+            wait = policy.wait_s(attempt, _retry_after(answer))
             _hold_for_429(answer, wait)
             if not isinstance(error, TransientError) or retried_inside(e):
                 raise error from e

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from controller.weights.sizing import SIZE_COLUMN, RateLimiter, Sizer, SizeStats
+from controller.weights.sizing import SIZE_COLUMN, Sizer, SizeStats
 from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.ratelimit import TokenBucket
 from tests.support.hubserver import HubServer, Request
 
 DEFAULT = 7777  # the default size in these tests: no real size equals it
@@ -327,10 +328,11 @@ def test_rate_limit(hub: HubServer, org: str, fake_time: FakeTime, tmp_path: Pat
 
 
 def test_rate_limiter_is_thread_safe() -> None:
-    """Threads that acquire at the same instant each get their own slot: with a clock that
-    stands still, the waits are 1/r, 2/r, ... exactly once each, whatever the interleaving."""
+    """The hub client's bucket (one token, no burst): threads that acquire at the same instant
+    each get their own slot: with a clock that stands still, the waits are 1/r, 2/r, ...
+    exactly once each, whatever the interleaving."""
     fake = FakeTime()
-    limiter = RateLimiter(4.0, clock=lambda: 0.0, sleep=fake.sleep)
+    limiter = TokenBucket(4.0, burst=1.0, clock=lambda: 0.0, sleep=fake.sleep)
     threads = [threading.Thread(target=limiter.acquire) for _ in range(16)]
     for t in threads:
         t.start()

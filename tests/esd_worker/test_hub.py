@@ -292,17 +292,6 @@ def _http_error(status: int, headers: dict[str, str]) -> Exception:
     return errors.HfHubHTTPError(f"HTTP {status}", response=response)
 
 
-@pytest.mark.parametrize(
-    ("headers", "attempt", "wait"),
-    [({}, 1, 1.0), ({}, 3, 4.0), ({}, 9, 60.0), ({"Retry-After": "7"}, 1, 7.0),
-     ({"Retry-After": "3600"}, 1, 60.0),
-     ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, 2, 2.0)],
-)
-def test_waits(headers: dict[str, str], attempt: int, wait: float) -> None:
-    """Exponential from 1 s, or the hub's Retry-After (seconds form), never over 60 s."""
-    assert RetryPolicy().wait_s(attempt, _http_error(429, headers)) == wait
-
-
 def test_a_403_behind_a_cache_miss_is_permanent() -> None:
     """hf_hub_download reports a HEAD answered 403 (no X-Error-Code) as a cache miss; the
     hub's answer decides: permanent, not 'unreachable'."""
