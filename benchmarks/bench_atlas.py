@@ -142,7 +142,8 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     """The child: KubeSim + IndexedJobSimulator whose pods write their shard's markers."""
     from esd_worker.core.models.modellist import read_model_list
     from esd_worker.core.settings import AnalysisSettings
-    from esd_worker.core.store.layout import Marker, canonical_parameters, marker_key
+    from esd_worker.core.store.layout import marker_key
+    from esd_worker.core.store.marker import Marker, canonical_parameters
     from esd_worker.core.store.opener import open_store
     from tests.support.indexed import IndexedJobSimulator
     from tests.support.kubesim import KubeSim

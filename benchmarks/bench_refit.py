@@ -34,7 +34,8 @@ from controller.results.refit import RefitSettings, refit_store  # noqa: E402
 from esd_worker.core.models.naming import model_key  # noqa: E402
 from esd_worker.core.powerlaw import layer_metrics  # noqa: E402
 from esd_worker.core.settings import AnalysisSettings  # noqa: E402
-from esd_worker.core.store.layout import EIGS_NAME, LAYERS_NAME, Marker, write_model_result  # noqa: E402
+from esd_worker.core.store.layout import EIGS_NAME, write_model_result  # noqa: E402
+from esd_worker.core.store.marker import LAYERS_NAME, Marker  # noqa: E402
 from esd_worker.core.store.opener import open_store  # noqa: E402
 from esd_worker.core.store.results import (  # noqa: E402
     eigs_to_npz,

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from esd_worker.core.store.layout import LAYERS_NAME, MARKER_NAME
+from esd_worker.core.store.layout import MARKER_NAME
+from esd_worker.core.store.marker import LAYERS_NAME
 from esd_worker.core.store.s3 import S3Store
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,11 +30,6 @@ from controller.errors import ResultsError
 from esd_worker.core.models.naming import model_key, split_model_ref
 from esd_worker.core.store.layout import (
     EIGS_NAME,
-    LAYERS_NAME,
-    DamagedResult,
-    Marker,
-    MarkerError,
-    check_data,
     fetch_all,
     is_tag,
     layers_name,
@@ -44,6 +39,7 @@ from esd_worker.core.store.layout import (
     model_file_key,
     refit_record_key,
 )
+from esd_worker.core.store.marker import LAYERS_NAME, DamagedResult, Marker, MarkerError, check_data
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
 from esd_worker.core.store.stores import LocalStore, Store

@@ -59,12 +59,8 @@ from esd_worker.core.powerlaw import (
     layer_metrics,
 )
 from esd_worker.core.settings import AnalysisSettings
-from esd_worker.core.store.layout import (
-    DamagedResult,
-    model_file_key,
-    refit_record_key,
-    summary_key,
-)
+from esd_worker.core.store.layout import model_file_key, refit_record_key, summary_key
+from esd_worker.core.store.marker import DamagedResult
 from esd_worker.core.store.results import layers_from_csv, layers_to_csv, summarize_layers
 
 log = logging.getLogger(__name__)

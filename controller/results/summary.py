@@ -23,13 +23,12 @@ from controller.results.reader import ModelResult
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
     SUMMARY_KEY,
-    Marker,
-    canonical_parameters,
     list_markers,
     model_file_key,
     read_markers,
     summary_key,
 )
+from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.results import (
     SUMMARY_FIELDS,
     layers_from_csv,

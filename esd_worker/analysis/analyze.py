@@ -27,7 +27,7 @@ import torch
 from esd_worker import __version__
 from esd_worker.analysis.layers import CONV2D, LayerMap, LayerSpec, discover_layers
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter, add_lora_
-from esd_worker.analysis.spectra import compute_spectrum
+from esd_worker.analysis.spectra import compute_spectrum, work_dtype
 from esd_worker.analysis.speculate import Speculated, Speculation, candidate_keys, speculation_mode
 from esd_worker.analysis.streams import (
     Capacity,
@@ -41,14 +41,8 @@ from esd_worker.core.errors import GpuOutOfMemoryError, PermanentModelError, Wor
 from esd_worker.core.models.naming import folder_warning, ref_key
 from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.core.settings import AnalysisSettings, WorkerSettings
-from esd_worker.core.store.layout import (
-    EIGS_NAME,
-    LAYERS_NAME,
-    BaseModelRef,
-    Marker,
-    canonical_parameters,
-    write_model_result,
-)
+from esd_worker.core.store.layout import EIGS_NAME, write_model_result
+from esd_worker.core.store.marker import LAYERS_NAME, BaseModelRef, Marker, canonical_parameters
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_to_npz, layers_to_csv, summarize_layers
 from esd_worker.core.store.stores import Store
@@ -147,7 +141,7 @@ class _Analysis:
         self.devices = list(devices)
         self.adapter = adapter or AdapterMatch({}, {}, [])
         self.fan_in_fan_out = fan_in_fan_out
-        self.work_dtype = torch.float64 if analysis.precision == "float64" else torch.float32
+        self.work_dtype = work_dtype(analysis.precision)
         self.capacity = capacity
         self.stored_dtype = stored_dtype
         self.rows: list[dict[str, Any]] = []

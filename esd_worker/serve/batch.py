@@ -46,7 +46,8 @@ from esd_worker.core.protocol import (
 )
 from esd_worker.core.redact import redact
 from esd_worker.core.settings import WorkerSettings
-from esd_worker.core.store.layout import attempt_key, canonical_parameters, check_files, read_marker
+from esd_worker.core.store.layout import attempt_key, check_files, read_marker
+from esd_worker.core.store.marker import canonical_parameters
 from esd_worker.core.store.records import (
     FailureRecord,
     clear_failure,

@@ -16,7 +16,8 @@ import pytest
 from controller.keyset import KeySet
 from controller.run.plan import DONE, SKIPPED, STALE, TODO, ListPlan
 from esd_worker.core.models.modellist import ListFile, ModelRow, RowProblem
-from esd_worker.core.store.layout import Marker, marker_key, model_file_key, write_model_result
+from esd_worker.core.store.layout import marker_key, model_file_key, write_model_result
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.stores import Store
 from tests.controller.test_plan import (

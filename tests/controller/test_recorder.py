@@ -13,7 +13,8 @@ import pytest
 from controller.backends.base import Outcome, Task
 from controller.run.recorder import Recorder
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.store.layout import Marker, marker_key
+from esd_worker.core.store.layout import marker_key
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord, read_failures, write_failure
 from esd_worker.core.store.stores import LocalStore
 

@@ -33,12 +33,12 @@ from esd_worker.core.protocol import (
 )
 from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.layout import (
-    Marker,
     attempt_key,
     failure_key,
     model_file_key,
     write_model_result,
 )
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import LocalStore, Store
 from esd_worker.serve.batch import Batch, BatchSettings, Tally, _fatal_cuda

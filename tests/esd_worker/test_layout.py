@@ -19,15 +19,7 @@ from esd_worker.core.errors import StoreError
 from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import (
     EIGS_NAME,
-    MARKER_SCHEMA,
-    BaseModelRef,
-    DamagedResult,
-    FileSeal,
     LayoutError,
-    Marker,
-    MarkerError,
-    canonical_parameters,
-    check_data,
     check_files,
     failure_key,
     is_tag,
@@ -42,6 +34,16 @@ from esd_worker.core.store.layout import (
     run_report_key,
     summary_key,
     write_model_result,
+)
+from esd_worker.core.store.marker import (
+    MARKER_SCHEMA,
+    BaseModelRef,
+    DamagedResult,
+    FileSeal,
+    Marker,
+    MarkerError,
+    canonical_parameters,
+    check_data,
 )
 from esd_worker.core.store.stores import LocalStore
 

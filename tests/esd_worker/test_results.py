@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from esd_worker.core.store.layout import Marker
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.results import (
     SUMMARY_FIELDS,
     layers_from_csv,

@@ -26,7 +26,8 @@ from esd_worker.core.errors import (
     StorePermanentError,
     UsageError,
 )
-from esd_worker.core.store.layout import EIGS_NAME, LAYERS_NAME, MARKER_NAME
+from esd_worker.core.store.layout import EIGS_NAME, MARKER_NAME
+from esd_worker.core.store.marker import LAYERS_NAME
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import layers_from_csv
 from esd_worker.core.store.s3 import DEFAULT_MAX_ATTEMPTS, MULTIPART_THRESHOLD, S3Store

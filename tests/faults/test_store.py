@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from esd_worker.core.store.layout import LAYERS_NAME, read_marker
+from esd_worker.core.store.layout import read_marker
+from esd_worker.core.store.marker import LAYERS_NAME
 from esd_worker.core.store.s3 import S3Store
 from tests.faults.conftest import esd_sweep, run_args, whole
 from tests.support.s3server import S3Server

@@ -27,7 +27,8 @@ from esd_worker.core.invocation import WorkerInvocation
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.settings import AnalysisSettings
-from esd_worker.core.store.layout import Marker, canonical_parameters, write_model_result
+from esd_worker.core.store.layout import write_model_result
+from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store
 from tests.support.kubesim import (
     K8S_VERSION,

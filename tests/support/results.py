@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from controller.results.reader import ModelResult
-from esd_worker.core.store.layout import Marker
+from esd_worker.core.store.marker import Marker
 
 EXAMPLE_DONE = ".example-complete"
 

@@ -342,14 +342,8 @@ def seed_markers(bucket: str, prefix: str, keys_file: Path) -> int:
     from moto.s3.models import s3_backends
 
     from esd_worker.core.settings import AnalysisSettings
-    from esd_worker.core.store.layout import (
-        LAYERS_NAME,
-        FileSeal,
-        Marker,
-        canonical_parameters,
-        marker_key,
-        model_file_key,
-    )
+    from esd_worker.core.store.layout import marker_key, model_file_key
+    from esd_worker.core.store.marker import LAYERS_NAME, FileSeal, Marker, canonical_parameters
 
     backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
     params = canonical_parameters(AnalysisSettings().as_dict())

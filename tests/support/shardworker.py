@@ -28,7 +28,8 @@ from typing import Any
 
 from esd_worker.core.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
 from esd_worker.core.settings import AnalysisSettings, WorkerSettings
-from esd_worker.core.store.layout import Marker, canonical_parameters, write_model_result
+from esd_worker.core.store.layout import write_model_result
+from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import requests_from_list

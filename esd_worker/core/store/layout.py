@@ -20,11 +20,11 @@ Owns the contract users script against (docs/design.md, "Store layout"):
 A model is done iff its marker exists, holds the same analysis parameters and the files it
 vouches for are whole: the marker seals each file it names with its size and SHA-256
 (`FileSeal`), so a deleted or truncated table shows in a store listing (sizes, `check_files`)
-and a corrupt one when it is read (`check_data`). What the marker holds is
-esd_worker.core.store.marker's; `write_model_result` is the one writer of a model's files and
-enforces
-marker-last. Does not own how bytes reach a store (esd_worker.core.store.stores) nor what the layer
-table holds (esd_worker.core.store.results). No torch here: the controller imports it.
+and a corrupt one when it is read (`check_data`). What the marker holds (its fields, JSON,
+seals, and their names) is esd_worker.core.store.marker's, imported from there;
+`write_model_result` is the one writer of a model's files and enforces marker-last. Does not
+own how bytes reach a store (esd_worker.core.store.stores) nor what the layer table holds
+(esd_worker.core.store.results). No torch here: the controller imports it.
 """
 
 from __future__ import annotations
@@ -35,20 +35,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-# The marker itself (fields, JSON, seals) is esd_worker.core.store.marker's; its names are part of
-# the
-# layout's contract, so they are importable from here too.
 from esd_worker.core.echo import quoted
-from esd_worker.core.store.marker import LAYERS_NAME as LAYERS_NAME
-from esd_worker.core.store.marker import MARKER_SCHEMA as MARKER_SCHEMA
-from esd_worker.core.store.marker import BaseModelRef as BaseModelRef
-from esd_worker.core.store.marker import DamagedResult as DamagedResult
-from esd_worker.core.store.marker import FileSeal as FileSeal
-from esd_worker.core.store.marker import Marker as Marker
-from esd_worker.core.store.marker import MarkerError as MarkerError
-from esd_worker.core.store.marker import canonical_parameters as canonical_parameters
-from esd_worker.core.store.marker import check_data as check_data
-from esd_worker.core.store.marker import check_listed as check_listed
+from esd_worker.core.store.marker import (
+    LAYERS_NAME,
+    FileSeal,
+    Marker,
+    MarkerError,
+    check_listed,
+)
 from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pytest
 
 from controller.results import html
 from controller.results.reader import ModelResult
-from esd_worker.core.store.layout import BaseModelRef
+from esd_worker.core.store.marker import BaseModelRef
 from tests.support.results import Links, make_result
 
 

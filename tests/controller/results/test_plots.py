@@ -13,7 +13,7 @@ import pytest
 
 from controller.results import plots
 from controller.results.plots import RelationAlphas
-from esd_worker.core.store.layout import BaseModelRef
+from esd_worker.core.store.marker import BaseModelRef
 from tests.support.results import make_result, png_size
 
 

@@ -12,7 +12,7 @@ from controller.errors import ResultsError
 from controller.results import reader
 from controller.results.reader import UNLABELLED, ModelResult
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.store.layout import BaseModelRef, Marker
+from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import eigs_to_npz
 from esd_worker.core.store.stores import LocalStore

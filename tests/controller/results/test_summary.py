@@ -24,7 +24,7 @@ from controller.results.summary import (
 )
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.settings import AnalysisSettings
-from esd_worker.core.store.layout import BaseModelRef, Marker
+from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import layers_from_csv, layers_to_csv
 from esd_worker.core.store.stores import LocalStore, Store
 
