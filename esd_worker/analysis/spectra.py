@@ -1,5 +1,6 @@
 """Eigenvalues of one weight tensor on a torch device: Gram matrix + eigvalsh (float32 or
-float64), float64 SVD where the eigensolver does not converge."""
+float64), float64 SVD where the eigensolver does not converge. Owns what --precision means
+as a dtype (work_dtype), for every part of the analysis."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from esd_worker.analysis.layers import CONV1D, CONV2D
+from esd_worker.core.settings import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,15 @@ def gram_eigenvalues(
     return torch.linalg.svdvals(mats.to(torch.float64)).square()
 
 
+def work_dtype(precision: str) -> torch.dtype:
+    """The dtype a weight is analysed in for --precision (esd_worker.core.settings.PRECISIONS):
+    the one map of precision to dtype (the analysis, its memory bound and speculation use
+    it). ValueError for any other precision."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be float32 or float64, got {precision!r}")
+    return torch.float64 if precision == "float64" else torch.float32
+
+
 def compute_spectrum(
     weight: torch.Tensor, layer_type: str, *, precision: str = "float32", conv_norm: float = 0.5
 ) -> Spectrum:
@@ -97,9 +108,7 @@ def compute_spectrum(
     ~ m·eps64·λ_max); the alphas agree with float64 svdvals to ~1e-12 (docs/metrics.md,
     benchmarks/bench_precision.py) at ~12x less time on an H100 for a 4096² layer.
     """
-    if precision not in ("float32", "float64"):
-        raise ValueError(f"precision must be float32 or float64, got {precision!r}")
-    dtype = torch.float64 if precision == "float64" else torch.float32
+    dtype = work_dtype(precision)
     mats = as_matrices(weight.to(dtype), layer_type, conv_norm=conv_norm)
     _, M, N = mats.shape
     if layer_type == CONV1D:

@@ -31,7 +31,7 @@ import torch
 
 from esd_worker.analysis.layers import CONV2D, LINEAR, LayerSpec
 from esd_worker.analysis.lora import AdapterMatch
-from esd_worker.analysis.spectra import Spectrum, compute_spectrum
+from esd_worker.analysis.spectra import Spectrum, compute_spectrum, work_dtype
 from esd_worker.analysis.weights import Checkpoint
 from esd_worker.core.settings import AnalysisSettings
 
@@ -120,7 +120,7 @@ class Speculation:
         self._precision = analysis.precision
         self._conv_norm = analysis.conv_norm
         self._device = device
-        self._dtype = torch.float64 if analysis.precision == "float64" else torch.float32
+        self._dtype = work_dtype(analysis.precision)
         # The kernels must run as the normal path's do (same thread count: a GEMM split
         # differently over threads can round differently), whatever this thread inherits.
         self._threads = torch.get_num_threads()

@@ -32,6 +32,7 @@ from typing import Generic, TypeVar
 import torch
 
 from esd_worker.analysis.layers import CONV2D, LayerSpec
+from esd_worker.analysis.spectra import work_dtype
 from esd_worker.core.errors import GpuOutOfMemoryError, UsageError
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,8 @@ def layer_peak_bytes(
     workspace (MiBs), the CUDA context: the safety margin of device_capacity covers them;
     the float64 SVD fallback (rare: eigvalsh did not converge) needs W in float64 more.
     """
-    if precision not in ("float32", "float64"):
-        raise ValueError(f"precision must be float32 or float64, got {precision!r}")
-    work = 8 if precision == "float64" else 4
-    work_dtype = torch.float64 if precision == "float64" else torch.float32
+    dtype = work_dtype(precision)
+    work = dtype.itemsize
     numel = math.prod(shape)
     if layer_type == CONV2D and len(shape) == 4:
         k, m, n = shape[2] * shape[3], shape[0], shape[1]
@@ -131,7 +130,7 @@ def layer_peak_bytes(
     weight = numel * work
     gram = k * small * small * work
     conv = 2 * weight if layer_type == CONV2D else 0
-    load = weight + (0 if stored == work_dtype else numel * stored.itemsize)
+    load = weight + (0 if stored == dtype else numel * stored.itemsize)
     check = weight + numel
     held = weight + conv // 2  # what stays alive beside the Gram (Conv2d: its matrices)
     eig = held + 2 * gram + k * small * work + small * small * work

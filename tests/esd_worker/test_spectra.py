@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from esd_worker.analysis.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
-from esd_worker.analysis.spectra import as_matrices, compute_spectrum, gram_eigenvalues
+from esd_worker.analysis.spectra import as_matrices, compute_spectrum, gram_eigenvalues, work_dtype
 from esd_worker.analysis.weights import Checkpoint
 from esd_worker.core.powerlaw import layer_metrics
 from tests.support.builders import MINILM_LINEAR_LAYERS, minilm_path
@@ -71,6 +71,26 @@ def test_float32_gram_matches_float64_svd(rows: int, cols: int, kind: str) -> No
     np.testing.assert_allclose(fast.evals[top], ref[top], rtol=1e-5)
     np.testing.assert_allclose(fast.evals, ref, rtol=0, atol=1e-5 * ref[-1])
     np.testing.assert_allclose(exact.evals, ref, rtol=1e-12, atol=1e-13 * ref[-1])
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("float32", torch.float32), ("float64", torch.float64), ("float16", None), ("", None)],
+)
+def test_one_map_of_precision_to_dtype(precision: str, dtype: torch.dtype | None) -> None:
+    """work_dtype is what --precision means everywhere (the spectrum, a layer's memory
+    bound, speculation): float32 or float64, anything else refused by each alike."""
+    from esd_worker.analysis.streams import layer_peak_bytes
+
+    if dtype is None:
+        for call in (lambda: work_dtype(precision),
+                     lambda: compute_spectrum(torch.ones(2, 2), LINEAR, precision=precision),
+                     lambda: layer_peak_bytes((4, 4), LINEAR, precision, torch.float32)):
+            with pytest.raises(ValueError, match="precision must be float32 or float64"):
+                call()
+        return
+    assert work_dtype(precision) == dtype
+    assert compute_spectrum(torch.eye(3), LINEAR, precision=precision).evals.tolist() == [1, 1, 1]
 
 
 @pytest.mark.parametrize("precision", ["float32", "float64"])
