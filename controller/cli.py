@@ -36,10 +36,11 @@ from esd_worker.core.files import write_atomic
 from esd_worker.core.flags import (
     HOUR_S,
     MAX_GPUS,
-    MAX_PREFETCH,
     MAX_RETRIES,
     MAX_ROWS,
     MAX_THREADS,
+    PREFETCH,
+    PREFETCH_COUNT,
     Parser,
     UsageExit,
     add_analysis_flags,
@@ -169,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
              help="models analysed at once on the CPU when no GPU is used (default 1)")
     add_flag(local, "--worker-reuse", type=int_in(1, MAX_ROWS), default=None, metavar="N",
              help="replace a long-lived worker after N models (default: never)")
-    add_flag(running, "--prefetch", type=int_in(0, MAX_PREFETCH), default=1, metavar="N",
-             help="models each worker downloads ahead while it analyses one (default 1; 0: "
-             "none)")
+    add_flag(running, "--prefetch", type=PREFETCH_COUNT, default=PREFETCH, metavar="N",
+             help="models each worker downloads ahead while it analyses one (default "
+             f"{PREFETCH}; 0: none)")
     add_flag(running, "--cache-budget", type=size_in(0), default=None, metavar="BYTES",
              help="disk per worker for the model in progress and those ahead, e.g. 50G "
              "(default: half the free space where downloads go)")
@@ -304,7 +305,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         backend=getattr(args, "backend", "local"),
         cluster=cluster,
         dry_run=getattr(args, "dry_run", False),
-        prefetch=getattr(args, "prefetch", 1),
+        prefetch=getattr(args, "prefetch", PREFETCH),
         cache_budget=getattr(args, "cache_budget", None),
         cache_dir=getattr(args, "cache_dir", None),
         summary=not getattr(args, "no_summary", False),

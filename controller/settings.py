@@ -16,6 +16,7 @@ from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpurule import GpuRule
 from controller.gpu.gpus import GpuSettings
 from controller.output.lease import LEASE_TTL_S
+from esd_worker.core.flags import PREFETCH
 from esd_worker.core.settings import AnalysisSettings
 
 
@@ -70,7 +71,7 @@ class SweepSettings:
     backend: str = "local"
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     dry_run: bool = False
-    prefetch: int = 1
+    prefetch: int = PREFETCH
     cache_budget: int | None = None
     cache_dir: str | None = None
     summary: bool = True

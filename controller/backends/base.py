@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from controller.progress import Progress
+from esd_worker.core.flags import PREFETCH
 from esd_worker.core.invocation import BATCH_MODES, MODEL, BatchOptions, WorkerInvocation
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.settings import AnalysisSettings
@@ -122,7 +123,7 @@ class WorkerSpec:
     gpus_per_job: int = 1
     max_retries: int = 2
     overwrite: bool = False
-    prefetch: int = 1
+    prefetch: int = PREFETCH
     cache_budget: int | None = None
     cache_dir: str | None = None
     parallel_gpu: bool = True

@@ -72,6 +72,7 @@ MAX_GPUS = 1024  # GPU indices and counts
 MAX_GPUS_PER_MODEL = 64  # several nodes' GPUs
 MAX_RETRIES = 100
 MAX_PREFETCH = 100
+PREFETCH = 1  # --prefetch's default, in esd-worker and esd-sweep: one model downloaded ahead
 MAX_THREADS = 1024
 MAX_EVALS_THRESH = 1e6
 MAX_BINS = 10**6
@@ -151,6 +152,10 @@ def float_in(lo: float, hi: float, *, above: bool = False, unit: str = "") -> Nu
 def size_in(lo: int, hi: int = MAX_BYTES) -> Number:
     """argparse type: bytes lo..hi, e.g. 500M, 50G, 20GiB (parse_size)."""
     return Number(lo, hi, "size")
+
+
+# --prefetch's one check, in both commands' parsers: 0 (no read-ahead) to MAX_PREFETCH models.
+PREFETCH_COUNT = int_in(0, MAX_PREFETCH)
 
 
 def _number_text(value: float) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from esd_worker.core.errors import UsageError
-from esd_worker.core.flags import Parser, analysis_from_args
+from esd_worker.core.flags import PREFETCH, Parser, analysis_from_args
 from esd_worker.core.logs import LOG_FORMATS
 from esd_worker.core.settings import DEVICES, AnalysisSettings
 from esd_worker.core.workerparser import PROG, build_parser
@@ -56,7 +56,7 @@ class BatchOptions:
 
     run_id: str = ""
     max_retries: int = 2
-    prefetch: int = 1
+    prefetch: int = PREFETCH
     overwrite: bool = False
     skip_failed: bool = False
     shard_index: int | None = None

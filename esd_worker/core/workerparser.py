@@ -16,9 +16,10 @@ from pathlib import Path
 from esd_worker import __version__
 from esd_worker.core.flags import (
     HUB_RATE,
-    MAX_PREFETCH,
     MAX_RETRIES,
     MAX_ROWS,
+    PREFETCH,
+    PREFETCH_COUNT,
     Parser,
     add_analysis_flags,
     add_flag,
@@ -100,8 +101,9 @@ def build_parser(parser_class: type[Parser] = Parser) -> argparse.ArgumentParser
     add_flag(batch, "--overwrite", action="store_true", help="analyse models that are done")
     add_flag(batch, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record")
-    add_flag(batch, "--prefetch", type=int_in(0, MAX_PREFETCH), default=1, metavar="N",
-             help="models downloaded ahead while one is analysed (default 1; 0: none)")
+    add_flag(batch, "--prefetch", type=PREFETCH_COUNT, default=PREFETCH, metavar="N",
+             help=f"models downloaded ahead while one is analysed (default {PREFETCH}; 0: "
+             "none)")
     add_flag(batch, "--cache-budget", type=size_in(0), default=None, metavar="BYTES",
              help="disk for the model in progress and those ahead, e.g. 50G (default: half "
              "the free space where downloads go)")

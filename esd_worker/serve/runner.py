@@ -96,8 +96,8 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
               shard: Shard | None = None) -> int:
     """Analyse every model of --models or of `shard` (--shards), or of the requests on stdin
     with --serve; the exit code as the module docstring says."""
-    if args.prefetch < 0 or args.max_retries < 0:
-        raise UsageError("--prefetch and --max-retries must be >= 0")
+    if args.max_retries < 0:  # --prefetch is checked by its flag (flags.PREFETCH_COUNT)
+        raise UsageError("--max-retries must be >= 0")
     started = time.perf_counter()
     if args.serve:
         inbox = Inbox()
