@@ -30,7 +30,8 @@ from pathlib import Path
 
 from controller.gpu.gpurule import GpuRule, WeightShape, describe, width_from_params
 from controller.weights.sizing import Sizer
-from esd_worker.core.models.modellist import ModelRow, is_local_path, parse_ref
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import is_local_path, parse_ref
 from esd_worker.core.models.safetensors import (
     PREFIX_BYTES,
     Header,

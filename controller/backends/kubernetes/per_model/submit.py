@@ -28,7 +28,8 @@ from controller.backends.kubernetes.common.placement import Placement
 from controller.backends.kubernetes.common.settings import ClusterSettings, result_invocation
 from controller.backends.kubernetes.per_model.events import JobEvents
 from controller.backends.kubernetes.per_model.state import ModelState, ModelTable
-from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import parse_ref
 
 SizeFn = Callable[[ModelRow], int]
 Listed = Callable[[str], "ModelRow | None"]
