@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esd_worker.core.errors import PermanentModelError, WorkerError
-from esd_worker.core.models.naming import is_local_path, parse_ref, split_model_ref
+from esd_worker.core.models.naming import is_local_path, normalize_model_ref, parse_ref
 from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, weight_files
 from esd_worker.fetch.hub import (
     RetryPolicy,
@@ -92,7 +92,7 @@ def resolve_model(
     retry: RetryPolicy | None = None,
 ) -> ResolvedModel:
     """A local path (naming's rule: /, ./, ../, ~) as is; a hub id through the HF hub (the
-    cache only when offline). model_id and revision are split_model_ref's, the list's.
+    cache only when offline). model_id and revision are parse_ref's, the list's.
 
     cache_dir: the HF cache to download into (default: the user's, HF_HUB_CACHE).
     files: what `model_files(ref)` returned earlier: the download then needs no second
@@ -139,7 +139,7 @@ def model_files(
 def _local_dir(ref: str) -> tuple[str, Path]:
     """(id, directory) of a local reference: its one spelling, and that directory, or
     PermanentModelError when there is none."""
-    path, _ = split_model_ref(ref)
+    path = normalize_model_ref(ref)
     directory = Path(path)
     if not directory.is_dir():
         raise PermanentModelError(f"model not found: no directory {ref.strip()}")

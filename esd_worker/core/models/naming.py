@@ -77,12 +77,12 @@ def normalize_model_ref(ref: str) -> str:
 
 def split_model_ref(ref: str) -> tuple[str, str | None]:
     """(model id, revision) of a reference by the rule, without checking its syntax (that is
-    `parse_ref`'s): a local path is its `local_path` with no revision, '@' and all; a hub
-    reference splits at its last '@' when something stands on both sides of it (revision
-    None when not given)."""
+    `parse_ref`'s) or respelling it (`normalize_model_ref`'s): a local path is its own id
+    with no revision, '@' and all; a hub reference splits at its last '@' when something
+    stands on both sides of it (revision None when not given)."""
     ref = ref.strip()
     if is_local_path(ref):
-        return local_path(ref), None
+        return ref, None
     model_id, at, revision = ref.rpartition("@")
     if at and model_id and revision:
         return model_id, revision
@@ -91,8 +91,8 @@ def split_model_ref(ref: str) -> tuple[str, str | None]:
 
 def ref_key(ref: str) -> str:
     """The store key of a reference's results: `model_key` of its id and revision by the
-    rule, the key the list reader gives the same name's row."""
-    return model_key(*split_model_ref(ref))
+    rule, a path in its one spelling: the key the list reader gives the same name's row."""
+    return model_key(*split_model_ref(normalize_model_ref(ref)))
 
 
 def folder_warning(ref: str) -> str | None:
