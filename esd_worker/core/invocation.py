@@ -117,7 +117,7 @@ class WorkerInvocation:
         """The flags, one element per argument, in one order: the way work is given, the
         store, the model's key, log format and device, relation and base, the batch flags,
         the hub rate, the download folder, the analysis flags, then the switches. Raises
-        InvalidInvocation for a value no argv can say (problems())."""
+        InvalidInvocation for a value no argv can say (structure_problems())."""
         problems = self.structure_problems()
         if problems:
             raise InvalidInvocation("; ".join(problems))
