@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from controller.weights.weightmeta import WeightShape, width_from_params
 from esd_worker.core.flags import (
     MAX_GPUS_PER_MODEL,
     MINUTE_S,
@@ -54,25 +55,6 @@ SECONDS_PER_PARAM_WIDTH = GRAM_S_4096 / (MATRIX_AREA * 4096**3)  # c in t ≈ c�
 DEFAULT_MULTI_GPU_MINUTES = 20.0
 DEFAULT_MAX_GPUS_PER_JOB = 8
 AUTO = "auto"
-
-
-@dataclass(frozen=True)
-class WeightShape:
-    """What the rule needs of a model's weights: params (P, all tensors), width (n, the smaller
-    side of its largest 2-D/4-D weight: its Gram's width), where they came from ("column",
-    "local" or "hub") and width_inferred: the width is width_from_params' guess."""
-
-    params: int
-    width: int
-    source: str = "column"
-    width_inferred: bool = False
-
-
-def width_from_params(params: int) -> int:
-    """A transformer's hidden size from its parameter count alone, n ≈ 4096·(P / 7e9)^(1/3)
-    (Llama: 7B 4096, 13B 5040 for 5120, 70B 8820 for 8192, 405B 15850 for 16384): used when
-    no header says better."""
-    return max(1, round(4096 * (max(params, 0) / 7e9) ** (1 / 3)))
 
 
 def single_gpu_minutes(params: int, width: int) -> float:

@@ -1,18 +1,17 @@
-"""A model's weight shape before any download (parameters, its largest matrix), and its GPU count.
+"""A model's weight shape before any download: its parameters and its largest matrix's width.
 
-Owns where a WeightShape (controller.gpu.gpurule) comes from: the model list's num_params and
-matrix_dim columns; the safetensors headers of a local directory's weight files (parsed and
-checked by esd_worker.core.models.safetensors, as the worker's reader does: a header the
-worker refuses gives no shape here either; no tensor data is read); or the hub: the model
-info's parameter count (the Sizer's lookup, shared with sizes: no second call) and, only
-for a model big enough that its width can change the answer (GpuRule.width_matters: ~95B
-parameters and up at the default threshold), the header of its first safetensors file
-through Range requests (the first 100 kB, as huggingface_hub's get_safetensors_metadata
-does, then the rest if the header is longer).
-An adapter's shape is its base's: the worker analyses the merged matrices. GpuCounts puts
-shape and rule together: one count per model, one log line per multi-GPU model, unknown
-shapes (1 GPU) counted for one line at the end. Does not talk HTTP itself (the Sizer's
-client does, within its rate, retry and lookup limits; HF_HUB_OFFLINE=1: no request) or
+Owns the WeightShape (the GPU rule's input, controller.gpu.gpurule) and where it comes from:
+the model list's num_params and matrix_dim columns; the safetensors headers of a local
+directory's weight files (parsed and checked by esd_worker.core.models.safetensors, as the
+worker's reader does: a header the worker refuses gives no shape here either; no tensor data
+is read); or the hub: the model info's parameter count (the Sizer's lookup, shared with
+sizes: no second call) and, only for a model big enough that its width can change the
+answer (GpuRule.width_matters: ~95B parameters and up at the default threshold), the header
+of its first safetensors file through Range requests (the first 100 kB, as huggingface_hub's
+get_safetensors_metadata does, then the rest if the header is longer).
+An adapter's shape is its base's: the worker analyses the merged matrices. Does not talk
+HTTP itself (the Sizer's client does, within its rate, retry and lookup limits;
+HF_HUB_OFFLINE=1: no request), turn a shape into a GPU count (controller.gpu.counts) or
 decide which GPUs a worker gets (the backends).
 """
 
@@ -27,8 +26,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
-from controller.gpu.gpurule import GpuRule, WeightShape, describe, width_from_params
 from controller.weights.sizing import Sizer
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import is_local_path, parse_ref
@@ -50,7 +49,6 @@ MAX_PARAMS = 10**15  # 1000T parameters: a num_params past it is no model's
 MAX_WIDTH = 10**7  # a matrix_dim past it is no model's matrix
 FIRST_READ_BYTES = 100_001  # bytes=0-100000: one request holds ~97% of the hub's headers
 _WARNED = 5  # bad headers logged one by one; the rest only counted
-_COUNTED_KEYS = 100_000  # models remembered as counted in the stats (beyond: counted again)
 _COUNT = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBtT]?)\s*")
 _SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 
@@ -98,6 +96,33 @@ def local_shape(directory: Path) -> WeightShape | None:
     return WeightShape(params, max(h.width for h in headers) or 1, "local")
 
 
+@dataclass(frozen=True)
+class WeightShape:
+    """What the rule needs of a model's weights: params (P, all tensors), width (n, the smaller
+    side of its largest 2-D/4-D weight: its Gram's width), where they came from ("column",
+    "local" or "hub") and width_inferred: the width is width_from_params' guess."""
+
+    params: int
+    width: int
+    source: str = "column"
+    width_inferred: bool = False
+
+
+def width_from_params(params: int) -> int:
+    """A transformer's hidden size from its parameter count alone, n ≈ 4096·(P / 7e9)^(1/3)
+    (Llama: 7B 4096, 13B 5040 for 5120, 70B 8820 for 8192, 405B 15850 for 16384): used when
+    no header says better."""
+    return max(1, round(4096 * (max(params, 0) / 7e9) ** (1 / 3)))
+
+
+class WidthRule(Protocol):
+    """What the finder asks of the GPU rule (controller.gpu.gpurule.GpuRule): whether a
+    model of `params` parameters is big enough that its matrices' width can change its
+    GPU count (only then is a hub header worth its requests)."""
+
+    def width_matters(self, params: int) -> bool: ...
+
+
 @dataclass
 class ShapeStats:
     """Where the models' shapes came from (column, local, hub) and how many stayed unknown:
@@ -115,7 +140,7 @@ class ShapeFinder:
     rule.width_matters); None when nothing says (offline, lookup limit, a failed lookup, a
     bad header, an adapter whose base is not known)."""
 
-    def __init__(self, sizer: Sizer, rule: GpuRule) -> None:
+    def __init__(self, sizer: Sizer, rule: WidthRule) -> None:
         self.sizer = sizer
         self.rule = rule
         self._bad_headers = 0
@@ -227,58 +252,6 @@ class ShapeFinder:
             log.warning("model=%s: cannot read its weights' shape (%s): it gets one GPU%s",
                         row.ref, why, "; further ones are only counted" if count == _WARNED
                         else "")
-
-
-class GpuCounts:
-    """Each model's GPU count: its shape (`finder`) through `rule`, at most `cap` GPUs.
-
-    Logs the reason once per model that gets several GPUs; shapes that stay unknown get 1
-    and are counted (stats) for one line at the end (log_stats). Thread-safe: the local
-    backend asks from a look-ahead thread too."""
-
-    def __init__(self, rule: GpuRule, finder: ShapeFinder, cap: int) -> None:
-        self.rule = rule
-        self.finder = finder
-        self.cap = max(1, cap)
-        self.stats = ShapeStats()
-        self._logged: set[str] = set()
-        self._counted: set[str] = set()  # models in stats (a sharded plan asks twice)
-        self._lock = threading.Lock()
-
-    def __call__(self, row: ModelRow, listed: Listed | None = None) -> int:
-        return self.decide(row, listed)[0]
-
-    def decide(self, row: ModelRow,
-               listed: Listed | None = None) -> tuple[int, WeightShape | None]:
-        """(the model's GPU count, the shape it came from; None: not looked up or unknown)."""
-        if not self.rule.splits(self.cap):
-            return self.rule.base, None
-        shape = self.finder.shape(row, listed)
-        gpus = self.rule.gpus(shape, cap=self.cap)
-        with self._lock:
-            if row.key not in self._counted:
-                source = shape.source if shape is not None else "unknown"
-                setattr(self.stats, source, getattr(self.stats, source) + 1)
-                if len(self._counted) < _COUNTED_KEYS:
-                    self._counted.add(row.key)
-            first = gpus > 1 and shape is not None and row.key not in self._logged
-            if first:
-                self._logged.add(row.key)
-        if first and shape is not None:
-            log.info("%s", describe(row.ref, shape, gpus))
-        return gpus, shape
-
-    def log_stats(self) -> None:
-        """One line: how many models got several GPUs, and how many had no known shape."""
-        s = self.stats
-        if not (s.column or s.local or s.hub or s.unknown):
-            return
-        level = logging.WARNING if s.unknown else logging.INFO
-        log.log(level, "GPU rule: shapes of %d model(s) from the %s/%s columns, %d local, %d "
-                "from the hub; %d on several GPUs; %d of unknown shape got one GPU%s",
-                s.column, PARAMS_COLUMN, WIDTH_COLUMN, s.local, s.hub, len(self._logged),
-                s.unknown, f" (add a {PARAMS_COLUMN} column to the list to size them)"
-                if s.unknown else "")
 
 
 def _target(row: ModelRow, listed: Listed | None) -> ModelRow | None:

@@ -22,16 +22,18 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from controller.gpu.gpurule import GpuRule, WeightShape, width_from_params
+from controller.gpu.counts import GpuCounts
+from controller.gpu.gpurule import GpuRule
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import (
     FIRST_READ_BYTES,
-    GpuCounts,
     ShapeFinder,
     ShapeStats,
+    WeightShape,
     header_shape,
     local_shape,
     read_shape,
+    width_from_params,
 )
 from esd_worker.core.models.modellist import ModelRow, parse_ref
 from esd_worker.core.models.safetensors import HeaderError, parse_header

@@ -23,11 +23,12 @@ from controller.backends.local.needs import GpuNeeds
 from controller.backends.local.settings import LocalSettings
 from controller.backends.local.tasks import Job, Outcomes
 from controller.errors import SweepError
+from controller.gpu.counts import GpuCounts
 from controller.gpu.gpurule import GpuRule, describe
 from controller.gpu.gpus import GpuTracker, open_tracker
 from controller.progress import Progress
 from controller.weights.sizing import Sizer
-from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from controller.weights.weightmeta import ShapeFinder
 from esd_worker.core.invocation import SERVE
 from esd_worker.core.models.modellist import ModelRow
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from controller.backends.base import Task
-from controller.weights.weightmeta import GpuCounts
+from controller.gpu.counts import GpuCounts
 from esd_worker.core.models.modellist import ModelRow
 
 log = logging.getLogger("controller.backends.local.backend")

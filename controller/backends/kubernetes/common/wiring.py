@@ -19,8 +19,9 @@ from controller.backends.kubernetes.common.errors import sweep_errors
 from controller.backends.kubernetes.common.jobs import JobSettings
 from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
 from controller.errors import SweepError
+from controller.gpu.counts import GpuCounts
 from controller.weights.sizing import Sizer
-from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from controller.weights.weightmeta import ShapeFinder
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient

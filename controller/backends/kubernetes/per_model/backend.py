@@ -39,8 +39,8 @@ from controller.backends.kubernetes.per_model.events import JobEvents
 from controller.backends.kubernetes.per_model.state import ModelTable
 from controller.backends.kubernetes.per_model.submit import SizeFn, Submitter, model_job_settings
 from controller.errors import SweepError
+from controller.gpu.counts import GpuCounts
 from controller.progress import Progress
-from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.models.modellist import ModelRow
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class KubernetesBackend:
     the thread that called run). Retryable failures get a new Job `<name>-a<N>` up to
     max_retries times; a model is never submitted twice. kube: None only for a backend
     that dry-runs. own_kube: close() closes kube. scrape_fn, clock: for tests. size: a
-    model's weight bytes (requests); gpus: its GPU count (controller.weights.weightmeta.GpuCounts;
+    model's weight bytes (requests); gpus: its GPU count (controller.gpu.counts.GpuCounts;
     None: gpus_per_job for every Job).
     """
 

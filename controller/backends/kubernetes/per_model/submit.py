@@ -33,7 +33,7 @@ from esd_worker.core.models.naming import parse_ref
 
 SizeFn = Callable[[ModelRow], int]
 Listed = Callable[[str], "ModelRow | None"]
-GpuFn = Callable[[ModelRow, "Listed | None"], int]  # controller.weights.weightmeta.GpuCounts
+GpuFn = Callable[[ModelRow, "Listed | None"], int]  # controller.gpu.counts.GpuCounts
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient

@@ -37,9 +37,9 @@ from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures
 from controller.errors import SweepError
+from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
 from controller.progress import Progress
-from controller.weights.weightmeta import GpuCounts
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import read_failure
@@ -58,7 +58,7 @@ class ShardedBackend:
     classes: the resource classes models are sorted into
     (controller.backends.kubernetes.sharded.plan). size: a
     model's bytes (controller.weights.sizing.Sizer.size). gpus: a model's GPU count
-    (controller.weights.weightmeta.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
+    (controller.gpu.counts.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
     their own; None: every model to `classes`). poll_s: seconds between looks at the
     Jobs. clock / sleep: for tests.
     """

@@ -29,13 +29,14 @@ from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 from controller.backends.kubernetes.sharded.backend import ShardedBackend
 from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import write_shards
+from controller.gpu.counts import GpuCounts
 from controller.gpu.exporter import GpuReading, make_server
 from controller.gpu.gpurule import GpuRule
 from controller.gpu.gpus import GpuSettings
 from controller.run.recorder import Recorder
 from controller.settings import SweepSettings
 from controller.weights.sizing import Sizer
-from controller.weights.weightmeta import GpuCounts, ShapeFinder
+from controller.weights.weightmeta import ShapeFinder
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.stores import Store
 from tests.controller.test_weightmeta import llama_layers, write_st
