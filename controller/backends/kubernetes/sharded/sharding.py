@@ -38,7 +38,7 @@ from esd_worker.core.store.stores import Store
 log = logging.getLogger(__name__)
 
 SizeFn = Callable[[ModelRow], int]
-GpuFn = Callable[[ModelRow], int]  # the GPU rule's count of a model (controller.gpu.counts.GpuCounts)
+GpuFn = Callable[[ModelRow], int]  # a model's GPU count (controller.gpu.counts.GpuCounts)
 
 
 @dataclass
