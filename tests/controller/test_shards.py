@@ -31,7 +31,8 @@ from controller.backends.kubernetes.sharded.plan import (
     target_bytes,
     units,
 )
-from esd_worker.core.models.modellist import ModelRow, base_first, parse_ref, read_model_list
+from esd_worker.core.models.modellist import ModelRow, base_first, read_model_list
+from esd_worker.core.models.naming import parse_ref
 
 MB = 10**6
 GB = 10**9

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from controller.weights.sizing import SIZE_COLUMN, Sizer, SizeStats
-from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import parse_ref
 from esd_worker.core.ratelimit import TokenBucket
 from tests.support.hubserver import HubServer, Request
 

@@ -35,7 +35,8 @@ from controller.weights.weightmeta import (
     read_shape,
     width_from_params,
 )
-from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import parse_ref
 from esd_worker.core.models.safetensors import HeaderError, parse_header
 from tests.controller.test_sizing import FakeTime, clean_env  # noqa: F401  (autouse fixture)
 from tests.support.hubserver import HubServer

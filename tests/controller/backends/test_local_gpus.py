@@ -24,7 +24,8 @@ from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpurule import GpuRule
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
-from esd_worker.core.models.modellist import ModelRow, parse_ref
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.models.naming import parse_ref
 from tests.controller.backends.test_served import FAKE_WORKER, starts, workers
 from tests.controller.test_weightmeta import llama_layers, write_st
 from tests.support.hubserver import HubServer
