@@ -19,7 +19,7 @@ from controller.backends.base import Task
 from controller.gpu.counts import GpuCounts
 from esd_worker.core.models.modellist import ModelRow
 
-log = logging.getLogger("controller.backends.local.backend")
+log = logging.getLogger(__name__)
 
 LOOKAHEAD = 32  # hub models looked up ahead of dispatch at most: a stopped run wastes few
 

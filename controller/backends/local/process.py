@@ -31,7 +31,7 @@ from esd_worker.core.errors import EXIT_MEANINGS, classify_exit, signal_name
 from esd_worker.core.logs import open_private
 from esd_worker.core.redact import redact
 
-log = logging.getLogger("controller.backends.local.backend")
+log = logging.getLogger(__name__)
 
 STDERR_TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024

@@ -26,7 +26,7 @@ from controller.backends.local.tasks import Job
 from esd_worker.core.errors import signal_name
 from esd_worker.core.protocol import DONE, SKIPPED, Request, result_from
 
-log = logging.getLogger("controller.backends.local.backend")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

@@ -19,7 +19,7 @@ from controller.backends.local.process import Attempt, Ended
 from controller.progress import Progress
 from esd_worker.core.errors import EXIT_OK
 
-log = logging.getLogger("controller.backends.local.backend")
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
