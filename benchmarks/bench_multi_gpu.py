@@ -105,7 +105,7 @@ def run_analysis(model_dir: Path, devices: list[torch.device], *, precision: str
     """analyse_model_with on `devices` into a temporary store: its timings, device facts
     and what it wrote (layers.csv bytes, eigenvalues)."""
     from esd_worker.analysis.analyze import analyse_model_with
-    from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+    from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
     from esd_worker.core.store.results import eigs_from_npz
 
     with tempfile.TemporaryDirectory(prefix="esd-multi-gpu-") as out:

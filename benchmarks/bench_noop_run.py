@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_plan import fake_marker
 
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import read_model_list
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.marker import FileSeal, Marker
 
 LAYERS = b"model_id,revision,layer,alpha\n" + b"m,,layer,3.5\n" * 225

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from controller.run.plan import plan_run
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import read_model_list
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.stores import LocalStore
 

@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from controller.results.refit import RefitSettings, refit_store  # noqa: E402
+from esd_worker.core.command.settings import AnalysisSettings  # noqa: E402
 from esd_worker.core.models.naming import model_key  # noqa: E402
 from esd_worker.core.powerlaw import layer_metrics  # noqa: E402
-from esd_worker.core.settings import AnalysisSettings  # noqa: E402
 from esd_worker.core.store.layout import EIGS_NAME, write_model_result  # noqa: E402
 from esd_worker.core.store.marker import LAYERS_NAME, Marker  # noqa: E402
 from esd_worker.core.store.opener import open_store  # noqa: E402

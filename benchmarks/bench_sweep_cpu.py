@@ -106,7 +106,7 @@ def part_prefetch(work: Path) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from esd_worker.analysis.analyze import analyse_model
-    from esd_worker.core.settings import WorkerSettings
+    from esd_worker.core.command.settings import WorkerSettings
     from tests.support.hubserver import HubServer
 
     # Square 2048² layers in bf16: seconds of eigvalsh per model for 117 MB of weights, so

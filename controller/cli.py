@@ -31,9 +31,7 @@ from controller.results.summary import format_summary_table
 from controller.run.runlog import HeldLog
 from controller.run.sweep import models_status, run_commands, run_sweep
 from controller.settings import SweepSettings
-from esd_worker.core.errors import WorkerError
-from esd_worker.core.files import write_atomic
-from esd_worker.core.flags import (
+from esd_worker.core.command.flags import (
     HOUR_S,
     MAX_GPUS,
     MAX_RETRIES,
@@ -50,10 +48,12 @@ from esd_worker.core.flags import (
     int_in,
     size_in,
 )
+from esd_worker.core.command.settings import DEVICES
+from esd_worker.core.errors import WorkerError
+from esd_worker.core.files import write_atomic
 from esd_worker.core.logs import LOG_FORMATS, setup_logging
 from esd_worker.core.models.modellist import RELATIONS, make_single
 from esd_worker.core.redact import redact, redact_data
-from esd_worker.core.settings import DEVICES
 from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
 from esd_worker.core.store.opener import open_store
 

@@ -16,8 +16,8 @@ from controller.backends.local.settings import LocalSettings
 from controller.gpu.gpurule import GpuRule
 from controller.gpu.gpus import GpuSettings
 from controller.output.lease import LEASE_TTL_S
-from esd_worker.core.flags import PREFETCH
-from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.command.flags import PREFETCH
+from esd_worker.core.command.settings import AnalysisSettings
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from esd_worker.core.command.flags import analysis_from_args
+from esd_worker.core.command.settings import WorkerSettings
+from esd_worker.core.command.workerparser import build_parser  # the command's flags; also tests'
 from esd_worker.core.errors import (
     ERROR_PREFIX,
     Terminated,
@@ -26,14 +29,11 @@ from esd_worker.core.errors import (
     exit_code_for,
     failure_message,
 )
-from esd_worker.core.flags import analysis_from_args
 from esd_worker.core.logs import setup_logging
 from esd_worker.core.models.naming import folder_warning, normalize_model_ref, symlink_problem
 from esd_worker.core.ratelimit import TokenBucket
 from esd_worker.core.redact import redact
-from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.opener import open_store
-from esd_worker.core.workerparser import build_parser  # the command's flags; also tests'
 from esd_worker.fetch.hub import set_rate_limit
 from esd_worker.serve.runner import Shard, locate_shard, run_batch
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from controller.progress import Progress
-from esd_worker.core.flags import PREFETCH
-from esd_worker.core.invocation import BATCH_MODES, MODEL, BatchOptions, WorkerInvocation
+from esd_worker.core.command.flags import PREFETCH
+from esd_worker.core.command.invocation import BATCH_MODES, MODEL, BatchOptions, WorkerInvocation
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.settings import AnalysisSettings
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class WorkerSpec:
 
     def invocation(self, mode: str = MODEL, target: str = "", *,
                    device: str | None = None) -> WorkerInvocation:
-        """A worker of this run (esd_worker.core.invocation): its store, analysis, switches
+        """A worker of this run (esd_worker.core.command.invocation): its store, analysis, switches
         and log format, the run's batch flags in a batch mode; device None leaves --device
         out. With the default mode and no target, the template a backend gives each model
         (WorkerInvocation.for_model)."""

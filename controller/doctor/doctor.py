@@ -29,10 +29,10 @@ from controller.doctor.checks import FAIL, PASS, SKIP, Check, exit_status, repor
 from controller.doctor.local import WORKER_TIMEOUT_S, check_gpus, check_worker
 from controller.errors import SweepError
 from controller.gpu.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, GpuSettings
+from esd_worker.core.command.flags import HOUR_S, add_flag, float_in
+from esd_worker.core.command.settings import DEVICES
 from esd_worker.core.errors import WorkerError
-from esd_worker.core.flags import HOUR_S, add_flag, float_in
 from esd_worker.core.redact import redact
-from esd_worker.core.settings import DEVICES
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.stores import LocalStore
 

@@ -30,7 +30,7 @@ from controller.doctor.checks import FAIL, INFO, PASS, SKIP, Check
 from controller.errors import SweepError
 from controller.gpu.gpus import GpuSettings, GpuTracker, Nvml, NvmlUnavailable, inherited_allocation
 from controller.settings import SweepSettings
-from esd_worker.core.invocation import SELF_CHECK, WorkerInvocation
+from esd_worker.core.command.invocation import SELF_CHECK, WorkerInvocation
 from esd_worker.core.redact import redact
 
 WORKER_TIMEOUT_S = 120.0

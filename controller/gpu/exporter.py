@@ -61,7 +61,7 @@ from typing import Any
 
 from controller.gpu.dcgm import FB_FREE, FB_TOTAL, FB_USED
 from controller.gpu.gpus import NvmlUnavailable
-from esd_worker.core.flags import PORT, add_flag
+from esd_worker.core.command.flags import PORT, add_flag
 
 log = logging.getLogger(__name__)
 

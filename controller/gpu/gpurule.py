@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controller.weights.weightmeta import WeightShape, width_from_params
-from esd_worker.core.flags import (
+from esd_worker.core.command.flags import (
     MAX_GPUS_PER_MODEL,
     MINUTE_S,
     WEEK_S,

@@ -14,7 +14,7 @@ from typing import Any
 
 from controller.errors import InfrastructureError, SweepError
 from controller.gpu.allocation import VARIABLE, Allocation, needs_uuids, parse_visible_devices
-from esd_worker.core.flags import MAX_GPUS, float_in, int_in
+from esd_worker.core.command.flags import MAX_GPUS, float_in, int_in
 
 log = logging.getLogger(__name__)
 

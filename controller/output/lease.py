@@ -51,9 +51,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from controller.errors import EXIT_USAGE, InfrastructureError, SweepError
 from controller.output.tenure import Tenure
+from esd_worker.core.command.flags import WEEK_S, add_flag, float_in
 from esd_worker.core.errors import StoreError, StorePermanentError
 from esd_worker.core.files import NotRegularFileError, open_regular, same_file
-from esd_worker.core.flags import WEEK_S, add_flag, float_in
 from esd_worker.core.store.layout import LEASE_KEY
 from esd_worker.core.store.records import utc_now
 from esd_worker.core.store.stores import LocalStore, Store

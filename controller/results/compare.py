@@ -24,8 +24,8 @@ from controller.results.reader import (
     number,
     open_results,
 )
+from esd_worker.core.command.flags import add_flag
 from esd_worker.core.files import write_atomic
-from esd_worker.core.flags import add_flag
 from esd_worker.core.powerlaw import METRIC_COLUMNS
 from esd_worker.core.store.results import table_to_csv
 

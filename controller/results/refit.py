@@ -50,15 +50,15 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
+from esd_worker.core.command.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.errors import UsageError
-from esd_worker.core.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
 from esd_worker.core.powerlaw import (
     METRIC_COLUMNS,
     STATUS_FIT_FAILED,
     STATUS_OK,
     layer_metrics,
 )
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import model_file_key, refit_record_key, summary_key
 from esd_worker.core.store.marker import DamagedResult
 from esd_worker.core.store.results import layers_from_csv, layers_to_csv, summarize_layers

@@ -53,7 +53,7 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
-from esd_worker.core.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
+from esd_worker.core.command.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
 from esd_worker.core.store.layout import REPORT_PREFIX, is_tag
 from esd_worker.core.store.marker import DamagedResult
 from esd_worker.core.store.opener import open_store

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from controller.weights.hubclient import HubClient, HubInfo, LookupFailed
+from esd_worker.core.command.flags import MAX_BYTES, parse_size
 from esd_worker.core.echo import quoted
-from esd_worker.core.flags import MAX_BYTES, parse_size
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import is_local_path
 from esd_worker.core.models.weightfiles import weight_names

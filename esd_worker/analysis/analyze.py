@@ -37,10 +37,10 @@ from esd_worker.analysis.streams import (
     float_dtype,
     select_devices,
 )
+from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.errors import GpuOutOfMemoryError, PermanentModelError, WorkerError
 from esd_worker.core.models.naming import folder_warning, ref_key
 from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
-from esd_worker.core.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.store.layout import EIGS_NAME, write_model_result
 from esd_worker.core.store.marker import LAYERS_NAME, BaseModelRef, Marker, canonical_parameters
 from esd_worker.core.store.opener import open_store

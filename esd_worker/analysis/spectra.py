@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from esd_worker.analysis.layers import CONV1D, CONV2D
-from esd_worker.core.settings import PRECISIONS
+from esd_worker.core.command.settings import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ def gram_eigenvalues(
 
 
 def work_dtype(precision: str) -> torch.dtype:
-    """The dtype a weight is analysed in for --precision (esd_worker.core.settings.PRECISIONS):
+    """The dtype a weight is analysed in for --precision
+    (esd_worker.core.command.settings.PRECISIONS):
     the one map of precision to dtype (the analysis, its memory bound and speculation use
     it). ValueError for any other precision."""
     if precision not in PRECISIONS:

@@ -33,7 +33,7 @@ from esd_worker.analysis.layers import CONV2D, LINEAR, LayerSpec
 from esd_worker.analysis.lora import AdapterMatch
 from esd_worker.analysis.spectra import Spectrum, compute_spectrum, work_dtype
 from esd_worker.analysis.weights import Checkpoint
-from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.command.settings import AnalysisSettings
 
 log = logging.getLogger(__name__)
 

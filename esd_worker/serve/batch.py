@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
+from esd_worker.core.command.settings import WorkerSettings
 from esd_worker.core.errors import (
     ERROR_PREFIX,
     EXIT_OK,
@@ -45,7 +46,6 @@ from esd_worker.core.protocol import (
     event_line,
 )
 from esd_worker.core.redact import redact
-from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.layout import attempt_key, check_files, read_marker
 from esd_worker.core.store.marker import canonical_parameters
 from esd_worker.core.store.records import (

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esd_worker.core.command.settings import WorkerSettings
+from esd_worker.core.command.workerparser import SHARD_INDEX_ENV
 from esd_worker.core.errors import (
     EXIT_OK,
     EXIT_PERMANENT,
@@ -51,9 +53,7 @@ from esd_worker.core.errors import (
 )
 from esd_worker.core.protocol import Request, event_line
 from esd_worker.core.redact import redact
-from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.stores import Store
-from esd_worker.core.workerparser import SHARD_INDEX_ENV
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import Inbox, requests_from_list
 

@@ -3,7 +3,7 @@ finite number in the flag's range is argparse's usage error (exit 2) naming the 
 traceback, never accepted.
 
 The flags are read from the two parsers themselves (argparse's actions), so a numeric flag
-added later without a declared range (esd_worker.core.flags.Number) fails
+added later without a declared range (esd_worker.core.command.flags.Number) fails
 test_every_numeric_flag_declares_a_range, and is then checked by the rest like the others.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 from controller import cli as sweep_cli
 from esd_worker import cli as worker_cli
-from esd_worker.core.flags import Number, float_in, int_in, size_in
+from esd_worker.core.command.flags import Number, float_in, int_in, size_in
 
 # Metavars that say "a number": a flag with one of these and no type reads its value as text,
 # so nothing checks that it is finite or in range.

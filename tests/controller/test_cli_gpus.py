@@ -49,7 +49,8 @@ def test_no_parallel_gpu_makes_auto_give_one() -> None:
 ], ids=["threshold", "cap", "not-a-number"])
 def test_bad_values_are_usage_errors_naming_the_flag(
         flags: tuple[str, ...], why: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Refused by the flag's range (esd_worker.core.flags.Number) as argparse's usage error: a
+    """Refused by the flag's range (esd_worker.core.command.flags.Number) as argparse's usage
+    error: a
     week of minutes, at most 64 GPUs a model (several nodes'), or auto."""
     with pytest.raises(SystemExit) as e:
         settings_for(*flags)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from controller.run.plan import Plan, plan_run
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import marker_key
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord, write_failure

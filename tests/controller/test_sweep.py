@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import marker_key, write_model_result
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.stores import LocalStore

@@ -19,7 +19,7 @@ import torch
 
 from esd_worker.analysis.analyze import analyse_model_with
 from esd_worker.analysis.speculate import speculation_mode
-from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.store.results import eigs_from_npz
 from tests.support.builders import (
     make_llama,

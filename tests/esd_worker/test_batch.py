@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from esd_worker.core.command.settings import WorkerSettings
 from esd_worker.core.errors import (
     GpuOutOfMemoryError,
     PermanentModelError,
@@ -31,7 +32,6 @@ from esd_worker.core.protocol import (
     parse_op,
     result_from,
 )
-from esd_worker.core.settings import WorkerSettings
 from esd_worker.core.store.layout import (
     attempt_key,
     failure_key,

@@ -1,4 +1,4 @@
-"""esd_worker.core.invocation: a worker command line as a value, and back.
+"""esd_worker.core.command.invocation: a worker command line as a value, and back.
 
 Table-driven: every mode with every flag the controller passes (and the rest the worker
 takes). For each, parse(to_argv()) is the value again, and the `esd-worker` command's own
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from esd_worker.cli import build_parser
-from esd_worker.core.invocation import (
+from esd_worker.core.command.invocation import (
     MODEL,
     MODELS,
     SELF_CHECK,
@@ -25,7 +25,7 @@ from esd_worker.core.invocation import (
     parse,
     parse_command,
 )
-from esd_worker.core.settings import AnalysisSettings
+from esd_worker.core.command.settings import AnalysisSettings
 
 STORE = "s3://esd-results/atlas"
 TARGETS = {MODEL: "org/model@refs/pr/1", MODELS: "/lists/models.csv",

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.errors import StoreError
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import (
     EIGS_NAME,
     LayoutError,

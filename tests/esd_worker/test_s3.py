@@ -489,7 +489,7 @@ def test_worker_exits_4_without_marker_when_the_store_dies(
     assert [k.rsplit("/", 1)[1] for k in keys] == [LAYERS_NAME]  # not done: no result.json
 
     from esd_worker.analysis.analyze import analyse_model
-    from esd_worker.core.settings import WorkerSettings
+    from esd_worker.core.command.settings import WorkerSettings
 
     url = s3_server.url(run.bucket, PREFIX)
     marker = analyse_model(WorkerSettings(model=str(gpt2_dir), output=url, device="cpu"))

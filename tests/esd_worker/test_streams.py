@@ -31,6 +31,7 @@ from esd_worker.analysis.streams import (
     choose_devices,
     layer_peak_bytes,
 )
+from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.errors import (
     GpuOutOfMemoryError,
     PermanentModelError,
@@ -38,7 +39,6 @@ from esd_worker.core.errors import (
     exit_code_for,
     failure_message,
 )
-from esd_worker.core.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.store.results import eigs_from_npz
 from esd_worker.fetch.resolve import ResolvedModel
 from tests.support.builders import make_llama, make_lora_adapter

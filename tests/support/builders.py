@@ -426,7 +426,7 @@ def run_analysis(model: Path | str, output: Path, **settings: Any) -> WorkerResu
     defaults to cpu.
     """
     from esd_worker.analysis.analyze import analyse_model
-    from esd_worker.core.settings import AnalysisSettings, WorkerSettings
+    from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 
     analysis_fields = {f.name for f in dataclasses.fields(AnalysisSettings)}
     analysis = AnalysisSettings(**{k: v for k, v in settings.items() if k in analysis_fields})

@@ -23,10 +23,10 @@ from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.names import run_selector
 from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.per_model.backend import KubernetesBackend
-from esd_worker.core.invocation import WorkerInvocation
+from esd_worker.core.command.invocation import WorkerInvocation
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import write_model_result
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store

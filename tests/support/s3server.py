@@ -341,7 +341,7 @@ def seed_markers(bucket: str, prefix: str, keys_file: Path) -> int:
     from moto.core import DEFAULT_ACCOUNT_ID
     from moto.s3.models import s3_backends
 
-    from esd_worker.core.settings import AnalysisSettings
+    from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.store.layout import marker_key, model_file_key
     from esd_worker.core.store.marker import LAYERS_NAME, FileSeal, Marker, canonical_parameters
 

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
-from esd_worker.core.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.store.layout import write_model_result
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store

@@ -29,7 +29,7 @@ from controller.gpu.gpus import GpuTracker, open_tracker
 from controller.progress import Progress
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
-from esd_worker.core.invocation import SERVE
+from esd_worker.core.command.invocation import SERVE
 from esd_worker.core.models.modellist import ModelRow
 
 if TYPE_CHECKING:

@@ -64,7 +64,8 @@ class Marker:
     """`<model_key>/result.json`: a model is done, with these parameters, and how it went.
 
     model: the reference the worker was given (id[@rev] or a local path); model_key: its
-    folder. parameters: the analysis settings (esd_worker.core.settings.AnalysisSettings.as_dict).
+    folder. parameters: the analysis settings
+    (esd_worker.core.command.settings.AnalysisSettings.as_dict).
     summary: the across-layer statistics (esd_worker.core.store.results.summarize_layers), None in
     markers written before it existed. layers_name / eigs_name: the files beside it
     (eigs_name None: no eigenvalues stored). timings: seconds per phase (total_s, ...).

@@ -25,8 +25,8 @@ from controller.errors import SweepError
 from controller.gpu.gpus import GpuTracker
 from controller.progress import Progress
 from controller.run.commands import read_commands
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.settings import AnalysisSettings
 from tests.support.local import FAST, Concurrency, by_key, exit_task, make_task, make_tracker
 
 # --- builders -----------------------------------------------------------------------------------

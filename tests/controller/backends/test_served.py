@@ -16,8 +16,8 @@ import pytest
 from controller.backends.base import Outcome, Task, WorkerSpec
 from controller.backends.local.backend import LocalBackend, serve_argv
 from controller.backends.local.settings import LocalSettings
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import make_single
-from esd_worker.core.settings import AnalysisSettings
 from tests.support.local import FAST, by_key, make_tracker
 
 FAKE_WORKER = (sys.executable, "-m", "tests.support.served_worker")

@@ -29,9 +29,9 @@ from controller.results.refit import (
     refit_store,
     refit_tag,
 )
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.results import (
     eigs_from_npz,

@@ -22,8 +22,8 @@ from controller.results.summary import (
     summary_to_csv,
     write_summary,
 )
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import layers_from_csv, layers_to_csv
 from esd_worker.core.store.stores import LocalStore, Store

@@ -37,8 +37,8 @@ from controller.backends.kubernetes.common.names import (
     output_annotation,
 )
 from controller.backends.kubernetes.common.quantities import quantity_problem
+from esd_worker.core.command.invocation import MODEL, WorkerInvocation
 from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
-from esd_worker.core.invocation import MODEL, WorkerInvocation
 from esd_worker.core.models.naming import split_model_ref
 from esd_worker.core.redact import has_userinfo
 
@@ -95,7 +95,7 @@ class JobSettings:
     kueue_queue: LocalQueue name; the Job is created suspended and Kueue admits it.
     do_not_disrupt: ask Karpenter and the cluster autoscaler not to consolidate the node
     away from under a running worker.
-    worker: what every worker of the run is given (esd_worker.core.invocation; its log
+    worker: what every worker of the run is given (esd_worker.core.command.invocation; its log
     format "json" for cluster log pipelines, or "text"); each Job's is it with the Job's
     model or shards and store (pod_argv). Device None: cuda with GPUs, else cpu.
     """

@@ -14,7 +14,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from esd_worker.core.flags import parse_size
+from esd_worker.core.command.flags import parse_size
 
 GIB = 1024**3
 # Disk beyond two models: configs, the HF cache's bookkeeping, logs, a partial download.

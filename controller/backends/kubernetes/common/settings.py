@@ -3,7 +3,7 @@
 Owns ClusterSettings (built in controller.cli from flags and env), the instance label value
 that ties a sweep's Jobs to its output (the key is names.INSTANCE_LABEL), the environment
 passed through to workers, and which worker flags do not change a result (for adoption: the
-worker's command line is read as a value, esd_worker.core.invocation).
+worker's command line is read as a value, esd_worker.core.command.invocation).
 Pure: no Kubernetes client here.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from controller import __version__
 from controller.backends.kubernetes.common.jobs import JobSettings
 from controller.backends.kubernetes.common.resources import ResourceClass, disk_for, memory_for
-from esd_worker.core.flags import (
+from esd_worker.core.command.flags import (
     DAY_S,
     HOUR_S,
     HUB_RATE,
@@ -30,7 +30,7 @@ from esd_worker.core.flags import (
     int_in,
     size_in,
 )
-from esd_worker.core.invocation import InvalidInvocation, WorkerInvocation, parse_command
+from esd_worker.core.command.invocation import InvalidInvocation, WorkerInvocation, parse_command
 
 DEFAULT_NAMESPACE = "esd-sweep"
 DEFAULT_SERVICE_ACCOUNT = "esd-sweep-worker"

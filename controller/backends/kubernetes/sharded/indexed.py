@@ -37,8 +37,8 @@ from controller.backends.kubernetes.common.names import (
     check_ref,
     output_annotation,
 )
+from esd_worker.core.command.invocation import SHARDS
 from esd_worker.core.errors import EXIT_PERMANENT, EXIT_USAGE
-from esd_worker.core.invocation import SHARDS
 from esd_worker.core.redact import without_userinfo
 
 # Pods of an Indexed Job are named <job>-<index>-<5 random> and get the hostname

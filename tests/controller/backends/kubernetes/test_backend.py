@@ -27,9 +27,9 @@ from controller.backends.kubernetes.common.settings import ClusterSettings, swee
 from controller.backends.kubernetes.per_model.backend import KubernetesBackend
 from controller.errors import InfrastructureError, SweepError
 from controller.settings import SweepSettings
-from esd_worker.core.invocation import MODEL, WorkerInvocation
+from esd_worker.core.command.invocation import MODEL, WorkerInvocation
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import MARKER_NAME
 from esd_worker.core.store.stores import Store
 from tests.support.cluster import (

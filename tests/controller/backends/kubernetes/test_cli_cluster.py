@@ -27,9 +27,9 @@ from controller.backends.kubernetes.common.names import job_name
 from controller.backends.local.backend import worker_argv
 from controller.cli import main
 from controller.settings import SweepSettings
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.settings import AnalysisSettings
 from esd_worker.core.store.layout import MARKER_NAME
 from esd_worker.core.store.opener import open_store
 from tests.support import REPO_ROOT

@@ -37,8 +37,8 @@ from controller.backends.kubernetes.sharded.indexed import (
     server_too_old,
     shard_failure_policy,
 )
+from esd_worker.core.command.invocation import MODEL, BatchOptions, WorkerInvocation
 from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
-from esd_worker.core.invocation import MODEL, BatchOptions, WorkerInvocation
 from esd_worker.core.models.naming import model_key
 
 K8S_VERSIONS = ("1.31.0", "1.37.0")

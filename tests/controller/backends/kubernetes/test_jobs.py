@@ -35,9 +35,9 @@ from controller.backends.kubernetes.common.names import (
     run_selector,
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
-from esd_worker.core.invocation import MODEL, WorkerInvocation
+from esd_worker.core.command.invocation import MODEL, WorkerInvocation
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.naming import model_key, split_model_ref
-from esd_worker.core.settings import AnalysisSettings
 
 OLDEST = "1.31.0"
 NEWEST = all_versions()[-1]

@@ -2,7 +2,7 @@
 
 Owns which flags the worker takes, their types, ranges, defaults and help. The command
 (esd_worker.cli) parses with it and acts; the controller reads and writes worker command
-lines with it (esd_worker.core.invocation), so the two can never disagree about a flag.
+lines with it (esd_worker.core.command.invocation), so the two can never disagree about a flag.
 Does not own what a flag means once parsed (the worker's modules) or how a command line is
 assembled (invocation).
 """
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from esd_worker import __version__
-from esd_worker.core.flags import (
+from esd_worker.core.command.flags import (
     HUB_RATE,
     MAX_RETRIES,
     MAX_ROWS,
@@ -27,8 +27,8 @@ from esd_worker.core.flags import (
     int_in,
     size_in,
 )
+from esd_worker.core.command.settings import DEVICES
 from esd_worker.core.logs import LOG_FORMATS
-from esd_worker.core.settings import DEVICES
 
 PROG = "esd-worker"
 SHARD_INDEX_ENV = "JOB_COMPLETION_INDEX"  # Kubernetes sets it in every pod of an Indexed Job

@@ -3,7 +3,7 @@
 Owns WorkerInvocation (the way work is given: one `--model`, `--models FILE`, `--shards URL`,
 `--serve` or `--self-check`; the store; the analysis settings; device, log format, hub rate
 and the batch flags), the argv it is (`to_argv`, flags in one fixed order) and reading an
-argv back (`parse`, with the command's own parser, esd_worker.core.workerparser, so the two
+argv back (`parse`, with the command's own parser, esd_worker.core.command.workerparser, so the two
 never disagree about a flag). Every worker command the controller starts or prints goes
 through here. Does not own what a flag means (the worker's modules), which device or flags a
 backend picks (the backends), nor which flags change a result (the Kubernetes backend's
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from esd_worker.core.command.flags import PREFETCH, Parser, analysis_from_args
+from esd_worker.core.command.settings import DEVICES, AnalysisSettings
+from esd_worker.core.command.workerparser import PROG, build_parser
 from esd_worker.core.errors import UsageError
-from esd_worker.core.flags import PREFETCH, Parser, analysis_from_args
 from esd_worker.core.logs import LOG_FORMATS
-from esd_worker.core.settings import DEVICES, AnalysisSettings
-from esd_worker.core.workerparser import PROG, build_parser
 
 MODEL = "model"
 MODELS = "models"

@@ -11,11 +11,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
+from esd_worker.core.command.settings import PRECISIONS, AnalysisSettings
 from esd_worker.core.echo import quoted
 from esd_worker.core.errors import EXIT_USAGE
 from esd_worker.core.powerlaw import FIX_FINGERS
 from esd_worker.core.redact import redact
-from esd_worker.core.settings import PRECISIONS, AnalysisSettings
 
 
 class UsageExit(SystemExit):
