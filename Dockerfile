@@ -7,7 +7,7 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY esd_worker ./esd_worker
 COPY controller ./controller
 RUN python -m pip install --no-cache-dir pip==26.3 \
@@ -16,9 +16,11 @@ RUN python -m pip install --no-cache-dir pip==26.3 \
 FROM ${PYTHON_IMAGE} AS controller
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
 COPY --from=build /wheels /wheels
+COPY --from=build /src/constraints.txt /wheels/constraints.txt
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir pip==26.3 \
-    && /opt/venv/bin/pip install --no-cache-dir "$(ls /wheels/esd_sweep-*.whl)[s3,kube]" \
+    && /opt/venv/bin/pip install --no-cache-dir -c /wheels/constraints.txt \
+        "$(ls /wheels/esd_sweep-*.whl)[s3,kube]" \
     && rm -rf /wheels \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin esd
 COPY image/entrypoint.sh /usr/local/bin/entrypoint.sh
@@ -32,11 +34,14 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/hf HF_HUB_DISABLE_TELEMETRY=1 \
     NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=build /wheels /wheels
+COPY --from=build /src/constraints.txt /wheels/constraints.txt
 # torch==2.13.0 from PyPI is the CUDA build on linux/x86_64 (its CUDA libraries come as
-# nvidia-* wheels); the driver comes from the node through the NVIDIA container runtime.
+# nvidia-* wheels, which torch pins itself); the driver comes from the node through the
+# NVIDIA container runtime. Every other version is constraints.txt's.
 RUN python -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir pip==26.3 \
-    && /opt/venv/bin/pip install --no-cache-dir "$(ls /wheels/esd_sweep-*.whl)[worker,s3]" \
+    && /opt/venv/bin/pip install --no-cache-dir -c /wheels/constraints.txt \
+        "$(ls /wheels/esd_sweep-*.whl)[worker,s3]" \
     && rm -rf /wheels \
     && useradd --uid 1000 --create-home --shell /usr/sbin/nologin esd \
     && mkdir -p /cache/hf && chown 1000:1000 /cache/hf

@@ -8,10 +8,11 @@ RESULTS ?= results
 
 .PHONY: setup run example test test-fast lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+# Exact versions from constraints.txt (pyproject.toml holds only ranges).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3
-	$(PY) -m pip install --quiet -e ".[worker,s3,kube,report,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[worker,s3,kube,report,dev]"
 	$(PY) -m pip check
 	touch $@
 
