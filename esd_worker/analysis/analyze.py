@@ -34,9 +34,9 @@ from esd_worker.analysis.streams import (
     Streams,
     check_fits,
     device_capacity,
-    float_dtype,
     select_devices,
 )
+from esd_worker.analysis.weights import float_dtype
 from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.errors import GpuOutOfMemoryError, PermanentModelError, WorkerError
 from esd_worker.core.models.naming import folder_warning, ref_key

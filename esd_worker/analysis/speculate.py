@@ -32,14 +32,11 @@ import torch
 from esd_worker.analysis.layers import CONV2D, LINEAR, LayerSpec
 from esd_worker.analysis.lora import AdapterMatch
 from esd_worker.analysis.spectra import Spectrum, compute_spectrum, work_dtype
-from esd_worker.analysis.weights import Checkpoint
+from esd_worker.analysis.weights import Checkpoint, float_dtype
 from esd_worker.core.command.settings import AnalysisSettings
 
 log = logging.getLogger(__name__)
 
-# safetensors dtype names (and torch's, for .bin checkpoints) the analysis upcasts exactly.
-FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64",
-                          "float16", "bfloat16", "float32", "float64"})
 # Analysed only with --include-embeddings; the largest matrices of a language model, so not
 # worth guessing at otherwise. (A tied lm_head is read from the embedding: normal path.)
 _EMBEDDING_NAME = re.compile(r"(embed|wte|wpe)", re.IGNORECASE)
@@ -75,7 +72,7 @@ def candidate_keys(ckpt: Checkpoint, analysis: AnalysisSettings) -> list[str]:
     keys = []
     for key in ckpt.keys():  # noqa: SIM118 - Checkpoint is not a Mapping
         shape = ckpt.shape(key)
-        if len(shape) not in (2, 4) or ckpt.dtype(key) not in FLOAT_DTYPES:
+        if len(shape) not in (2, 4) or float_dtype(ckpt.dtype(key)) is None:
             continue
         if min(shape[0], shape[1]) < analysis.min_evals:
             continue  # too_small: the normal path reports it without any linear algebra

@@ -82,18 +82,6 @@ def select_devices(requested: str, parallel: bool) -> list[torch.device]:
 
 # --- how much memory one layer needs --------------------------------------------------------
 
-_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-                 "F64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "float32": torch.float32, "float64": torch.float64}
-
-
-def float_dtype(name: str) -> torch.dtype | None:
-    """The torch dtype of a checkpoint dtype name (esd_worker.analysis.weights.Checkpoint.dtype),
-    None
-    where the analysis computes nothing on the device (integers, float8: a status row)."""
-    return _FLOAT_DTYPES.get(name)
-
-
 def layer_peak_bytes(
     shape: Sequence[int], layer_type: str, precision: str, stored: torch.dtype
 ) -> int:

@@ -152,6 +152,20 @@ _DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+# What the analysis upcasts exactly, by the name Checkpoint.dtype gives: safetensors' codes,
+# and torch's names for .bin checkpoints. Integers and float8 get a status row instead.
+_FLOATS: dict[str, torch.dtype] = {
+    **{code: _DTYPES[code] for code in ("F16", "BF16", "F32", "F64")},
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+def float_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a checkpoint dtype name (Checkpoint.dtype) the analysis computes on;
+    None for the others (integers, float8: a status row, nothing on the device). The one
+    answer for the memory bound (streams), speculation and the analysis."""
+    return _FLOATS.get(name)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from esd_worker.analysis.weights import SafetensorsFile
+from esd_worker.analysis.weights import Checkpoint, SafetensorsFile, float_dtype
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -121,3 +121,21 @@ def test_concurrent_reads_get_their_own_tensors(tmp_path: Path) -> None:
     got["t0"].add_(1)  # a tensor of its own: writable, and the next read is unchanged
     assert torch.equal(reader.read("t0"), tensors["t0"])
     reader.close()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize(("dtype", "analysed"), [
+    (torch.float16, True), (torch.bfloat16, True), (torch.float32, True),
+    (torch.float64, True), (torch.int8, False), (torch.float8_e4m3fn, False),
+])
+def test_the_name_a_checkpoint_gives_a_dtype_says_whether_it_is_analysed(
+        tmp_path: Path, fmt: str, dtype: torch.dtype, analysed: bool) -> None:
+    """float_dtype reads both spellings Checkpoint.dtype gives (safetensors' codes, torch's
+    names for .bin files) the same way: the memory bound, speculation and the analysis ask it."""
+    tensor = torch.ones(4, 4).to(dtype)
+    if fmt == "safetensors":
+        save_file({"w": tensor}, str(tmp_path / "model.safetensors"))
+    else:
+        torch.save({"w": tensor}, tmp_path / "pytorch_model.bin")
+    with Checkpoint(tmp_path) as ckpt:
+        assert float_dtype(ckpt.dtype("w")) == (dtype if analysed else None)
