@@ -10,6 +10,7 @@ its spelling and its key are esd_worker.core.models.naming's, which every row go
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -357,16 +358,32 @@ class FolderWarnings:
     def __init__(self, emit: Callable[[str], None]) -> None:
         self._shown = LineCap(emit, what="hub id(s) that are also folders here",
                               hint=" (write ./name to analyse a folder)")
+        self._here = _folders_here()
 
     def __call__(self, row: ModelRow) -> None:
-        # A local row is a folder by the rule: no warning, and no stat of the disk.
-        if not is_local_path(row.model_id):
-            warning = folder_warning(row.ref)
-            if warning is not None:
-                self._shown(warning)
+        # A local row is a folder by the rule: no warning, and no stat of the disk. A hub
+        # id can name a folder here only if its first part does: one listing of the working
+        # directory spares a 2M-row list its 2M stats (~5 us each).
+        if is_local_path(row.model_id):
+            return
+        if self._here is not None and row.ref.split("/", 1)[0] not in self._here:
+            return
+        warning = folder_warning(row.ref)
+        if warning is not None:
+            self._shown(warning)
 
     def close(self) -> None:
         self._shown.close()
+
+
+def _folders_here() -> frozenset[str] | None:
+    """The names in the working directory that are folders (or links to one), as
+    os.path.isdir sees them; None when it cannot be listed (then every name is looked at)."""
+    try:
+        with os.scandir(".") as entries:
+            return frozenset(e.name for e in entries if e.is_dir())
+    except OSError:
+        return None
 
 
 def make_single(ref: str, *, relation: str = "", source_model: str | None = None) -> ModelList:
