@@ -172,18 +172,13 @@ class WorkerInvocation:
         """The problems of a template that a backend completes per worker with a mode,
         target and store (a Job's model, a shard folder): an unknown device or log format,
         a line break in a value (a Job's argv is read in logs and `kubectl get -o yaml`)."""
-        texts = {"model_key": self.model_key, "relation": self.relation,
-                 "base_model": self.base_model, "batch.run_id": self.batch.run_id,
-                 "batch.cache_dir": self.batch.cache_dir}
-        return self._choice_problems() + _line_problems(texts)
+        return self._choice_problems() + self._line_problems()
 
     def problems(self) -> list[str]:
         """Every reason the worker would refuse this command line, or a line break in it,
         each naming its field or flag (empty: the worker's parser takes it, and it reads
         back as this value)."""
-        out = self.structure_problems()
-        out += _line_problems({"target": self.target, "output": self.output})
-        out += self.flag_problems()[len(self._choice_problems()):]
+        out = self.structure_problems() + self._line_problems(whole=True)
         try:
             self.analysis.validate()
         except UsageError as e:
@@ -196,6 +191,17 @@ class WorkerInvocation:
             return [str(e)]
         return [] if back == self else [f"does not read back from its argv: {self!r}"]
 
+    def _line_problems(self, *, whole: bool = False) -> list[str]:
+        """A line break in a text value: the flags' (a template's), and with `whole` the
+        mode's target and the store too."""
+        texts: dict[str, str | None] = (
+            {"target": self.target, "output": self.output} if whole else {})
+        texts |= {"model_key": self.model_key, "relation": self.relation,
+                  "base_model": self.base_model, "batch.run_id": self.batch.run_id,
+                  "batch.cache_dir": self.batch.cache_dir}
+        return [f"{name}: must be a single-line string" for name, text in texts.items()
+                if text is not None and _LINE_BREAK.search(text)]
+
     def _choice_problems(self) -> list[str]:
         out: list[str] = []
         if self.device is not None and self.device not in DEVICES:
@@ -204,11 +210,6 @@ class WorkerInvocation:
             out.append(f"log_format: {self.log_format!r} must be one of "
                        f"{', '.join(LOG_FORMATS)}")
         return out
-
-
-def _line_problems(texts: dict[str, str | None]) -> list[str]:
-    return [f"{name}: must be a single-line string" for name, text in texts.items()
-            if text is not None and _LINE_BREAK.search(text)]
 
 
 def parse(argv: Sequence[str]) -> WorkerInvocation:
