@@ -20,20 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from esd_worker.core.errors import PermanentModelError, WorkerError
+from esd_worker.core.hubretry import RetryPolicy
 from esd_worker.core.models.naming import is_local_path, normalize_model_ref, parse_ref
 from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, weight_files
-from esd_worker.fetch.hub import (
-    RetryPolicy,
-    classify_hub_error,
-    download_files,
-    model_info,
-    repo_cache_dir,
-)
-
-__all__ = [
-    "ModelFiles", "ResolvedModel", "RetryPolicy", "classify_hub_error", "model_files",
-    "repo_cache_dir", "resolve_model",
-]
+from esd_worker.fetch.hub import classify_hub_error, download_files, model_info
 
 log = logging.getLogger(__name__)
 

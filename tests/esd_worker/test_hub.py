@@ -34,7 +34,8 @@ _CLIENT = r"""
 import json, os, sys, time
 from pathlib import Path
 from esd_worker.core.errors import WorkerError
-from esd_worker.fetch.resolve import RetryPolicy, model_files, resolve_model
+from esd_worker.core.hubretry import RetryPolicy
+from esd_worker.fetch.resolve import model_files, resolve_model
 
 job = json.loads(sys.argv[1])
 retry = RetryPolicy(**job["retry"]) if job.get("retry") else None

@@ -11,7 +11,8 @@ import pytest
 
 from esd_worker.core.errors import PermanentModelError, TransientError
 from esd_worker.core.models.naming import model_key, ref_key
-from esd_worker.fetch.resolve import classify_hub_error, resolve_model
+from esd_worker.fetch.hub import classify_hub_error
+from esd_worker.fetch.resolve import resolve_model
 from tests.support.builders import BackgroundRun, CliResult
 from tests.support.hub import HUB_ADAPTER_REPO, HUB_MISSING_REPO, HUB_REPO, HubCache
 
