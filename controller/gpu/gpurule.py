@@ -5,21 +5,8 @@ Owns the rule and its settings (`--gpus-per-job N|auto`, `--multi-gpu-minutes`,
 where a model's shape comes from (a list column, safetensors headers on disk or on the hub)
 is controller.weights.weightmeta's; which GPUs a worker gets is the backends'.
 
-The estimate. Layers are independent and a layer's cost is the eigensolver on its Gram
-matrix, whose width is the smaller side n of the weight matrix: cost ∝ n³. Measured on an
-H100: 89 ms for a 4096² Gram (float32 Gram + eigvalsh). A model of P parameters whose
-largest matrices have smaller side n holds about P / (A·n²) matrices of that width, where
-A is their average area in units of n²: A ≈ 2 for transformers (Llama-2-70B: 560 matrices,
-P / n² ≈ 1040 at n = 8192, so A ≈ 1.9; Llama-3.1-405B: 882 matrices, P / n² ≈ 1510 at
-n = 16384, A ≈ 1.7). So
-
-    t ≈ P / (A·n²) · 0.089 s · (n / 4096)³ = c · P · n,   c = 0.089 s / (A · 4096³)
-
-which gives ~6 minutes for a 70B model (n = 8192) and ~72 minutes for a 405B (n = 16384)
-on one H100. It counts the eigensolver only (downloads, reading and the Gram products come
-on top) and is an H100 figure: replace GRAM_S_4096 with the benchmark's figure for the
-GPUs you run on (benchmarks/bench_worker.py). Smaller matrices (GQA's k/v projections)
-make it an overestimate, which errs towards more GPUs for the biggest models only.
+The estimate (esd_worker.core.estimate): the eigensolver time of the whole model on one
+H100, c·P·n; ~6 minutes for a 70B model, ~72 for a 405B.
 
 The count: 1 while t ≤ the threshold (`--multi-gpu-minutes`, default 20), else
 ceil(t / threshold), so that each GPU gets at most about a threshold's worth of work,
@@ -38,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from controller.weights.weightmeta import WeightShape, width_from_params
+from controller.weights.weightmeta import WeightShape
 from esd_worker.core.command.flags import (
     MAX_GPUS_PER_MODEL,
     MINUTE_S,
@@ -48,18 +35,11 @@ from esd_worker.core.command.flags import (
     float_in,
     int_in,
 )
+from esd_worker.core.estimate import single_gpu_minutes, width_from_params
 
-GRAM_S_4096 = 0.089  # s: one 4096x4096 float32 Gram's eigvalsh on an H100 (measured)
-MATRIX_AREA = 2.0  # a transformer's matrices average ~2 n² (see the module docstring)
-SECONDS_PER_PARAM_WIDTH = GRAM_S_4096 / (MATRIX_AREA * 4096**3)  # c in t ≈ c·P·n
 DEFAULT_MULTI_GPU_MINUTES = 20.0
 DEFAULT_MAX_GPUS_PER_JOB = 8
 AUTO = "auto"
-
-
-def single_gpu_minutes(params: int, width: int) -> float:
-    """The estimated eigensolver time of the whole model on one GPU, minutes (c·P·n)."""
-    return SECONDS_PER_PARAM_WIDTH * params * width / 60
 
 
 # argparse type of --gpus-per-job: "auto" (None) or a whole number of GPUs.

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from controller.weights.sizing import Sizer
+from esd_worker.core.estimate import width_from_params
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import is_local_path, parse_ref
 from esd_worker.core.models.safetensors import (
@@ -106,13 +107,6 @@ class WeightShape:
     width: int
     source: str = "column"
     width_inferred: bool = False
-
-
-def width_from_params(params: int) -> int:
-    """A transformer's hidden size from its parameter count alone, n ≈ 4096·(P / 7e9)^(1/3)
-    (Llama: 7B 4096, 13B 5040 for 5120, 70B 8820 for 8192, 405B 15850 for 16384): used when
-    no header says better."""
-    return max(1, round(4096 * (max(params, 0) / 7e9) ** (1 / 3)))
 
 
 class WidthRule(Protocol):

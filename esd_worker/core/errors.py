@@ -17,6 +17,7 @@ EXIT_USAGE = 2
 EXIT_PERMANENT = 3
 EXIT_TRANSIENT = 4
 EXIT_GPU_OOM = 5
+EXIT_DEVICE = 6  # the device or node is broken: no model is charged; run elsewhere
 FAILURE_CHARS = 2000  # a failure line at most (echo adds the count of what was cut)
 
 
@@ -75,6 +76,15 @@ class GpuOutOfMemoryError(WorkerError):
     exit_code = EXIT_GPU_OOM
 
 
+class DeviceError(WorkerError):
+    """The GPU (or the node under it) cannot be used: CUDA unavailable although asked for,
+    a self-check that fails, an error that poisons the CUDA context, an Xid-class fault.
+    Never a model's failure: the worker records nothing against the model in progress and
+    exits EXIT_DEVICE so that its work runs elsewhere."""
+
+    exit_code = EXIT_DEVICE
+
+
 class Terminated(BaseException):
     """SIGTERM (eviction, preemption, the controller stopping or dying): exit 4, no result.
 
@@ -105,6 +115,7 @@ EXIT_CLASSES: dict[int, tuple[str, bool]] = {
     EXIT_PERMANENT: (PermanentModelError.__name__, False),
     EXIT_TRANSIENT: (TransientError.__name__, True),
     EXIT_GPU_OOM: (GpuOutOfMemoryError.__name__, True),
+    EXIT_DEVICE: (DeviceError.__name__, True),
 }
 KILLED_BY_SIGNAL = ("KilledBySignal", True)
 WORKER_CRASHED = ("WorkerCrashed", False)
@@ -115,6 +126,7 @@ EXIT_MEANINGS = {
     PermanentModelError.__name__: "retrying cannot help",
     TransientError.__name__: "network, storage or preemption trouble",
     GpuOutOfMemoryError.__name__: "the GPU ran out of memory",
+    DeviceError.__name__: "the GPU or its node is broken (not the model's fault)",
     WORKER_CRASHED[0]: "the worker failed outside its own error handling",
 }
 
@@ -122,7 +134,8 @@ EXIT_MEANINGS = {
 def classify_exit(exit_code: int | None, signal: int | None) -> tuple[str, bool]:
     """(error class name, retryable) for how a worker ended.
 
-    0 → ("", False); 2 usage, 3 permanent: not retryable; 4 transient, 5 GPU OOM: retryable.
+    0 → ("", False); 2 usage, 3 permanent: not retryable; 4 transient, 5 GPU OOM, 6 device
+    fault: retryable.
     A signal kill counts as transient (preemption, OOM killer, Ctrl+C): that includes a
     negative exit code (subprocess's -N for signal N) and 129..192 (128+N, what shells and
     container runtimes report, e.g. 137 for SIGKILL). Any other code: WorkerCrashed, not

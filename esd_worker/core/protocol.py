@@ -12,6 +12,13 @@ line belongs to. Pure (no torch, no store): the controller imports it.
         {"event": "ready", "pid": P}                       imports done, taking requests
         {"event": "start", "key": K}                       K is being analysed: a crash now is K's
                                                            (none for a model found done)
+        {"event": "progress", "key": K, "layers": L,
+         "bytes": B}                                       a heartbeat: a weight file fetched
+                                                           or a layer analysed (L layers done
+                                                           so far; B the model's bytes once
+                                                           known, else null): "hung" is no
+                                                           such line for a while
+                                                           (esd_worker.core.watchdog)
         {"event": "result", "key": K, "status": S, "exit_code": C, "error": E,
          "retryable": B, "seconds": T}                     S: done, failed or skipped
 
@@ -133,6 +140,14 @@ def result_from(doc: dict[str, Any]) -> Result:
 
 def event_line(event: str, **fields: Any) -> str:
     return json.dumps({"event": event, **fields}, ensure_ascii=False) + "\n"
+
+
+PROGRESS = "progress"
+
+
+def progress_line(key: str, *, layers: int, size_bytes: int | None = None) -> str:
+    """The heartbeat of the model in progress (the watch resets its no-progress timer)."""
+    return event_line(PROGRESS, key=key, layers=layers, bytes=size_bytes)
 
 
 def begin_line(key: str, attempt: int) -> str:

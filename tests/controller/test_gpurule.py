@@ -17,9 +17,8 @@ from controller.gpu.gpurule import (
     WeightShape,
     describe,
     parse_gpus_per_job,
-    single_gpu_minutes,
-    width_from_params,
 )
+from esd_worker.core.estimate import single_gpu_minutes, width_from_params
 
 LLAMA_70B = WeightShape(70 * 10**9, 8192)
 LLAMA_405B = WeightShape(405 * 10**9, 16384)

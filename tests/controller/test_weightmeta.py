@@ -33,8 +33,8 @@ from controller.weights.weightmeta import (
     header_shape,
     local_shape,
     read_shape,
-    width_from_params,
 )
+from esd_worker.core.estimate import width_from_params
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import parse_ref
 from esd_worker.core.models.safetensors import HeaderError, parse_header
