@@ -5,7 +5,7 @@ Owns the rule and its settings (`--gpus-per-job N|auto`, `--multi-gpu-minutes`,
 where a model's shape comes from (a list column, safetensors headers on disk or on the hub)
 is controller.weights.weightmeta's; which GPUs a worker gets is the backends'.
 
-The estimate (esd_worker.core.estimate): the eigensolver time of the whole model on one
+The estimate t (esd_worker.core.estimate): the eigensolver time of the whole model on one
 H100, c·P·n; ~6 minutes for a 70B model, ~72 for a 405B.
 
 The count: 1 while t ≤ the threshold (`--multi-gpu-minutes`, default 20), else
