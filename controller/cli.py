@@ -43,6 +43,7 @@ from esd_worker.core.command.flags import (
     UsageExit,
     add_analysis_flags,
     add_flag,
+    add_model_timeout_flag,
     analysis_from_args,
     float_in,
     int_in,
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(running, "--cache-dir", default=None, metavar="DIR",
              help="workers download here and delete a model's files once no later model "
              "needs them (default: the HF cache, never evicted)")
+    add_model_timeout_flag(running)
     add_cluster_flags(kube)
     add_flag(output, "--report", type=Path, metavar="FILE.json",
              help="also write the run's outcome (counts, failures with reasons, summary "
@@ -308,6 +310,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         prefetch=getattr(args, "prefetch", PREFETCH),
         cache_budget=getattr(args, "cache_budget", None),
         cache_dir=getattr(args, "cache_dir", None),
+        model_timeout=getattr(args, "model_timeout", None),
         summary=not getattr(args, "no_summary", False),
         wait_lock_s=getattr(args, "wait_lock", None),
         parallel_gpu=getattr(args, "parallel_gpu", True),

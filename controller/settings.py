@@ -33,6 +33,8 @@ class SweepSettings:
     `cluster`). dry_run: print what would be started (commands or Jobs), start nothing.
     prefetch / cache_budget / cache_dir: the long-lived workers' read-ahead (models, bytes)
     and their own download directory (esd-worker --prefetch, --cache-budget, --cache-dir).
+    model_timeout: the floor of a model's no-progress limit in a long-lived worker, seconds
+    (--model-timeout; None: esd_worker.core.watchdog's default).
     summary: rebuild summary.csv at the end (it reads every done model's marker: a list of
     millions may leave it to a later `esd-sweep report`).
     wait_lock_s: when another sweep holds the output (controller.output.lease), seconds to wait for
@@ -74,6 +76,7 @@ class SweepSettings:
     prefetch: int = PREFETCH
     cache_budget: int | None = None
     cache_dir: str | None = None
+    model_timeout: float | None = None
     summary: bool = True
     wait_lock_s: float | None = None
     lease_ttl_s: float = LEASE_TTL_S

@@ -109,7 +109,8 @@ class WorkerSpec:
     retryable failures. overwrite: recompute models that are done. prefetch: models a
     long-lived worker downloads ahead; cache_budget: its bytes on disk for them (None:
     the worker's default); cache_dir: a download directory the worker owns and evicts
-    (None: the HF cache, never evicted). parallel_gpu: a worker spreads one model over all its
+    (None: the HF cache, never evicted). model_timeout: the floor of a model's no-progress
+    limit (None: the worker's default). parallel_gpu: a worker spreads one model over all its
     GPUs (False: --no-parallel-gpu). Its workers' command lines: invocation(), for_row().
     """
 
@@ -127,12 +128,14 @@ class WorkerSpec:
     cache_budget: int | None = None
     cache_dir: str | None = None
     parallel_gpu: bool = True
+    model_timeout: float | None = None
 
     def batch(self) -> BatchOptions:
         """The many-models flags of this run's long-lived workers (--serve, --shards)."""
         return BatchOptions(run_id=self.run_id, max_retries=self.max_retries,
                             prefetch=self.prefetch, overwrite=self.overwrite,
-                            cache_dir=self.cache_dir or None, cache_budget=self.cache_budget)
+                            cache_dir=self.cache_dir or None, cache_budget=self.cache_budget,
+                            model_timeout=self.model_timeout)
 
     def invocation(self, mode: str = MODEL, target: str = "", *,
                    device: str | None = None) -> WorkerInvocation:

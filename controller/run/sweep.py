@@ -161,7 +161,7 @@ def worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerS
         gpus_per_job=settings.gpu.gpus_per_job, max_retries=settings.local.max_retries,
         overwrite=settings.overwrite, prefetch=settings.prefetch,
         cache_budget=settings.cache_budget, cache_dir=settings.cache_dir,
-        parallel_gpu=settings.parallel_gpu,
+        parallel_gpu=settings.parallel_gpu, model_timeout=settings.model_timeout,
     )
 
 

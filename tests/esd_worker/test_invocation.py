@@ -56,6 +56,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "batch": {"batch": BatchOptions(run_id="20261123T070501Z-3fa9c2", max_retries=0,
                                     prefetch=5, overwrite=True, skip_failed=True)},
     "cache": {"batch": BatchOptions(cache_dir="/cache/models/", cache_budget=50 * 10**9)},
+    "watch": {"batch": BatchOptions(model_timeout=90.5, memory_limit=30 * 10**9)},
     "odd-strings": {"model_key": "k; rm -rf ~ $(id)", "relation": "adapter",
                     "base_model": "./base model `x` 'q\" é\u202e|&>x"},
     "everything": {"model_key": "k", "relation": "peft", "base_model": "b", "device": "cuda",

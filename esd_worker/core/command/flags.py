@@ -16,6 +16,7 @@ from esd_worker.core.echo import quoted
 from esd_worker.core.errors import EXIT_USAGE
 from esd_worker.core.powerlaw import FIX_FINGERS
 from esd_worker.core.redact import redact
+from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S
 
 
 class UsageExit(SystemExit):
@@ -233,6 +234,16 @@ def add_parallel_gpu_flags(parser: argparse.ArgumentParser | Any) -> None:
              "stream per GPU (default)")
     add_flag(group, "--no-parallel-gpu", dest="parallel_gpu", action="store_false",
              help="one GPU per model even when several are visible")
+
+
+def add_model_timeout_flag(group: argparse.ArgumentParser | Any) -> None:
+    """--model-timeout, in both commands: the floor of a model's no-progress limit
+    (esd_worker.core.watchdog), which the shard pod's supervisor and the local backend keep."""
+    add_flag(group, "--model-timeout", type=float_in(0, WEEK_S, above=True, unit="seconds"),
+             default=None, metavar="SECONDS",
+             help="a model that shows no progress (no weight file fetched, no layer analysed) "
+             "for this long, or longer for a big model, is killed as hung and charged one "
+             f"attempt (default {DEFAULT_MODEL_TIMEOUT_S:g})")
 
 
 def analysis_from_args(args: argparse.Namespace) -> AnalysisSettings:

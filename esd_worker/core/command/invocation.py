@@ -51,7 +51,9 @@ class BatchOptions:
     overwrite: analyse models that are done; skip_failed: skip those failed for good.
     shard_index: the shard of --shards (None: $JOB_COMPLETION_INDEX). cache_dir: a download
     folder the worker owns and evicts, as given (None: the HF cache); cache_budget: its
-    bytes (None: the worker's default).
+    bytes (None: the worker's default). model_timeout: the floor of a model's no-progress
+    limit, seconds; memory_limit: the analysing process's resident bytes (None: the worker's
+    defaults; esd_worker.core.watchdog and the shard supervisor).
     """
 
     run_id: str = ""
@@ -62,6 +64,8 @@ class BatchOptions:
     shard_index: int | None = None
     cache_dir: str | None = None
     cache_budget: int | None = None
+    model_timeout: float | None = None
+    memory_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,8 @@ class WorkerInvocation:
         if batch:
             argv += _pair("--cache-dir", b.cache_dir)
             argv += _pair("--cache-budget", _text(b.cache_budget))
+            argv += _pair("--model-timeout", _text(b.model_timeout))
+            argv += _pair("--memory-limit", _text(b.memory_limit))
         argv += _analysis_argv(self.analysis)
         argv += ["--no-eigs"] * (not self.save_eigs)
         argv += ["--trust-remote-code"] * self.trust_remote_code
@@ -225,7 +231,8 @@ def parse(argv: Sequence[str]) -> WorkerInvocation:
     batch = BatchOptions(
         run_id=args.run_id, max_retries=args.max_retries, prefetch=args.prefetch,
         overwrite=args.overwrite, skip_failed=args.skip_failed, shard_index=args.shard_index,
-        cache_dir=args.cache_dir, cache_budget=args.cache_budget)
+        cache_dir=args.cache_dir, cache_budget=args.cache_budget,
+        model_timeout=args.model_timeout, memory_limit=args.memory_limit)
     inv = WorkerInvocation(
         mode=mode, target=target, output=args.output or "", model_key=args.model_key,
         relation=args.relation, base_model=args.base_model, log_format=args.log_format,
@@ -293,5 +300,5 @@ def _pair(flag: str, value: str | None) -> list[str]:
     return [] if value is None else [flag, value]
 
 
-def _text(number: int | None) -> str | None:
+def _text(number: float | None) -> str | None:
     return None if number is None else str(number)

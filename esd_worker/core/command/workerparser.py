@@ -23,6 +23,7 @@ from esd_worker.core.command.flags import (
     Parser,
     add_analysis_flags,
     add_flag,
+    add_model_timeout_flag,
     add_parallel_gpu_flags,
     int_in,
     size_in,
@@ -37,7 +38,8 @@ EPILOG = f"""exit codes: 0 done (a batch: every model done or skipped); 2 usage 
 shard cannot run: no index, a bad index, no such shard); 3 permanent (a batch: some models
 failed for good, each recorded in _failures/; --shards exits 0 then, the records being the
 shard's outcome); 4 transient (network, storage, a stop; a batch: some failure a retry may
-fix); 5 out of GPU memory. --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
+fix); 5 out of GPU memory; 6 the device or its node is broken (nothing recorded against
+any model: run it elsewhere). --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
 cannot be used (--device cuda without CUDA), 3 wrong numbers or a device error. --shards
 takes shard N of URL, URL/N.csv, N from --shard-index or {SHARD_INDEX_ENV}."""
 
@@ -107,6 +109,11 @@ def build_parser(parser_class: type[Parser] = Parser) -> argparse.ArgumentParser
     add_flag(batch, "--cache-budget", type=size_in(0), default=None, metavar="BYTES",
              help="disk for the model in progress and those ahead, e.g. 50G (default: half "
              "the free space where downloads go)")
+    add_model_timeout_flag(batch)
+    add_flag(batch, "--memory-limit", type=size_in(1), default=None, metavar="BYTES",
+             help="with --shards, --models: the worker analysing a model is killed, and the "
+             "model charged one attempt, when its resident memory passes this, e.g. 30G "
+             "(default: 90%% of the container's memory limit; none outside a container)")
     add_flag(batch, "--cache-dir", type=Path, default=None, metavar="DIR",
              help="download into this directory, owned by the worker: a model's files are "
              "deleted once no later model needs them (default: the HF cache, never evicted)")
