@@ -73,12 +73,15 @@ class JobSettings:
     (default: run_id). Both must be valid label values (≤ 63 chars).
     gpus_per_job: `nvidia.com/gpu` requested and limited per pod (default 1; 0: a CPU-only
     Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
-    quantities (defaults "2", "16Gi"); memory_limit: None = no limit;
+    quantities (defaults "2", "16Gi"); memory_limit: the container's memory limit (None:
+    the memory request, so every worker pod has one: see _resources);
     ephemeral_storage_request: None = none (the HF cache emptyDir lives on it).
     ephemeral_storage_request also bounds the cache emptyDir (sizeLimit): a pod whose
-    downloads outgrow it is evicted instead of filling the node's disk.
-    backoff_limit: pod failures counted before the Job fails (default 3; evictions and
-    preemptions do not count, see pod_failure_policy). active_deadline_s: seconds a worker
+    downloads outgrow it is evicted instead of filling the node's disk, and that eviction
+    is counted as a failure (it carries no DisruptionTarget): the worker's hard download
+    budget (--cache-budget, the request less the headroom) keeps it from happening.
+    backoff_limit: pod failures counted before the Job fails (default 3; disruptions:
+    preemptions, drains, node-pressure evictions, do not count, see pod_failure_policy). active_deadline_s: seconds a worker
     pod may run once it is on a node (the pod's activeDeadlineSeconds, so time pending for
     a node, an autoscaler or Kueue does not count; default 6 h; None = no limit).
     ttl_after_finished_s: seconds a finished Job is kept (default 24 h; None = forever).
@@ -243,9 +246,12 @@ def pod_argv(settings: JobSettings, worker: WorkerInvocation) -> list[str]:
 def pod_failure_policy() -> dict[str, Any]:
     """How a failed worker pod counts (rules are tried in order, the first match wins).
 
-    A disruption (preemption, eviction, node drain, spot reclaim, node lost: the pod gets
-    the DisruptionTarget condition) comes first, so a worker that happens to exit 2 or 3
-    while being killed is still retried, and without using up backoffLimit. Exit 2 (usage)
+    A disruption (preemption, API-initiated or node-pressure eviction, node drain, spot
+    reclaim, node lost: the pod gets the DisruptionTarget condition) comes first, so a
+    worker that happens to exit 2 or 3 while being killed is still retried, and without
+    using up backoffLimit. An eviction for passing the cache volume's sizeLimit carries no
+    DisruptionTarget and is counted like a crash: the worker's hard download budget is
+    what prevents it. Exit 2 (usage)
     and 3 (permanent: not found, gated, unsupported) fail the Job at once: retrying cannot
     help. Exit 4 (transient) and 5 (GPU out of memory) count against backoffLimit like any
     other failure (OOMKilled, crashes): GPUs may be shared (time-slicing, MIG) and the next
@@ -306,8 +312,12 @@ def _resources(settings: JobSettings) -> dict[str, Any]:
     limits: dict[str, str] = {}
     if settings.ephemeral_storage_request:
         requests["ephemeral-storage"] = settings.ephemeral_storage_request
-    if settings.memory_limit:
-        limits["memory"] = settings.memory_limit
+    # Every worker pod has a memory limit (its request unless one was given): a model that
+    # leaks host memory gets its own container OOM-killed, which is charged to the model
+    # in progress, instead of pressing the node into evicting its neighbours (an eviction
+    # is a disruption, charged to nobody, so such a model would be retried without end).
+    # The worker's own supervisor watches the model's memory below this limit.
+    limits["memory"] = settings.memory_limit or settings.memory_request
     if settings.gpus_per_job > 0:
         # Extended resources cannot be overcommitted: request == limit.
         requests[GPU_RESOURCE] = str(settings.gpus_per_job)
@@ -360,8 +370,10 @@ def pod_spec(
         if settings.hf_cache_pvc else {"name": "cache", "emptyDir": {}}
     )
     if settings.ephemeral_storage_request and "emptyDir" in cache:
-        # Downloads that outgrow the pod's disk get it evicted by the kubelet (a disruption:
-        # it runs again elsewhere) instead of filling the node and evicting its neighbours.
+        # Downloads that outgrow the pod's disk get it evicted by the kubelet instead of
+        # filling the node and evicting its neighbours. That eviction has no
+        # DisruptionTarget, so it is counted against the pod's retries: the worker's hard
+        # download budget (the request less the headroom) keeps downloads below it.
         cache["emptyDir"]["sizeLimit"] = settings.ephemeral_storage_request
     spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -277,7 +277,7 @@ def test_resources_and_gpu_toleration() -> None:
     spec = gpu["spec"]["template"]["spec"]
     res = spec["containers"][0]["resources"]
     assert res["requests"] == {"cpu": "4", "memory": "32Gi", "nvidia.com/gpu": "2"}
-    assert res["limits"] == {"nvidia.com/gpu": "2"}
+    assert res["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
     assert spec["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     args = spec["containers"][0]["args"]
@@ -287,6 +287,22 @@ def test_resources_and_gpu_toleration() -> None:
     assert "tolerations" not in cpu
     args = cpu["containers"][0]["args"]
     assert args[args.index("--device") + 1] == "cpu"
+
+
+@pytest.mark.parametrize(("settings", "limit"), [
+    ({}, "16Gi"),
+    ({"memory_request": "7Gi", "gpus_per_job": 0}, "7Gi"),
+    ({"memory_request": "7Gi", "memory_limit": "12Gi"}, "12Gi"),
+], ids=["default", "cpu-class", "explicit-limit"])
+def test_every_pod_has_a_memory_limit(settings: dict[str, Any], limit: str) -> None:
+    """Every worker pod's container has limits.memory (the request unless a limit was
+    given), so a model that leaks host memory has its own container OOM-killed, charged to
+    that model, rather than pressing the node into evicting its neighbours; the Job stays
+    strict-valid."""
+    job = make_job(**settings)
+    resources = job["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["memory"] == limit
+    assert kubernetes_validate.validate(job, OLDEST, strict=True)
 
 
 def test_kueue_and_karpenter() -> None:

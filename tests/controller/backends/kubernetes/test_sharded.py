@@ -246,6 +246,8 @@ def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
         memory, disk = sized[doc["metadata"]["labels"]["esd-sweep/shard-class"]]
         assert container["resources"]["requests"]["memory"] == memory
         assert container["resources"]["requests"]["ephemeral-storage"] == disk
+        # A leaking model kills its own container, not its neighbours: limit = request.
+        assert container["resources"]["limits"]["memory"] == memory
         (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
         assert cache["emptyDir"] == {"sizeLimit": disk}
         assert "activeDeadlineSeconds" not in pod and "activeDeadlineSeconds" not in doc["spec"]
