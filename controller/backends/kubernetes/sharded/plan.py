@@ -44,6 +44,13 @@ def default_classes(
     fit a 24 GiB GPU), "<kind>-large" beyond (64Gi of memory, at least 400Gi of disk: two
     140 GB checkpoints and room). kind is "gpu", or "cpu" for device "cpu" or gpus_per_job
     0 (CPU pods, no GPU request). A band is left out when `large_bytes` is below it.
+
+    Disk: the -small class holds two of its largest models (the one analysed and the next
+    one downloaded ahead: 23Gi), the middle class one (36Gi at the default 30 GB; smaller
+    models still get their read-ahead within that budget), so both schedule on the ~100 GB
+    boot disks clouds give GPU nodes by default (GKE: ~44 GiB allocatable). -large wants
+    node-local NVMe or a bigger root volume (docs/kubernetes.md); no class fits a 20 GiB
+    root volume, which the worker image itself half fills.
     """
     if large_bytes <= 0:
         raise ValueError(f"large_bytes must be > 0, got {large_bytes}")
@@ -56,8 +63,8 @@ def default_classes(
         out.append(ResourceClass(f"{kind}-small", gpus, SMALL_BYTES, memory_for(SMALL_BYTES),
                                  disk_for(SMALL_BYTES)))
     out.append(ResourceClass(kind, gpus, large_bytes, memory_for(large_bytes),
-                             disk_for(large_bytes)))
-    large_disk = max(400, disk_gib(large_bytes, 2))
+                             disk_for(large_bytes, copies=1)))
+    large_disk = max(400, disk_gib(large_bytes, 1))
     out.append(ResourceClass(f"{kind}-large", gpus, None, f"{MAX_MEMORY_GIB}Gi",
                              f"{large_disk}Gi"))
     return tuple(out)
@@ -66,11 +73,12 @@ def default_classes(
 def multi_gpu_class(gpus: int, largest: int) -> ResourceClass:
     """The class of the models the GPU rule gives `gpus` (> 1) GPUs each: "gpu-x<gpus>", its
     pods asking for that many, with the memory and disk of its largest model (`largest`
-    weight bytes; at least gpu-large's 400Gi of disk: two such models on disk)."""
+    weight bytes, with its base for an adapter; at least gpu-large's 400Gi of disk, and
+    room for that model once: two of a 700 GB model would ask for a disk no node has)."""
     if gpus < 2 or largest < 0:
         raise ValueError(f"gpus must be >= 2 and largest >= 0, got {gpus}, {largest}")
     return ResourceClass(f"gpu-x{gpus}", gpus, None, memory_for(largest),
-                         f"{max(400, disk_gib(largest, 2))}Gi")
+                         f"{max(400, disk_gib(largest, 1))}Gi")
 
 
 def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:

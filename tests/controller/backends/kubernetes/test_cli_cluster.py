@@ -203,8 +203,9 @@ def test_pod_flags_and_sized_requests_reach_every_pod(
             "org/seven-b": ("10Gi", "22Gi"),
             "org/seven-b-lora": ("10Gi", "22Gi"),  # its base is downloaded and read too
         }
-    else:  # one class, sized for its largest model, two on disk (one prefetched)
-        assert requests == {"gpu-small": ("7Gi", "23Gi"), "gpu": ("16Gi", "64Gi")}
+    else:  # a class per band, sized for its largest model: two of them on disk (one
+        # prefetched) for -small, one for gpu, so both fit a 100 GB boot disk
+        assert requests == {"gpu-small": ("7Gi", "23Gi"), "gpu": ("16Gi", "36Gi")}
 
 
 def test_dry_run_prints_valid_jobs_and_creates_nothing(

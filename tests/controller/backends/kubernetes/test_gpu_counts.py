@@ -151,7 +151,7 @@ def test_a_big_models_job_asks_for_its_gpus_and_prefers_a_node_with_room_for_the
 def test_big_models_get_a_class_of_their_own_whose_pods_count_their_gpus(
         store: Store) -> None:
     """write_shards: the two 405B models go to gpu-x4, sized from the biggest of them (64Gi,
-    two 810 GB checkpoints on disk); the budget of 16 GPUs gives that class 3 pods' worth of
+    one 810 GB checkpoint on disk and the headroom); the budget of 16 GPUs gives that class 3 pods' worth of
     bytes but it has 2 shards: 2 pods, 8 GPUs; the small models' class gets its pod."""
     models = [row(f"small-{i}", SMALL) for i in range(10)] + [row("huge-a", HUGE),
                                                                  row("huge-b", HUGE)]
@@ -165,7 +165,7 @@ def test_big_models_get_a_class_of_their_own_whose_pods_count_their_gpus(
     assert list(by_name) == ["gpu-small", "gpu-x4"]
     x4 = by_name["gpu-x4"]
     assert (x4.cls.gpus, x4.models, x4.shards, x4.parallelism) == (4, 2, 2, 2)
-    disk = math.ceil(2 * 810 * GB / 2**30) + 8  # two checkpoints and the 8 GiB headroom
+    disk = math.ceil(810 * GB / 2**30) + 8  # the checkpoint and the 8 GiB headroom
     assert (x4.cls.memory, x4.cls.ephemeral_storage) == ("64Gi", f"{disk}Gi")
     assert by_name["gpu-small"].parallelism == 1
     assert sum(c.parallelism * c.cls.gpus for c in shards) <= 16
