@@ -30,7 +30,7 @@ from controller.weights.hubclient import HubClient, HubInfo, LookupFailed
 from esd_worker.core.command.flags import MAX_BYTES, parse_size
 from esd_worker.core.echo import quoted
 from esd_worker.core.models.modellist import ModelRow
-from esd_worker.core.models.naming import is_local_path
+from esd_worker.core.models.naming import is_local_path, parse_ref
 from esd_worker.core.models.weightfiles import weight_names
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,15 @@ class Sizer:
             with self._lock:
                 self._memo[row.ref] = (size, source)
         return self._answer(size, source)
+
+    def base_size(self, source_model: str) -> int:
+        """The bytes of an adapter's base, named as its row's source_model is (id[@revision]
+        or a local path): sized as a model of its own (size()), so the hub is asked once per
+        distinct base however many adapters name it (memoised per ref); 0 for a name that
+        is no model reference (the worker reports that adapter's error). The list's own
+        size_bytes of a listed base is the shard plan's to use first (plan.with_bases)."""
+        row = base_row(source_model)
+        return 0 if row is None else self.size(row)
 
     def log_stats(self) -> None:
         """One line on the sizes: where they came from, and how many are the default."""
@@ -232,6 +241,13 @@ class Sizer:
         if down:
             log.warning("the hub at %s failed %d lookups in a row: the other models get the "
                         "default size and one GPU", self.endpoint, _DOWN_AFTER)
+
+def base_row(source_model: str) -> ModelRow | None:
+    """An adapter's base as a row of its own (no relation, no columns), from the name its
+    source_model gives; None when that is no model reference."""
+    model_id, revision, problem = parse_ref(source_model)
+    return None if problem is not None else ModelRow(model_id, revision, "", None)
+
 
 class ListNumbers:
     """The numbers of the list's optional numeric columns (size_bytes here; num_params and

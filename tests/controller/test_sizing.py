@@ -395,3 +395,21 @@ def test_memoised_per_ref(hub: HubServer, org: str, fake_time: FakeTime, tmp_pat
         f"/api/models/{org}/base/revision/main", f"/api/models/{org}/base/revision/v2",
         f"/api/models/{org}/missing/revision/main"]
     assert sizer.stats == SizeStats(hub=6, failed=3)
+
+
+# --- an adapter's base ------------------------------------------------------------------------
+
+
+def test_an_adapters_base_is_sized_once_per_distinct_base(
+        hub: HubServer, org: str, fake_time: FakeTime, tmp_path: Path) -> None:
+    """The shard plan sizes a LoRA with its base (both are on disk while it is analysed):
+    the base is sized as a model of its own, from one hub lookup per distinct base however
+    many adapters name it (a revision is a base of its own); a local base from its files;
+    a base that is no model reference is 0 (the worker reports it)."""
+    add_repo(hub, tmp_path, f"{org}/base", {"model.safetensors": 5000})
+    add_repo(hub, tmp_path, f"{org}/base", {"model.safetensors": 6000}, revision="v2")
+    local = make_dir(tmp_path / "local-base", {"model.safetensors": 300})
+    sizer = make_sizer(hub, fake_time)
+    sources = [f"{org}/base"] * 50 + [f"{org}/base@v2"] * 50 + [str(local), "bad\nref"]
+    assert [sizer.base_size(s) for s in sources] == [5000] * 50 + [6000] * 50 + [300, 0]
+    assert len(api_requests(hub, org, 2)) == 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -33,7 +33,7 @@ from controller.backends.kubernetes.common.wiring import (
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
-from controller.backends.kubernetes.sharded.plan import default_classes
+from controller.backends.kubernetes.sharded.plan import Item, default_classes, too_big_error
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures
 from controller.errors import SweepError
@@ -51,13 +51,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_TOO_BIG_LOGGED = 5  # models past their class's budget logged one by one; the rest counted
+
 
 class ShardedBackend:
     """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
 
     classes: the resource classes models are sorted into
     (controller.backends.kubernetes.sharded.plan). size: a
-    model's bytes (controller.weights.sizing.Sizer.size). gpus: a model's GPU count
+    model's bytes (controller.weights.sizing.Sizer.size); base_size: an adapter's base's
+    bytes by its source_model (Sizer.base_size; None: adapters count alone). gpus: a
+    model's GPU count
     (controller.gpu.counts.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
     their own; None: every model to `classes`). poll_s: seconds between looks at the
     Jobs. clock / sleep: for tests.
@@ -69,7 +73,8 @@ class ShardedBackend:
         self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
         job_settings: JobSettings, store: Store, classes: tuple[ResourceClass, ...],
         size: Callable[[Any], int], size_report: Callable[[], None] = lambda: None,
-        gpus: GpuCounts | None = None, poll_s: float = 10.0, own_kube: bool = False,
+        base_size: Callable[[str], int] | None = None, gpus: GpuCounts | None = None,
+        poll_s: float = 10.0, own_kube: bool = False,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -83,7 +88,10 @@ class ShardedBackend:
         self.store = store
         self.classes = classes
         self.size = size
+        self.base_size = base_size
         self.size_report = size_report
+        # Models no class's pods can hold (key -> the error): few, and never sharded.
+        self.too_big: dict[str, str] = {}
         self.gpus = gpus
         self.poll_s = poll_s
         self.instance = job_settings.instance
@@ -108,7 +116,7 @@ class ShardedBackend:
         with client_for(settings, kube) as (client, own):
             return cls(cluster, client, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
-                       size_report=sizer.log_stats,
+                       size_report=sizer.log_stats, base_size=sizer.base_size,
                        gpus=sweep_gpu_counts(settings, sizer, job_settings),
                        poll_s=cluster.poll_interval_s, own_kube=own)
 
@@ -135,6 +143,8 @@ class ShardedBackend:
             where = f"{self.spec.store_url.rstrip('/')}/{prefix}"
             out.write(f"# class {c.cls.name}: {c.models} model(s) in {c.shards} shard(s), "
                       f"{c.parallelism} pod(s) at once; shards written to {where}\n")
+        for error in self.too_big.values():
+            out.write(f"# {error}\n")
         if jobs:
             out.write(jobs_to_yaml(jobs))
         out.flush()
@@ -198,7 +208,8 @@ class ShardedBackend:
         if not self._follow(kube, self.runs, progress):
             return []
         failures = ShardFailures(kube, self.store, self.settings, self.runs)
-        return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome)
+        return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome,
+                              too_big=self.too_big)
 
     def _client(self) -> KubeClient:
         if self.kube is None:
@@ -219,11 +230,39 @@ class ShardedBackend:
         shards = write_shards(
             work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
             budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000,
-            gpus=self.gpus)
+            gpus=self.gpus, base_size=self.base_size, cache_budget_of=self._download_budget,
+            on_too_big=self._too_big)
+        if self.too_big:
+            log.warning("%d model(s) fit no class's download budget and are not sharded "
+                        "(each fails with ModelTooLarge)", len(self.too_big))
         self.size_report()
         if self.gpus is not None:
             self.gpus.log_stats()
         return shards
+
+    def _download_budget(self, cls: ResourceClass) -> int | None:
+        """The bytes a pod of `cls` may hold downloaded at once, as _job gives it to the
+        worker: --cache-budget, else, when the downloads go to the pod's own disk (no
+        --cache-dir, no --hf-cache-pvc), its disk request less the headroom; None: not
+        known here (a shared cache's size is the volume's)."""
+        budget = self.spec.batch().cache_budget
+        if budget is not None or self.spec.cache_dir or self.settings.hf_cache_pvc:
+            return budget
+        return cache_budget(self.settings.for_class(self.job_settings, cls)
+                            .ephemeral_storage_request)
+
+    def _too_big(self, item: Item, cls: ResourceClass, budget: int) -> None:
+        if self.spec.batch().cache_budget is not None:
+            remedy = "raise --cache-budget (and the pods' disk with it)"
+        else:
+            disk = self.settings.for_class(self.job_settings, cls).ephemeral_storage_request
+            remedy = (f"they ask for {disk} of ephemeral storage, less the headroom; raise "
+                      "--ephemeral-storage-request (on nodes with that much disk: node-local "
+                      "NVMe) or give --hf-cache-pvc")
+        error = too_big_error(item, cls, budget, remedy)
+        if len(self.too_big) < _TOO_BIG_LOGGED:
+            log.warning("model=%s: %s", item.ref, error)
+        self.too_big[item.key] = error
 
     def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:
         """The Indexed Job of one class; pods: the run's pods at once, all classes (the
@@ -293,10 +332,13 @@ class ShardedBackend:
             self._sleep(self.poll_s)
 
 def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,
-                   on_outcome: OutcomeCallback) -> list[Outcome]:
+                   on_outcome: OutcomeCallback, *,
+                   too_big: Mapping[str, str] | None = None) -> list[Outcome]:
     """Each model's Outcome from the store (one listing of markers and one of failure
     records); a model of a failed index without a record of this run gets the diagnosis
-    of the index's last pod; one with neither is a retryable NoOutcome."""
+    of the index's last pod; one with neither is a retryable NoOutcome. too_big: the
+    models the plan sharded nowhere (key -> error), each a permanent failure."""
+    too_big = too_big or {}
     done = KeySet(iter_markers(store))
     records = list_failure_keys(store)
     outcomes: list[Outcome] = []
@@ -307,6 +349,8 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
         diagnosis = failures.diagnosis(key)
         if key in done:
             outcome = _outcome(task, "done", where=where, recorded=True)
+        elif key in too_big:
+            outcome = _outcome(task, "failed", where=where, error=too_big[key])
         elif record is not None and record.run_id == run_id:
             outcome = _outcome(task, "failed", where=where, recorded=True, error=record.error,
                                retryable=record.retryable, exit_code=record.exit_code,

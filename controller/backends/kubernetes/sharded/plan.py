@@ -1,10 +1,11 @@
 """The shard plan of a sharded Kubernetes run: the run's classes, units, shard counts, packing.
 
 Owns how the models to run are split into the shards of one Indexed Job per resource class:
-the classes a run uses (size bands) and which class a model goes to (by the bytes of its
-weights, or "gpu-x<N>" for the models the GPU rule gives N > 1 GPUs: controller.gpu.gpurule),
-which models must share a shard (a base and the adapters that follow it), how many shards a
-class gets, the greedy packing by bytes, and a shard's model-list CSV. Pure: no store, no
+the classes a run uses (size bands) and which class a model goes to (by the bytes it has on
+disk: its weights, with its base's for an adapter; or "gpu-x<N>" for the models the GPU
+rule gives N > 1 GPUs: controller.gpu.gpurule), which models must share a shard (a base and
+the adapters that follow it), how many shards a class gets, the greedy packing by bytes,
+the line of a model too big for its class's download budget, and a shard's model-list CSV. Pure: no store, no
 hub, no Kubernetes; what a class's pods ask for (common.resources), where a shard is written
 (esd_worker.core.store.layout.shard_key) and how sizes are found (controller.weights.sizing)
 are not its business. Streaming: every step takes an iterator and keeps at most one unit
@@ -15,10 +16,11 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from controller.backends.kubernetes.common.resources import (
+    GIB,
     MAX_MEMORY_GIB,
     ResourceClass,
     disk_for,
@@ -94,7 +96,9 @@ def classify(size: int, classes: Sequence[ResourceClass]) -> ResourceClass:
 class Item:
     """One model to shard: ref (id[@revision] or a local path, as the worker takes it), key
     (its model_key), relation, source_model (an adapter's base), size (bytes; an estimate
-    when unknown), gpus (the GPU rule's count for it: 1 unless it needs several)."""
+    when unknown), gpus (the GPU rule's count for it: 1 unless it needs several),
+    base_size (an adapter's base's bytes, which the worker downloads and holds with it;
+    0 for a model that is no adapter: with_bases fills it in)."""
 
     ref: str
     key: str
@@ -102,6 +106,7 @@ class Item:
     source_model: str | None
     size: int
     gpus: int = 1
+    base_size: int = 0
 
     @classmethod
     def of(cls, row: ModelRow, size: int, gpus: int = 1) -> Item:
@@ -111,11 +116,47 @@ class Item:
     def is_adapter(self) -> bool:
         return self.relation in ADAPTER_RELATIONS
 
+    @property
+    def footprint(self) -> int:
+        """The bytes on the pod's disk while this model is analysed: its own and its base's.
+        What decides its class and what its class's download budget must hold."""
+        return self.size + self.base_size
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """The names an adapter's source_model may give this model by: its ref, its id."""
+        return self.ref, split_model_ref(self.ref)[0]
+
+
+def with_bases(items: Iterable[Item], base_size: Callable[[str], int]) -> Iterator[Item]:
+    """The items, each adapter with its base's bytes (base_size).
+
+    A base listed before its adapters (esd_worker.core.models.modellist.base_first puts
+    them right after it) gives its own size, the list's; adapters of a base not listed
+    ask `base_size(source_model)` (controller.weights.sizing.Sizer.base_size) once per run
+    of them. Streaming, as units() is: one base remembered.
+    """
+    listed: Item | None = None  # the last model that is no adapter
+    asked: tuple[str, int] | None = None  # the last base asked for, and its bytes
+    for item in items:
+        if not item.is_adapter:
+            listed = item
+        elif item.source_model:
+            source = item.source_model
+            if listed is not None and source in listed.names:
+                item = replace(item, base_size=listed.size)
+            else:
+                if asked is None or asked[0] != source:
+                    asked = source, base_size(source)
+                item = replace(item, base_size=asked[1])
+        yield item
+
 
 @dataclass(frozen=True)
 class Unit:
     """Models that go in the same shard: a base and the adapters of it that follow it, so
-    the worker downloads the base once. size: the sum of the items' sizes."""
+    the worker downloads the base once. size: the bytes it downloads, the items' sizes and,
+    for adapters of a base not listed with them, that base once."""
 
     items: tuple[Item, ...]
     size: int
@@ -125,9 +166,17 @@ class Unit:
         """The most GPUs one of its models needs (the base's, usually): the unit's pods'."""
         return max(item.gpus for item in self.items)
 
+    @property
+    def footprint(self) -> int:
+        """The most bytes on disk for one of its models (with its base): its class's."""
+        return max(item.footprint for item in self.items)
 
-def _unit(items: list[Item]) -> Unit:
-    return Unit(tuple(items), sum(item.size for item in items))
+
+def unit_of(items: Sequence[Item]) -> Unit:
+    """The unit of these items (a base and its adapters, or adapters of one base)."""
+    first = items[0]
+    base = first.base_size if first.is_adapter else 0  # else the base is an item
+    return Unit(tuple(items), sum(item.size for item in items) + base)
 
 
 def units(items: Iterable[Item]) -> Iterator[Unit]:
@@ -150,11 +199,21 @@ def units(items: Iterable[Item]) -> Iterator[Unit]:
                 current.append(item)
                 continue
         if current:
-            yield _unit(current)
+            yield unit_of(current)
         current = [item]
-        base_names = () if item.is_adapter else (item.ref, split_model_ref(item.ref)[0])
+        base_names = () if item.is_adapter else item.names
     if current:
-        yield _unit(current)
+        yield unit_of(current)
+
+
+def too_big_error(item: Item, cls: ResourceClass, budget: int, remedy: str) -> str:
+    """The one line of a model whose download (with its base) passes the download budget of
+    its class's pods: the model, its bytes, the class, the budget, and `remedy` (where
+    the budget comes from and the flag that raises it)."""
+    base = f" with its base {item.source_model}" if item.base_size else ""
+    return (f"ModelTooLarge: {item.ref} needs {item.footprint / 10**9:.1f} GB on disk{base}, "
+            f"more than the {budget / GIB:.1f} GiB download budget of class {cls.name}'s "
+            f"pods: {remedy}")
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Owns reading the run's Work twice (once to total each class, once to pack it: a list of
 millions is never held), the GPU budget's split across classes (a gpu-x<N> class's pods
-count N GPUs each), and writing each shard as a
+count N GPUs each), keeping out of every shard a model its class's pods cannot hold
+(handed to the caller instead), and writing each shard as a
 model list at `_shards/<run_id>/<class>/<index>.csv` (esd_worker.core.store.layout) as soon as it is
 packed. The cutting itself is controller.backends.kubernetes.sharded.plan (pure); sizes come from
 controller.weights.sizing.
@@ -29,7 +30,9 @@ from controller.backends.kubernetes.sharded.plan import (
     shard_count,
     shard_csv,
     target_bytes,
+    unit_of,
     units,
+    with_bases,
 )
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import shard_key
@@ -39,6 +42,9 @@ log = logging.getLogger(__name__)
 
 SizeFn = Callable[[ModelRow], int]
 GpuFn = Callable[[ModelRow], int]  # a model's GPU count (controller.gpu.counts.GpuCounts)
+BaseSizeFn = Callable[[str], int]  # an adapter's base's bytes, by its source_model
+BudgetFn = Callable[[ResourceClass], "int | None"]  # a class's pods' download budget
+TooBigFn = Callable[[Item, ResourceClass, int], None]  # a model past its class's budget
 
 
 @dataclass
@@ -57,23 +63,50 @@ class ClassShards:
         return len(self.per_shard)
 
 
-def _units(work: Iterable[Task], size: SizeFn, gpus: GpuFn | None) -> Iterator[Unit]:
-    items = (Item.of(task.row, size(task.row), gpus(task.row) if gpus is not None else 1)
-             for task in work if task.row is not None)
+def _units(work: Iterable[Task], size: SizeFn, gpus: GpuFn | None,
+           base_size: BaseSizeFn | None) -> Iterator[Unit]:
+    items: Iterable[Item] = (
+        Item.of(task.row, size(task.row), gpus(task.row) if gpus is not None else 1)
+        for task in work if task.row is not None)
+    if base_size is not None:
+        items = with_bases(items, base_size)
     return units(items)
 
 
 def _class_of(unit: Unit, classes: Sequence[ResourceClass],
               totals: dict[str, ClassShards]) -> ClassShards:
     """The unit's class: gpu-x<N> when the GPU rule gives it N > 1 GPUs (made on first use,
-    sized once pass 1 knows its largest model), else by its biggest model's bytes (the base,
-    usually, decides where the whole unit runs)."""
+    sized once pass 1 knows its largest model), else by the most bytes one of its models
+    has on disk, with its base for an adapter (the base, usually, decides where the whole
+    unit runs: a LoRA on a 70B base goes where the 70B base fits)."""
     if unit.gpus > 1:
         name = f"gpu-x{unit.gpus}"
         if name not in totals:
             totals[name] = ClassShards(multi_gpu_class(unit.gpus, 0))
         return totals[name]
-    return totals[classify(max(item.size for item in unit.items), classes).name]
+    return totals[classify(unit.footprint, classes).name]
+
+
+def _within_budget(unit: Unit, c: ClassShards, budget_of: BudgetFn,
+                   too_big: TooBigFn | None) -> Unit | None:
+    """The unit without the models whose download (with their base) passes the download
+    budget of their class's pods: each is handed to too_big (pass 2 reports them) rather
+    than to a pod that could only fail it or be evicted for it. None: nothing fits.
+
+    A gpu-x<N> class is sized from its largest model once pass 1 is over; this unit is
+    checked against the class sized for it alone, which is never bigger, so both passes
+    drop the same models."""
+    cls = multi_gpu_class(unit.gpus, unit.footprint) if unit.gpus > 1 else c.cls
+    budget = budget_of(cls)
+    if budget is None or unit.footprint <= budget:
+        return unit
+    kept = []
+    for item in unit.items:
+        if item.footprint <= budget:
+            kept.append(item)
+        elif too_big is not None:
+            too_big(item, cls, budget)
+    return unit_of(kept) if kept else None
 
 
 def split_parallelism(totals: Sequence[ClassShards], budget: int) -> None:
@@ -89,23 +122,36 @@ def split_parallelism(totals: Sequence[ClassShards], budget: int) -> None:
 def write_shards(
     work: Iterable[Task], *, store: Store, run_id: str, classes: Sequence[ResourceClass],
     size: SizeFn, budget: int, max_models: int, threads: int = 16, gpus: GpuFn | None = None,
+    base_size: BaseSizeFn | None = None, cache_budget_of: BudgetFn | None = None,
+    on_too_big: TooBigFn | None = None,
 ) -> list[ClassShards]:
     """Cut the work into shards and write them; the classes that got any, in class order
     (then the gpu-x<N> classes of the models `gpus` gives several GPUs, fewest first).
 
     Pass 1 totals bytes and models per class and picks each class's shard count
-    (controller.backends.kubernetes.sharded.plan.shard_count: ~4 shards per parallel pod, at most
-    max_models
-    models each); pass 2 packs units in list order and writes each shard as it closes.
+    (controller.backends.kubernetes.sharded.plan.shard_count: ~4 shards per parallel pod,
+    at most max_models models each); pass 2 packs units in list order and writes each
+    shard as it closes. An adapter counts with its base (base_size: the bytes of a base
+    not listed before it, controller.weights.sizing.Sizer.base_size; None: adapters count
+    alone). cache_budget_of: the download budget of a class's pods (None: unbounded); a
+    model that does not fit its class's goes to no shard and is handed once to
+    on_too_big(item, class, budget), so no pod is given a model it cannot hold.
     """
+    def planned(report: TooBigFn | None) -> Iterator[tuple[ClassShards, Unit]]:
+        for unit in _units(work, size, gpus, base_size):
+            c = _class_of(unit, classes, totals)
+            kept = unit if cache_budget_of is None else _within_budget(
+                unit, c, cache_budget_of, report)
+            if kept is not None:
+                yield c, kept
+
     totals = {c.name: ClassShards(c) for c in classes}
-    for unit in _units(work, size, gpus):
-        c = _class_of(unit, classes, totals)
+    for c, unit in planned(None):  # pass 2 reports the models too big, once
         c.models += len(unit.items)
         c.bytes += unit.size
-        c.largest = max(c.largest, *(item.size for item in unit.items))
+        c.largest = max(c.largest, unit.footprint)
     named = {k.name for k in classes}
-    multi = sorted((c for c in totals.values() if c.cls.name not in named),
+    multi = sorted((c for c in totals.values() if c.cls.name not in named and c.models),
                    key=lambda c: c.cls.gpus)
     for c in multi:
         c.cls = multi_gpu_class(c.cls.gpus, c.largest)
@@ -135,8 +181,7 @@ def write_shards(
             if len(pending) >= 4 * threads:  # bounded: a million shards are not all queued
                 _settle(pending)
 
-        for unit in _units(work, size, gpus):
-            c = _class_of(unit, classes, totals)
+        for c, unit in planned(on_too_big):
             emit(c, packers[c.cls.name].add(unit))
         for c in used:
             emit(c, packers[c.cls.name].finish())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -45,6 +45,7 @@ def rows(names: Sequence[str], size: int = GB) -> list[ModelRow]:
 
 
 def backend_for(kube: KubeClient, store: Store, *, run_id: str = RUN_A, max_parallel: int = 4,
+                base_size: Callable[[str], int] | None = None,
                 **overrides: Any) -> ShardedBackend:
     settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False,
                                poll_interval_s=0.02, max_parallel=max_parallel, **overrides)
@@ -54,7 +55,7 @@ def backend_for(kube: KubeClient, store: Store, *, run_id: str = RUN_A, max_para
     return ShardedBackend(
         settings, kube, spec=spec, job_settings=job_settings, store=store,
         classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB),
-        size=lambda row: int(row.metadata["size_bytes"]), poll_s=0.02)
+        size=lambda row: int(row.metadata["size_bytes"]), base_size=base_size, poll_s=0.02)
 
 
 def run(backend: ShardedBackend, models: Sequence[ModelRow],
@@ -260,6 +261,49 @@ def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
         assert budget == (int(disk.removesuffix("Gi")) - 8) * 1024**3
     assert list(store.list_keys()) == []
     assert sim.count("create", "jobs") == 0
+
+
+def test_a_lora_on_a_large_base_is_classed_with_it_and_a_model_too_big_is_named(
+    kube: KubeClient, store: Store, sim: KubeSim,
+) -> None:
+    """Dry run: a 200 MB LoRA on Llama-70B (141 GB, not listed: its size is the Sizer's
+    base_size) goes to gpu-large, whose 400Gi holds the base; a 500 GB model fits no
+    class's download budget: the plan names it, its size, the class and the flag, and
+    shards it nowhere."""
+    lora = ModelRow(model_id="org/lora-70b", revision=None, relation="lora",
+                    source_model="meta-llama/Llama-3.1-70B",
+                    metadata={"size_bytes": str(200 * 10**6)})
+    models = [*rows([f"ok-{i}" for i in range(4)]), lora, *rows(["giant"], size=500 * GB)]
+    bases = {"meta-llama/Llama-3.1-70B": 141 * GB}
+    backend = backend_for(kube, store, base_size=lambda source: bases[source])
+    out = io.StringIO()
+    assert backend.dry_run([Task.for_model(r) for r in models], out) == 2
+    text = out.getvalue()
+    docs = list(YAML(typ="safe", pure=True).load_all(text))
+    assert [d["metadata"]["labels"]["esd-sweep/shard-class"] for d in docs] == [
+        "gpu-small", "gpu-large"]
+    assert "# class gpu-large: 1 model(s)" in text
+    (line,) = [ln for ln in text.splitlines() if "org/giant" in ln]
+    assert line.startswith("# ModelTooLarge: org/giant needs 500.0 GB")
+    assert "gpu-large" in line and "--ephemeral-storage-request" in line
+
+
+def test_a_model_too_big_for_its_class_fails_at_plan_time_and_the_rest_run(
+    sim: KubeSim, kube: KubeClient, store: Store, indexed: IndexedJobSimulator,
+) -> None:
+    """No pod is given a model it cannot hold: the 500 GB model's outcome is a permanent
+    ModelTooLarge failure (recorded by the sweep), the others are done."""
+    models = rows([f"ok-{i}" for i in range(6)]) + rows(["giant"], size=500 * GB)
+    worker = ShardWorker(store)
+    with indexed.autopilot(worker):
+        outcomes, _ = run(backend_for(kube, store), models, store)
+    status = by_status(outcomes)
+    assert status["failed"] == {"org/giant"}
+    (giant,) = [o for o in outcomes if o.status == "failed"]
+    assert giant.error.startswith("ModelTooLarge: org/giant") and not giant.retryable
+    assert "giant" not in " ".join(worker.analysed)
+    record = read_failure(store, models[-1].key)
+    assert record is not None and "ModelTooLarge" in record.error
 
 
 def test_a_sharded_job_kueue_holds_is_explained_from_its_workload(
