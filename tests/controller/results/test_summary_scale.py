@@ -1,0 +1,178 @@
+"""summary.csv at scale: the same bytes as the in-memory writer made (recorded before it was
+made to stream), and memory that does not grow with the number of markers (issue 29)."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.results.summary import KnownMarkers, write_summary
+from esd_worker.core.command.settings import AnalysisSettings
+from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.store.layout import marker_key, read_marker
+from esd_worker.core.store.marker import BaseModelRef, Marker
+from esd_worker.core.store.results import SUMMARY_FIELDS, layers_to_csv
+from esd_worker.core.store.stores import LocalStore, Store
+
+PARAMS = AnalysisSettings().as_dict()
+# summary.csv of synthetic_store(300) as write_summary wrote it before it streamed
+# (commit 06d9c94's in-memory writer): the streaming one must write the same bytes.
+GOLDEN = Path(__file__).resolve().parents[2] / "fixtures" / "summary" / "golden-300.csv"
+
+
+# --- builders -------------------------------------------------------------------------------
+
+
+def synthetic_summary(rng: random.Random) -> dict[str, Any]:
+    """A marker's summary: counts as ints, statistics as floats, some missing (null)."""
+    stats: dict[str, Any] = {}
+    for col in SUMMARY_FIELDS:
+        if col in ("layers", "layers_ok"):
+            stats[col] = rng.randint(0, 400)
+        elif rng.random() < 0.05:
+            stats[col] = None
+        else:
+            stats[col] = rng.uniform(-3, 9) * 10 ** rng.randint(-3, 3)
+    return stats
+
+
+LAYER = {"layer": "h.0.mlp", "alpha": 3.0, "stable_rank": 20.0, "log_spectral_norm": 2.0,
+         "log_norm": 3.0, "entropy": 0.8, "alpha_weighted": 6.0, "log_alpha_norm": 4.0,
+         "status": "ok"}
+
+
+def synthetic_models(n: int, seed: int = 29) -> Iterator[tuple[ModelRow, str]]:
+    """n list rows, each with what the store holds for it: "done", "old" (a marker without
+    summary, its layers.csv there), "old-no-table", "other-params", "corrupt", "missing";
+    some rows repeat an earlier key (the first wins), ids with revisions, relations from
+    the list or only the marker."""
+    rng = random.Random(seed)
+    rows: list[ModelRow] = []
+    kinds = ["done"] * 12 + ["old", "old-no-table", "other-params", "corrupt", "missing"]
+    for i in range(n):
+        if rows and rng.random() < 0.03:  # a duplicate row (maybe another relation)
+            first = rng.choice(rows)
+            yield ModelRow(first.model_id, first.revision, "merge", None, line=i), "dup"
+            continue
+        revision = rng.choice([None, None, "main", f"v{i}"])
+        relation = rng.choice(["", "", "finetune", "lora", "base"])
+        source = f"org{i % 7}/base" if relation in ("finetune", "lora") and i % 3 else None
+        row = ModelRow(f"org{i % 11}/Model-{i:05d}", revision, relation, source, line=i)
+        rows.append(row)
+        yield row, rng.choice(kinds)
+
+
+def put_synthetic(store: Store, row: ModelRow, kind: str, rng: random.Random) -> None:
+    if kind in ("missing", "dup"):
+        return
+    if kind == "corrupt":
+        store.put_bytes(marker_key(row.key), b"{not json")
+        return
+    relation = rng.choice(["", "finetune", "adapter"])
+    marker = Marker(
+        model=row.ref, model_key=row.key, model_id=rng.choice([row.model_id, None]),
+        revision=row.revision, relation=relation,
+        base_model=BaseModelRef(f"org/base-{rng.randint(0, 9)}") if relation else None,
+        parameters=PARAMS if kind != "other-params" else {**PARAMS, "xmin": "other"},
+        summary=synthetic_summary(rng) if kind == "done" else None,
+        timings=rng.choice([{"total_s": rng.randint(1, 900)},
+                            {"total_s": round(rng.uniform(1, 900), 3)}, {}]),
+        device=rng.choice([{"type": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+                           {"type": "cpu"}, None]),
+        finished_at=rng.choice([None, f"2026-11-23T07:{rng.randint(10, 59)}:01+00:00"]),
+    )
+    store.put_bytes(marker_key(row.key), marker.to_json())
+    if kind == "old":
+        layers = [{**LAYER, "alpha": rng.uniform(1, 8)} for _ in range(rng.randint(1, 4))]
+        store.put_bytes(f"{row.key}/layers.csv", layers_to_csv(layers))
+
+
+def synthetic_store(store: Store, n: int, seed: int = 29) -> list[ModelRow]:
+    """Fill `store` for n list rows (synthetic_models); returns the list."""
+    rng = random.Random(seed + 1)
+    listed = []
+    for row, kind in synthetic_models(n, seed):
+        put_synthetic(store, row, kind, rng)
+        listed.append(row)
+    return listed
+
+
+def known_from(store: Store, rows: list[ModelRow], every: int) -> KnownMarkers:
+    """What a run's plan hands the summary: every `every`-th listed model's marker it read."""
+    known = KnownMarkers()
+    for row in rows[::every]:
+        marker = read_marker(store, row.key)
+        if marker is not None and marker.parameters == PARAMS:
+            known.add(marker)
+    return known
+
+
+# --- the same bytes -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("known_every", [0, 3], ids=["all-read", "plan-known"])
+def test_summary_csv_bytes_as_the_in_memory_writer_wrote_them(
+        tmp_path: Path, known_every: int) -> None:
+    """300 rows of every kind (done, old markers with and without their table, other
+    parameters, corrupt, missing, duplicates): summary.csv is byte for byte the file the
+    in-memory writer made of this store, whether the plan's known markers are used or not
+    (they give the same rows by construction)."""
+    store = LocalStore(tmp_path / "results")
+    rows = synthetic_store(store, 300)
+    known = known_from(store, rows, known_every) if known_every else None
+    count = write_summary(store, iter(rows), parameters=PARAMS, known=known)
+    data = store.get_bytes("summary.csv")
+    assert data is not None
+    assert data == GOLDEN.read_bytes(), hashlib.sha256(data).hexdigest()
+    assert count == data.count(b"\n") - 1
+
+
+# --- memory that does not grow with the store -----------------------------------------------
+
+MARKERS = 20_000
+# The streaming writer holds a chunk of markers, its rows and 8 bytes per listed key (the
+# duplicates' check): ~0.2 MB of keys for 20k, a few MB in all. The in-memory writer held
+# every marker and row and the whole CSV: ~90 MB traced for these 20k (kB a marker).
+PEAK_BOUND = 12 * 2**20
+
+
+def fast_done_store(root: Path, n: int) -> list[ModelRow]:
+    """n done models (a marker with its summary each), written straight to the folder:
+    store.put_bytes' atomic write would make this test's set-up the slow part."""
+    rng = random.Random(7)
+    rows = []
+    for i in range(n):
+        row = ModelRow(f"org{i % 97}/model-{i:06d}", None, "finetune", "org/base", line=i)
+        marker = Marker(model=row.ref, model_key=row.key, model_id=row.model_id,
+                        parameters=PARAMS, summary=synthetic_summary(rng),
+                        timings={"total_s": 31.5}, device={"type": "cuda", "name": "H100"},
+                        finished_at="2026-11-23T07:05:01+00:00")
+        folder = root / row.key
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_bytes(marker.to_json())
+        rows.append(row)
+    return rows
+
+
+def test_write_summary_memory_does_not_grow_with_markers(tmp_path: Path) -> None:
+    """20,000 done models: write_summary's peak traced memory stays under PEAK_BOUND (a
+    few hundred bytes a marker at most), through the listing path that a list of more
+    than DIRECT_LOOKUPS models takes, and summary.csv has every row."""
+    rows = fast_done_store(tmp_path / "results", MARKERS)
+    store = LocalStore(tmp_path / "results")
+    tracemalloc.start()
+    try:
+        count = write_summary(store, iter(rows), parameters=PARAMS, threads=4)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == MARKERS
+    data = store.get_bytes("summary.csv")
+    assert data is not None and data.count(b"\n") == MARKERS + 1
+    assert peak < PEAK_BOUND, f"peak {peak / 2**20:.1f} MiB for {MARKERS} markers"
