@@ -31,6 +31,7 @@ from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
 from esd_worker.core.command.invocation import SERVE
 from esd_worker.core.models.modellist import ModelRow
+from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S
 
 if TYPE_CHECKING:
     from controller.settings import SweepSettings
@@ -242,6 +243,13 @@ class LocalBackend:
     def prefetch(self) -> int:
         """Models a long-lived worker is given ahead of the one it analyses."""
         return self.spec.prefetch if self.spec is not None else 0
+
+    @property
+    def model_timeout(self) -> float:
+        """The floor of a model's no-progress limit in a long-lived worker (--model-timeout),
+        seconds: the watch's default when the run's WorkerSpec gives none."""
+        timeout = self.spec.model_timeout if self.spec is not None else None
+        return DEFAULT_MODEL_TIMEOUT_S if timeout is None else timeout
 
     def serves(self, task: Task) -> bool:
         """Whether the task goes to a long-lived worker (a model, with this run's WorkerSpec);

@@ -2,8 +2,9 @@
 start what may start.
 
 Owns the order of one pass (every ~20 ms) and the retry decision: a retryable failure with
-attempts left goes back after a backoff; a model whose every attempt crashed its worker is a
-poison model, reported as not retryable. Models go to long-lived workers
+attempts left goes back after a backoff; a model whose every attempt crashed its worker or
+hung (killed for no heartbeat within its limit: .slots) is a poison model, reported as not
+retryable. Models go to long-lived workers
 (controller.backends.local.slots), custom commands to one process per attempt
 (controller.backends.local.process). What may start where, and what it runs, is the
 dispatcher's (Dispatcher, the local backend: GPU tracker, CPU slots, worker commands); how
@@ -54,6 +55,11 @@ class Dispatcher(Protocol):
     @property
     def prefetch(self) -> int:
         """Models a long-lived worker is given ahead of the one it analyses."""
+        ...
+
+    @property
+    def model_timeout(self) -> float:
+        """The floor of a model's no-progress limit in a long-lived worker, seconds."""
         ...
 
     def serves(self, task: Task) -> bool:
@@ -110,7 +116,7 @@ class Loop:
             lambda gpus: dispatcher.serve_command(), depth=1 + dispatcher.prefetch,
             reuse=self.settings.worker_reuse,
             logs=self.logs, threads=dispatcher.threads(), release=dispatcher.release,
-            on_start=self._started,
+            on_start=self._started, model_timeout=dispatcher.model_timeout,
         )
         self.outcomes = outcomes
         self.next_poll = self.next_progress = now
@@ -125,6 +131,7 @@ class Loop:
             now = time.monotonic()
             changed = self._reap(now)
             changed |= self._stops(now)
+            self.slots.kill_hung(now)  # after _reap: every heartbeat read so far counts
             grace = self.settings.terminate_grace_s
             self.running.kill_overdue(now, grace)
             self.slots.kill_overdue(now, grace)
@@ -197,11 +204,14 @@ class Loop:
                         job.task.label, job.task.key, job.attempts, last.error, delay)
             self.waiting.retry_at(now + delay, job)
             return
-        if (job.crashes and job.crashes == job.attempts and job.terminate_at is None
+        killed = job.crashes + job.hangs
+        if (killed and killed == job.attempts and job.terminate_at is None
                 and not self.stopping and last.retryable):
+            what = ("crashed the worker" if not job.hangs else "hung" if not job.crashes
+                    else "crashed or hung the worker")
             job.last = dataclasses.replace(last, retryable=False, error=(
-                f"{last.error}; it crashed the worker in all {job.attempts} attempt(s): a "
-                "poison model, recorded as a permanent failure (--retry-failed tries again)"))
+                f"{last.error}; it {what} in all {job.attempts} attempt(s): a poison model, "
+                "recorded as a permanent failure (--retry-failed tries again)"))
         self.outcomes.add(job, job.status())
 
     def _stops(self, now: float) -> bool:

@@ -4,14 +4,16 @@ one model at a time plus what it may download ahead.
 Owns the slots: which worker takes a job (one holding as many GPUs as the job wants: an idle
 one first, then a new slot when the caller can get GPUs for one, then one with room to queue
 ahead; idle workers of another count leave when the job can start nowhere), what the
-workers' events mean for the jobs (started, ended, crashed under a model), restarting after
-`--worker-reuse` models, idle workers leaving so their GPUs go back, and stopping (drain,
-SIGTERM, SIGKILL). Does not decide retries, GPU counts or record anything
-(controller.backends.local.backend, .needs).
+workers' events mean for the jobs (started, ended, crashed under a model), the watch over each
+worker's model in progress (its heartbeats: one quiet past its limit is hung, and its worker
+is killed, esd_worker.core.watchdog), restarting after `--worker-reuse` models, idle workers
+leaving so their GPUs go back, and stopping (drain, SIGTERM, SIGKILL). Does not decide
+retries, GPU counts or record anything (controller.backends.local.backend, .needs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -24,14 +26,16 @@ from controller.backends.local.process import Ended, WorkerLogs, describe_exit
 from controller.backends.local.served import ServedWorker
 from controller.backends.local.tasks import Job
 from esd_worker.core.errors import signal_name
-from esd_worker.core.protocol import DONE, SKIPPED, Request, result_from
+from esd_worker.core.protocol import DONE, PROGRESS, SKIPPED, Request, result_from
+from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S, ModelWatch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class Slot:
-    """A worker on its GPUs: jobs sent and not started (`sent`), the one it analyses."""
+    """A worker on its GPUs: jobs sent and not started (`sent`), the one it analyses
+    (`current`, watched over by `watch`)."""
 
     worker: ServedWorker
     gpus: tuple[int, ...]
@@ -42,6 +46,8 @@ class Slot:
     drained: bool = False  # a stop: what it was sent and did not start is not its fault
     terminate_at: float | None = None
     killed: bool = False
+    watch: ModelWatch = field(default_factory=ModelWatch)
+    hung: str | None = None  # killed as hung: the "ModelTimeout: ..." its model is charged
 
     @property
     def load(self) -> int:
@@ -63,13 +69,16 @@ Acquire = Callable[[int], "tuple[int, ...] | None"]  # GPUs wanted -> the GPUs, 
 
 class Slots:
     """The long-lived workers. depth: models a worker holds at once (1 + its prefetch);
-    reuse: models after which a worker is replaced (None: never)."""
+    reuse: models after which a worker is replaced (None: never); model_timeout: the floor
+    of a model's no-progress limit, seconds (--model-timeout)."""
 
     def __init__(self, argv: Callable[[tuple[int, ...]], Sequence[str]], *, depth: int,
                  reuse: int | None, logs: WorkerLogs, threads: int | None,
                  release: Callable[[tuple[int, ...]], bool],
-                 on_start: Callable[[Job, Slot], None] | None = None) -> None:
+                 on_start: Callable[[Job, Slot], None] | None = None,
+                 model_timeout: float = DEFAULT_MODEL_TIMEOUT_S) -> None:
         self.argv = argv
+        self.model_timeout = model_timeout
         self.depth = max(1, depth)
         self.reuse = reuse
         self.logs = logs
@@ -134,7 +143,7 @@ class Slots:
                               logs=self.logs, threads=self.threads)
         log.info("worker %d started on %s pid=%d", self._started,
                  f"gpus={','.join(map(str, gpus))}" if gpus else "cpu", worker.pid)
-        slot = Slot(worker, gpus)
+        slot = Slot(worker, gpus, watch=ModelWatch(self.model_timeout))
         self.live.append(slot)
         return slot
 
@@ -180,15 +189,22 @@ class Slots:
                 log.warning("worker %d started %s, which it was not sent", slot.worker.slot, key)
                 return
             slot.current, job.started = job, now
+            slot.watch.start(job.task.key, now)
             job.log_path = None
             if self.on_start is not None:
                 self.on_start(job, slot)
+        elif kind == PROGRESS:
+            size = event.get("bytes")
+            # null until the worker knows the size (type, not isinstance: a bool is no size)
+            slot.watch.beat(str(key), now, size if type(size) is int else None)
         elif kind == "result":
             job = slot.current if slot.current and slot.current.task.key == key else None
             job = job or _take(slot.sent, key)
             if job is None:
                 return
-            slot.current = None
+            if slot.current is job:  # not a model found done, answered with no start
+                slot.current = None
+                slot.watch.end()
             try:
                 result = result_from(event)
             except ValueError as e:
@@ -223,7 +239,10 @@ class Slots:
             job.total_s += job.duration_s
             job.log_path = slot.worker.log_path(job.task.key)
             job.last = _crash(rc, tail, started=slot.current is job)
-            if slot.current is job:
+            if slot.current is job and slot.hung is not None:
+                job.last = dataclasses.replace(job.last, error=slot.hung)
+                job.hangs += 1
+            elif slot.current is job:
                 job.crashes += 1
             got.ended.append(job)
         elif rc != 0 and slot.terminate_at is None:
@@ -251,6 +270,25 @@ class Slots:
                 slot.terminate_at = now
                 if slot.current is not None:
                     slot.current.terminate_at = now
+
+    def kill_hung(self, now: float) -> None:
+        """SIGKILL the workers whose model in progress went quiet for its limit (its watch's):
+        the exit charges the model the watch's ModelTimeout (_exited), and what the worker
+        was sent and did not start goes back to the queue. A stop's SIGTERM (terminate_at)
+        has its own deadline, and a model cancelled by it is not charged."""
+        for slot in self.live:
+            job = slot.current
+            if job is None or slot.killed or slot.terminate_at is not None:
+                continue
+            error = slot.watch.overdue(now)
+            if error is None:
+                continue
+            log.warning("model=%s key=%s hung: no progress for %.0f s (limit %.0f s, "
+                        "--model-timeout sets the floor): SIGKILL worker %d pid=%d",
+                        job.task.label, job.task.key, now - slot.watch.last_beat,
+                        slot.watch.limit_s, slot.worker.slot, slot.worker.pid)
+            slot.worker.signal(signal.SIGKILL)
+            slot.killed, slot.hung = True, error
 
     def kill_overdue(self, now: float, grace: float) -> None:
         for slot in self.live:

@@ -40,6 +40,7 @@ class Job:
     terminate_at: float | None = None  # when SIGTERM was sent (second stop request)
     killed: bool = False
     crashes: int = 0  # attempts that ended with the long-lived worker dying under it
+    hangs: int = 0  # attempts whose worker was killed as hung (no heartbeat for its limit)
 
     def should_retry(self, max_retries: int, stopping: bool) -> bool:
         """A retryable failure, not terminated by us, with attempts left, while running on."""

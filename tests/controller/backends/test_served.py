@@ -1,10 +1,13 @@
 """The local backend's long-lived workers: one process many models, a crash charged to the model in
-progress, poison models, --worker-reuse, stops, logs and GPUs; through a stand-in worker that
+progress, poison models, hung models (no heartbeat for their limit), --worker-reuse, stops,
+logs and GPUs; through a stand-in worker that
 speaks the real protocol (tests/support/served_worker.py), so no torch is needed."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 import threading
 from collections import Counter
@@ -18,7 +21,9 @@ from controller.backends.local.backend import LocalBackend, serve_argv
 from controller.backends.local.settings import LocalSettings
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import make_single
+from esd_worker.core.watchdog import no_progress_limit_s
 from tests.support.local import FAST, by_key, make_tracker
+from tests.support.served_worker import BIG_BYTES, HANG_S
 
 FAKE_WORKER = (sys.executable, "-m", "tests.support.served_worker")
 
@@ -31,7 +36,8 @@ def backend(state: Path, monkeypatch: pytest.MonkeyPatch, *,
             worker: tuple[str, ...] = FAKE_WORKER, **settings: Any) -> LocalBackend:
     monkeypatch.setenv("FAKE_WORKER_STATE", str(state))
     spec = WorkerSpec(run_id="run-1", store_url=str(state / "out"),
-                      prefetch=settings.pop("prefetch", 1))
+                      prefetch=settings.pop("prefetch", 1),
+                      model_timeout=settings.pop("model_timeout", None))
     tracker = settings.pop("tracker", None)
     fields = {"max_retries": FAST.max_retries, "backoff_s": FAST.backoff_s,
               "backoff_max_s": FAST.backoff_max_s, "terminate_grace_s": 2.0} | settings
@@ -199,3 +205,63 @@ def test_second_stop_terminates_the_worker_and_cancels_its_model(
     outcomes = b.run(tasks("slow-a", "ok-b"), got.append)
     assert [(o.task.label, o.status) for o in outcomes] == [("slow-a", "cancelled")]
     assert got == outcomes
+
+
+# -- hung models: no heartbeat for the model's limit (esd_worker.core.watchdog) ----------------
+
+@pytest.mark.parametrize("max_retries", [0, 1])
+def test_a_hung_model_is_killed_after_its_limit_and_the_rest_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_retries: int
+) -> None:
+    """hang-b says nothing after it starts: with --model-timeout 1 its worker is killed about
+    1 s later, each time charged one attempt, and after --max-retries it is recorded with the
+    watch's ModelTimeout cause, not as a crash, and not retryable (a model that hung in every
+    attempt hangs again, as a poison model crashes again). beat-c runs twice the limit but
+    beats, so it is done; ok-d, sent to the hung worker ahead and never started there, is not
+    charged."""
+    outcomes = by_key(backend(tmp_path, monkeypatch, max_retries=max_retries,
+                              model_timeout=1.0).run(tasks("ok-a", "hang-b", "beat-c", "ok-d")))
+    hung = outcomes[tasks("hang-b")[0].key]
+    assert (hung.status, hung.attempts, hung.signal) == ("failed", max_retries + 1, 9)
+    assert hung.error.startswith("ModelTimeout: no progress for "), hung.error
+    assert "limit 1 s" in hung.error and "WorkerCrashed" not in hung.error
+    # Hung in every attempt: recorded as a poison model is, for --retry-failed to try again.
+    assert f"it hung in all {max_retries + 1} attempt(s)" in hung.error
+    assert not hung.retryable
+    assert 1.0 <= hung.duration_s < HANG_S / 2
+    assert hung.stderr_tail[-1] == f"analysing hang-b attempt {max_retries + 1}"
+    assert {o.task.label: (o.status, o.attempts) for o in outcomes.values()
+            if o is not hung} == {"ok-a": ("done", 1), "beat-c": ("done", 1), "ok-d": ("done", 1)}
+    assert Counter(key for _, key, _ in starts(tmp_path))[tasks("ok-d")[0].key] == 1
+
+
+def test_a_model_that_hung_once_is_done_on_its_retry_and_the_kill_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hang is one attempt, like a crash: the retry on a fresh worker finishes it. The kill
+    is one warning naming the model, how long it was quiet and its limit."""
+    with caplog.at_level(logging.WARNING, logger="controller.backends.local.slots"):
+        outcomes = backend(tmp_path, monkeypatch, model_timeout=1.0).run(
+            tasks("hang-once-a", "ok-b"))
+    assert [(o.task.label, o.status, o.attempts) for o in outcomes] == [
+        ("ok-b", "done", 1), ("hang-once-a", "done", 2)]
+    [warning] = [r.getMessage() for r in caplog.records
+                 if r.name == "controller.backends.local.slots" and "hung" in r.getMessage()]
+    assert warning.startswith("model=hang-once-a key=")
+    assert re.search(r"hung: no progress for \d+ s \(limit 1 s, --model-timeout", warning)
+    assert "SIGKILL worker 1" in warning
+
+
+def test_the_size_a_heartbeat_gives_raises_the_limit_above_the_floor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """big-hang-a's one heartbeat says it is BIG_BYTES: its limit is the size's (about 3 s,
+    no_progress_limit_s), so the 1 s floor alone does not kill it."""
+    limit = no_progress_limit_s(BIG_BYTES, 1.0)
+    assert limit > 2.0  # the test means something only if the size's limit is the larger
+    [outcome] = backend(tmp_path, monkeypatch, max_retries=0, model_timeout=1.0).run(
+        tasks("big-hang-a"))
+    assert (outcome.status, outcome.attempts) == ("failed", 1)
+    assert outcome.error.startswith("ModelTimeout:")
+    assert f"limit {limit:.0f} s" in outcome.error
+    assert limit <= outcome.duration_s < HANG_S / 2
