@@ -5,6 +5,7 @@ speaks the real protocol (tests/support/served_worker.py), so no torch is needed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -19,8 +20,13 @@ import pytest
 from controller.backends.base import Outcome, Task, WorkerSpec
 from controller.backends.local.backend import LocalBackend, serve_argv
 from controller.backends.local.settings import LocalSettings
+from controller.errors import EXIT_SOME_FAILED
+from controller.run.sweep import run_sweep
+from controller.settings import SweepSettings
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import make_single
+from esd_worker.core.store.opener import open_store
+from esd_worker.core.store.records import read_failure
 from esd_worker.core.watchdog import no_progress_limit_s
 from tests.support.local import FAST, by_key, make_tracker
 from tests.support.served_worker import BIG_BYTES, HANG_S
@@ -265,3 +271,35 @@ def test_the_size_a_heartbeat_gives_raises_the_limit_above_the_floor(
     assert outcome.error.startswith("ModelTimeout:")
     assert f"limit {limit:.0f} s" in outcome.error
     assert limit <= outcome.duration_s < HANG_S / 2
+
+
+def test_a_first_stop_does_not_wait_for_a_hung_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first stop lets the model in progress finish: a hung one never does, so the watch
+    still kills it. It is not retried during the stop and stays retryable for the next run."""
+    b = backend(tmp_path, monkeypatch, model_timeout=1.0)
+    b.on_start = lambda task, gpus: b.request_stop()
+    [outcome] = b.run(tasks("hang-a", "ok-b"))
+    assert (outcome.task.label, outcome.status, outcome.attempts) == ("hang-a", "failed", 1)
+    assert outcome.error.startswith("ModelTimeout:") and outcome.retryable
+    assert outcome.duration_s < HANG_S / 2
+
+def test_a_sweep_records_a_model_that_hung_in_every_attempt_with_its_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end from the run's settings (--model-timeout 1, --max-retries 1) to the store:
+    the failure record names the ModelTimeout, its two attempts and the SIGKILL, and is not
+    retryable; the sweep exits 1 (some failed)."""
+    monkeypatch.setenv("FAKE_WORKER_STATE", str(tmp_path))
+    models = tmp_path / "models.csv"
+    models.write_text("model_id\nhang-b\n")
+    out = tmp_path / "out"
+    settings = SweepSettings(
+        output=str(out), model_list=models, device="cpu", model_timeout=1.0,
+        worker_cmd=FAKE_WORKER, local=dataclasses.replace(FAST, max_retries=1))
+    assert run_sweep(settings).exit_code == EXIT_SOME_FAILED
+    record = read_failure(open_store(str(out)), tasks("hang-b")[0].key)
+    assert record is not None
+    assert record.error.startswith("ModelTimeout: no progress for ")
+    assert (record.attempts, record.signal, record.retryable) == (2, 9, False)
