@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import platform
+import re
 import sys
 import time
 from collections import deque
@@ -23,11 +24,13 @@ from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
 from esd_worker.core.command.settings import WorkerSettings
+from esd_worker.core.echo import echo
 from esd_worker.core.errors import (
     ERROR_PREFIX,
     EXIT_OK,
     EXIT_TRANSIENT,
     EXIT_USAGE,
+    FAILURE_CHARS,
     Terminated,
     WorkerError,
     classify_exit,
@@ -60,6 +63,7 @@ from esd_worker.core.store.stores import Store
 log = logging.getLogger("esd_worker")
 
 TAIL_LINES = 20
+_CAUSE = re.compile(r"[A-Z][A-Za-z]{0,63}: \S")  # an attempt note's last_error
 
 
 @dataclass(frozen=True)
@@ -189,15 +193,19 @@ class Batch:
             if skip:
                 log.info("model=%s key=%s skipped: %s", request.model, key, skip)
                 return Result(key, SKIPPED, EXIT_OK, error=skip)
-            starts = self._note_start(request)
+            starts, cause = self._note_start(request)
         except Exception as e:  # the store, before the model started: this model's outcome
             return self._error(request, e, tail)
         # After the note: a worker killed from here on is found by the next one.
         self.emit(event_line("start", key=key))
         if starts > self.settings.max_retries + 1:
-            error = (f"WorkerCrashed: {starts - 1} worker(s) died analysing {request.model} "
-                     "(out of host memory, a segfault or a fatal CUDA error): a poison model, "
-                     "not tried again")
+            # The cause its supervisor wrote into the note (esd_worker.serve.supervisor:
+            # ModelTimeout, HostOutOfMemory, WorkerCrashed by which signal) is the record's.
+            error = (f"{cause}; {starts - 1} attempt(s) ended without an outcome: a poison "
+                     "model, not tried again") if cause else (
+                f"WorkerCrashed: {starts - 1} worker(s) died analysing {request.model} "
+                "(out of host memory, a segfault or a fatal CUDA error): a poison model, "
+                "not tried again")
             log.error("model=%s key=%s %s", request.model, key, error)
             return self._failed(request, error, None, False, tail, attempts=starts - 1)
         settings = replace(self.settings.template, model=request.model,
@@ -269,19 +277,22 @@ class Batch:
 
     # -- the attempt note: a model that kills its worker is found by the next one ------------
 
-    def _note_start(self, request: Request) -> int:
+    def _note_start(self, request: Request) -> tuple[int, str]:
         """Record that this worker starts the model; the number of starts so far, this one
-        included (earlier starts without an outcome are crashes)."""
+        included (earlier starts without an outcome are crashes), and the cause the last one
+        ended with when a supervisor wrote it ("": none)."""
         key = attempt_key(request.key)
         data = self.store.get_bytes(key)
-        starts = 1 + (0 if data is None else self._earlier_starts(key, data))
+        earlier, cause = (0, "") if data is None else self._earlier_starts(key, data)
+        starts = 1 + earlier
         note = {"model": request.model, "starts": starts, "run_id": self.settings.run_id,
                 "host": platform.node(), "pid": os.getpid(), "time": utc_now()}
         self.store.put_bytes(key, (json.dumps(note) + "\n").encode())
-        return starts
+        return starts, cause
 
-    def _earlier_starts(self, key: str, data: bytes) -> int:
-        """The starts a note counts for this run. Another run's note counts none: that run
+    def _earlier_starts(self, key: str, data: bytes) -> tuple[int, str]:
+        """The starts a note counts for this run, and its `last_error` (_note_cause).
+        Another run's note counts none: that run
         recorded the model (its controller counted the crashes and removes the note with the
         record) or was stopped under it, and `--retry-failed` means try again. A note that
         is not one (forged, or more starts than this run allows: the start after the last
@@ -292,16 +303,16 @@ class Batch:
             starts, run_id = note["starts"], note.get("run_id", "")
         except (ValueError, KeyError, TypeError, AttributeError):
             log.warning("attempt note %s is not one: ignored", key)
-            return 0
+            return 0, ""
         if (isinstance(starts, bool) or not isinstance(starts, int)
                 or not 1 <= starts <= self.settings.max_retries + 1 or not isinstance(run_id, str)):
             log.warning("attempt note %s holds starts=%.40r: ignored", key, starts)
-            return 0
+            return 0, ""
         if run_id != self.settings.run_id:
             log.info("attempt note %s is run %.80r's (%d start(s)): this run %.80r counts "
                      "its own", key, run_id, starts, self.settings.run_id)
-            return 0
-        return starts
+            return 0, ""
+        return starts, _note_cause(note.get("last_error"))
 
     def _clear_note(self, key: str) -> None:
         self.store.delete(attempt_key(key))
@@ -315,10 +326,16 @@ def _fatal_cuda(e: BaseException) -> bool:
     return "CUDA error" in text or "CUBLAS_STATUS" in text or "cuda runtime error" in text
 
 
+def _note_cause(value: object) -> str:
+    """The cause a supervisor wrote into a note, "Class: message" on one line and bounded;
+    "" when there is none or it is not one (a forged note must not name a class)."""
+    if not isinstance(value, str) or not _CAUSE.match(value):
+        return ""
+    return echo(" ".join(value.split()), limit=FAILURE_CHARS)
+
+
 def _release_gpu_memory() -> None:
     """Give cached GPU blocks back between models (the next may need them all)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
