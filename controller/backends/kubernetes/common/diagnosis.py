@@ -152,6 +152,23 @@ def describe_pending(
     return "pending: the scheduler has not placed the pod yet"
 
 
+def is_unschedulable(pods: Sequence[Mapping[str, Any]],
+                     events: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the scheduler has said it cannot place these pods: a Pending pod with
+    PodScheduled False for reason Unschedulable, or a FailedScheduling event. No node has
+    what they ask for (GPUs, disk, memory, a toleration, a node affinity), as opposed to
+    pods that wait for an image, a volume, a quota or Kueue."""
+    for pod in pods:
+        status = pod.get("status") or {}
+        if status.get("phase") != "Pending":
+            continue
+        for cond in status.get("conditions") or []:
+            if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
+                    and cond.get("reason") == "Unschedulable"):
+                return True
+    return any(e.get("reason") == "FailedScheduling" for e in events)
+
+
 def describe_workload(workloads: Sequence[Mapping[str, Any]]) -> str:
     """Why Kueue has not admitted a suspended Job, from its Workload (kueue.x-k8s.io): the
     message of the condition that holds it back (Evicted, QuotaReserved False, Admitted

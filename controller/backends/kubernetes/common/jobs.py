@@ -73,17 +73,17 @@ class JobSettings:
     (default: run_id). Both must be valid label values (≤ 63 chars).
     gpus_per_job: `nvidia.com/gpu` requested and limited per pod (default 1; 0: a CPU-only
     Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
-    quantities (defaults "2", "16Gi"); memory_limit: the container's memory limit (None:
-    the memory request, so every worker pod has one: see _resources);
-    ephemeral_storage_request: None = none (the HF cache emptyDir lives on it).
-    ephemeral_storage_request also bounds the cache emptyDir (sizeLimit): a pod whose
-    downloads outgrow it is evicted instead of filling the node's disk, and that eviction
-    is counted as a failure (it carries no DisruptionTarget): the worker's hard download
-    budget (--cache-budget, the request less the headroom) keeps it from happening.
+    quantities (defaults "2", "16Gi"); memory_limit: None = the memory request (every worker
+    pod has a limit: see _resources); ephemeral_storage_request: None = none (the HF cache
+    emptyDir lives on it). It also bounds the cache emptyDir (sizeLimit): a pod whose
+    downloads outgrow it is evicted instead of filling the node's disk, an eviction counted
+    as a failure (no DisruptionTarget) that the worker's hard download budget
+    (--cache-budget: the request less the headroom) prevents.
     backoff_limit: pod failures counted before the Job fails (default 3; disruptions:
-    preemptions, drains, node-pressure evictions, do not count, see pod_failure_policy). active_deadline_s: seconds a worker
-    pod may run once it is on a node (the pod's activeDeadlineSeconds, so time pending for
-    a node, an autoscaler or Kueue does not count; default 6 h; None = no limit).
+    preemptions, drains, node-pressure evictions, do not count, see pod_failure_policy).
+    active_deadline_s: seconds a worker pod may run once it is on a node (the pod's
+    activeDeadlineSeconds, so time pending for a node, an autoscaler or Kueue does not
+    count; default 6 h; None = no limit).
     ttl_after_finished_s: seconds a finished Job is kept (default 24 h; None = forever).
     node_selector, priority_class, service_account, image_pull_secrets: passed to the pod.
     tolerations: (key, value or None, effect) each: the pods tolerate these taints too (GPU
@@ -370,10 +370,9 @@ def pod_spec(
         if settings.hf_cache_pvc else {"name": "cache", "emptyDir": {}}
     )
     if settings.ephemeral_storage_request and "emptyDir" in cache:
-        # Downloads that outgrow the pod's disk get it evicted by the kubelet instead of
-        # filling the node and evicting its neighbours. That eviction has no
-        # DisruptionTarget, so it is counted against the pod's retries: the worker's hard
-        # download budget (the request less the headroom) keeps downloads below it.
+        # Downloads that outgrow the pod's disk get it evicted instead of filling the node;
+        # that eviction has no DisruptionTarget, so it is counted against the pod's retries:
+        # the worker's hard download budget (the request less the headroom) prevents it.
         cache["emptyDir"]["sizeLimit"] = settings.ephemeral_storage_request
     spec: dict[str, Any] = {
         "restartPolicy": "Never",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
@@ -32,11 +32,12 @@ from controller.backends.kubernetes.common.wiring import (
     sweep_sizer,
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from controller.backends.kubernetes.sharded.budgets import DownloadBudgets
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
-from controller.backends.kubernetes.sharded.plan import Item, default_classes, too_big_error
+from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
-from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures
-from controller.errors import SweepError
+from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures, held_keys
+from controller.errors import InfrastructureError, SweepError
 from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
 from controller.progress import Progress
@@ -51,20 +52,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TOO_BIG_LOGGED = 5  # models past their class's budget logged one by one; the rest counted
-
 
 class ShardedBackend:
     """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
 
-    classes: the resource classes models are sorted into
-    (controller.backends.kubernetes.sharded.plan). size: a
-    model's bytes (controller.weights.sizing.Sizer.size); base_size: an adapter's base's
-    bytes by its source_model (Sizer.base_size; None: adapters count alone). gpus: a
-    model's GPU count
-    (controller.gpu.counts.GpuCounts; models it gives N > 1 go to a class "gpu-x<N>" of
-    their own; None: every model to `classes`). poll_s: seconds between looks at the
-    Jobs. clock / sleep: for tests.
+    classes: the resource classes models are sorted into (.plan). size: a model's bytes
+    (controller.weights.sizing.Sizer.size); base_size: an adapter's base's (Sizer.base_size;
+    None: adapters count alone). gpus: a model's GPU count (controller.gpu.counts.GpuCounts;
+    models it gives N > 1 go to a class "gpu-x<N>" of their own; None: every model to
+    `classes`). poll_s: seconds between looks at the Jobs. clock / sleep: for tests.
     """
 
     name = "kubernetes"
@@ -90,8 +86,7 @@ class ShardedBackend:
         self.size = size
         self.base_size = base_size
         self.size_report = size_report
-        # Models no class's pods can hold (key -> the error): few, and never sharded.
-        self.too_big: dict[str, str] = {}
+        self.budgets = DownloadBudgets(settings, job_settings, spec)
         self.gpus = gpus
         self.poll_s = poll_s
         self.instance = job_settings.instance
@@ -143,8 +138,7 @@ class ShardedBackend:
             where = f"{self.spec.store_url.rstrip('/')}/{prefix}"
             out.write(f"# class {c.cls.name}: {c.models} model(s) in {c.shards} shard(s), "
                       f"{c.parallelism} pod(s) at once; shards written to {where}\n")
-        for error in self.too_big.values():
-            out.write(f"# {error}\n")
+        out.writelines(f"# {error}\n" for error in self.budgets.errors.values())
         if jobs:
             out.write(jobs_to_yaml(jobs))
         out.flush()
@@ -187,29 +181,25 @@ class ShardedBackend:
         kube = self._client()
         self._check_server(kube)
         self.attached = self._unfinished(kube)
-        if self.attached:
-            log.info("re-attaching to %d Indexed Job(s) of this sweep left running by an "
-                     "earlier run (%s): waiting for them before sharding what is left",
-                     len(self.attached), ", ".join(r.name for r in self.attached))
-            if not self._follow(kube, self.attached, progress):
-                return []
-        remaining: Work = work
-        if self.attached:  # what they finished is done; the rest is sharded again
-            remaining = _NotDone(work, KeySet(iter_markers(self.store)))
+        # Sharded now, not after the attached Jobs end: what they do not hold, if any.
+        remaining, attached = _not_held(work, self.store, self.attached)
         shards = self._shard(remaining, self.store)
         pods = sum(c.parallelism for c in shards)
         for c in shards:
             self.runs.append(self._create(kube, c, pods))
+        following = [*self.attached, *self.runs]
         if not self.settings.wait:
-            self.left_running = [r.name for r in self.runs]
+            self.left_running = [r.name for r in following]
             log.info("--no-wait: %d Indexed Job(s) created; a later run re-attaches to them",
                      len(self.runs))
             return []
-        if not self._follow(kube, self.runs, progress):
+        followed = self._follow(kube, following, progress)
+        self.runs = following[len(self.attached):]  # and any Job made while following
+        if not followed:
             return []
-        failures = ShardFailures(kube, self.store, self.settings, self.runs)
+        failures = ShardFailures(kube, self.store, self.settings, following)
         return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome,
-                              too_big=self.too_big)
+                              too_big=self.budgets.errors, attached=attached)
 
     def _client(self) -> KubeClient:
         if self.kube is None:
@@ -230,39 +220,13 @@ class ShardedBackend:
         shards = write_shards(
             work, store=store, run_id=self.spec.run_id, classes=self.classes, size=self.size,
             budget=self.settings.max_parallel, max_models=self.settings.shard_size or 1000,
-            gpus=self.gpus, base_size=self.base_size, cache_budget_of=self._download_budget,
-            on_too_big=self._too_big)
-        if self.too_big:
-            log.warning("%d model(s) fit no class's download budget and are not sharded "
-                        "(each fails with ModelTooLarge)", len(self.too_big))
+            gpus=self.gpus, base_size=self.base_size, cache_budget_of=self.budgets.of,
+            on_too_big=self.budgets.too_big)
+        self.budgets.log_count()
         self.size_report()
         if self.gpus is not None:
             self.gpus.log_stats()
         return shards
-
-    def _download_budget(self, cls: ResourceClass) -> int | None:
-        """The bytes a pod of `cls` may hold downloaded at once, as _job gives it to the
-        worker: --cache-budget, else, when the downloads go to the pod's own disk (no
-        --cache-dir, no --hf-cache-pvc), its disk request less the headroom; None: not
-        known here (a shared cache's size is the volume's)."""
-        budget = self.spec.batch().cache_budget
-        if budget is not None or self.spec.cache_dir or self.settings.hf_cache_pvc:
-            return budget
-        return cache_budget(self.settings.for_class(self.job_settings, cls)
-                            .ephemeral_storage_request)
-
-    def _too_big(self, item: Item, cls: ResourceClass, budget: int) -> None:
-        if self.spec.batch().cache_budget is not None:
-            remedy = "raise --cache-budget (and the pods' disk with it)"
-        else:
-            disk = self.settings.for_class(self.job_settings, cls).ephemeral_storage_request
-            remedy = (f"they ask for {disk} of ephemeral storage, less the headroom; raise "
-                      "--ephemeral-storage-request (on nodes with that much disk: node-local "
-                      "NVMe) or give --hf-cache-pvc")
-        error = too_big_error(item, cls, budget, remedy)
-        if len(self.too_big) < _TOO_BIG_LOGGED:
-            log.warning("model=%s: %s", item.ref, error)
-        self.too_big[item.key] = error
 
     def _job(self, c: ClassShards, pods: int) -> dict[str, Any]:
         """The Indexed Job of one class; pods: the run's pods at once, all classes (the
@@ -319,7 +283,9 @@ class ShardedBackend:
                     r.update(job, self._clock())
                 elif not r.finished:
                     r.vanish()  # deleted under us: its unfinished shards have no outcome
-                r.explain_pending(kube, self.settings, self._clock())
+                stuck = r.explain_pending(kube, self.settings, self._clock())
+                if stuck is not None:  # a class no node can run ends the run (exit 3)
+                    raise _give_up(kube, self.settings.namespace, r, runs, stuck)
             if progress is not None:
                 _show(progress, runs)
             if all(r.finished for r in runs):
@@ -331,14 +297,56 @@ class ShardedBackend:
                 return False
             self._sleep(self.poll_s)
 
+@dataclass(frozen=True)
+class _Attached:
+    """The earlier runs whose unfinished Jobs this run followed (run_ids) and the models
+    their shards held then (keys): a failure record of one of those runs for one of those
+    models is that model's outcome, as this run's own records are."""
+
+    run_ids: frozenset[str] = frozenset()
+    keys: KeySet | None = None
+
+    def recorded(self, record_run_id: str, key: str) -> bool:
+        return record_run_id in self.run_ids and self.keys is not None and key in self.keys
+
+
+def _not_held(work: Work, store: Store, attached: list[IndexedRun]) -> tuple[Work, _Attached]:
+    """The work without what the attached Jobs of earlier runs still hold (their shards'
+    models, streamed into a KeySet) or what is done, and those runs for the outcomes."""
+    if not attached:
+        return work, _Attached()
+    held = KeySet(held_keys(store, attached))
+    log.info("re-attaching to %d Indexed Job(s) of this sweep left running by an earlier run "
+             "(%s), which hold %d model(s); what they do not hold is sharded now",
+             len(attached), ", ".join(r.name for r in attached), len(held))
+    return (_NotDone(work, KeySet(iter_markers(store)), held),
+            _Attached(frozenset(r.run_id for r in attached), held))
+
+
+def _give_up(kube: KubeClient, namespace: str, stuck: IndexedRun, runs: list[IndexedRun],
+             why: str) -> InfrastructureError:
+    """The error that ends a run whose class no node can schedule, once its Job is deleted
+    (ours; its pending pods would keep an autoscaler trying for ever); the other Jobs are
+    left running for the next run to re-attach to."""
+    kube.delete_job(namespace, stuck.name)
+    left = sum(1 for r in runs if not r.finished and r is not stuck)
+    others = f"; {left} other Job(s) keep running (the next run re-attaches)" if left else ""
+    return InfrastructureError(
+        f"{why}; Job {stuck.name} deleted{others}: give the cluster nodes that fit (or "
+        "change --ephemeral-storage-request, --memory-request, --node-selector, "
+        "--toleration) and run again")
+
+
 def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,
-                   on_outcome: OutcomeCallback, *,
-                   too_big: Mapping[str, str] | None = None) -> list[Outcome]:
+                   on_outcome: OutcomeCallback, *, too_big: Mapping[str, str] | None = None,
+                   attached: _Attached | None = None) -> list[Outcome]:
     """Each model's Outcome from the store (one listing of markers and one of failure
-    records); a model of a failed index without a record of this run gets the diagnosis
-    of the index's last pod; one with neither is a retryable NoOutcome. too_big: the
-    models the plan sharded nowhere (key -> error), each a permanent failure."""
+    records); a model of a failed index without a record of this run (or of the attached
+    run whose shard held it) gets the diagnosis of the index's last pod; one with neither
+    is a retryable NoOutcome. too_big: the models the plan sharded nowhere (key -> error),
+    each a permanent failure."""
     too_big = too_big or {}
+    attached = attached or _Attached()
     done = KeySet(iter_markers(store))
     records = list_failure_keys(store)
     outcomes: list[Outcome] = []
@@ -351,7 +359,8 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
             outcome = _outcome(task, "done", where=where, recorded=True)
         elif key in too_big:
             outcome = _outcome(task, "failed", where=where, error=too_big[key])
-        elif record is not None and record.run_id == run_id:
+        elif record is not None and (record.run_id == run_id
+                                     or attached.recorded(record.run_id, key)):
             outcome = _outcome(task, "failed", where=where, recorded=True, error=record.error,
                                retryable=record.retryable, exit_code=record.exit_code,
                                attempts=record.attempts, tail=record.stderr_tail)
@@ -389,10 +398,11 @@ def _show(progress: Progress, runs: list[IndexedRun]) -> None:
 
 
 class _NotDone:
-    """Work without the models that have a marker now (after re-attaching)."""
+    """Work without the models that have a marker now or that Jobs of an earlier run hold
+    (after re-attaching)."""
 
-    def __init__(self, work: Work, done: KeySet) -> None:
-        self.work, self.done = work, done
+    def __init__(self, work: Work, done: KeySet, held: KeySet) -> None:
+        self.work, self.done, self.held = work, done, held
         self._count: int | None = None
 
     def __len__(self) -> int:
@@ -401,7 +411,8 @@ class _NotDone:
         return self._count
 
     def __iter__(self) -> Iterator[Task]:
-        return (task for task in self.work if task.key not in self.done)
+        return (task for task in self.work
+                if task.key not in self.done and task.key not in self.held)
 
 
 class _Discard:

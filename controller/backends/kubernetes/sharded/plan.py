@@ -5,11 +5,12 @@ the classes a run uses (size bands) and which class a model goes to (by the byte
 disk: its weights, with its base's for an adapter; or "gpu-x<N>" for the models the GPU
 rule gives N > 1 GPUs: controller.gpu.gpurule), which models must share a shard (a base and
 the adapters that follow it), how many shards a class gets, the greedy packing by bytes,
-the line of a model too big for its class's download budget, and a shard's model-list CSV. Pure: no store, no
-hub, no Kubernetes; what a class's pods ask for (common.resources), where a shard is written
-(esd_worker.core.store.layout.shard_key) and how sizes are found (controller.weights.sizing)
-are not its business. Streaming: every step takes an iterator and keeps at most one unit
-and one shard, so a list of millions of models is planned in constant memory.
+the line of a model too big for its class's download budget, and a shard's model-list CSV.
+Pure: no store, no hub, no Kubernetes; what a class's pods ask for (common.resources),
+where a shard is written (esd_worker.core.store.layout.shard_key) and how sizes are found
+(controller.weights.sizing) are not its business. Streaming: every step takes an iterator
+and keeps at most one unit and one shard, so a list of millions of models is planned in
+constant memory.
 """
 
 from __future__ import annotations

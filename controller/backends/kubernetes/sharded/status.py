@@ -2,7 +2,8 @@
 
 Owns reading an Indexed Job's status (completedIndexes, failedIndexes, active, ready) into
 models done / failed / running (by the models each shard holds), telling a person once per
-timeout why the Job has no pod running, and, for a shard whose index failed (its pods never
+timeout why the Job has no pod running, finding a Job stuck for good (its pods unschedulable
+for the pending timeout), and, for a shard whose index failed (its pods never
 finished it), the diagnosis of its last pod, given to the shard's models that have no
 record of their own. Reads the Job and its pods only; per-model outcomes come from the
 store (controller.backends.kubernetes.sharded.backend).
@@ -11,7 +12,7 @@ store (controller.backends.kubernetes.sharded.backend).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from controller.backends.kubernetes.common.diagnosis import (
     Diagnosis,
     describe_pending,
     diagnose_failure,
+    is_unschedulable,
     job_condition,
 )
 from controller.backends.kubernetes.common.kueue import queued_workloads
@@ -28,6 +30,7 @@ from controller.backends.kubernetes.common.names import (
     RUN_LABEL,
 )
 from controller.backends.kubernetes.common.settings import ClusterSettings
+from esd_worker.core.errors import ModelListError
 from esd_worker.core.models.modellist import ModelRow, read_model_list
 from esd_worker.core.store.layout import shard_key
 from esd_worker.core.store.stores import Store
@@ -76,6 +79,9 @@ class IndexedRun:
     job: dict[str, Any] = field(default_factory=dict)
     created_at: float | None = None
     _explained_at: float | None = None
+    # Since when the Job has had pods to place and none running (None: running, or
+    # suspended: Kueue holds it for quota, which is waiting, not being stuck).
+    _stuck_since: float | None = None
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], per_shard: Sequence[int] = ()) -> IndexedRun:
@@ -113,6 +119,7 @@ class IndexedRun:
     def update(self, job: Mapping[str, Any], now: float | None) -> None:
         status = job.get("status") or {}
         self.job = dict(job)
+        done_before = len(self.completed)
         self.completed = parse_indexes(status.get("completedIndexes"))
         self.failed = parse_indexes(status.get("failedIndexes"))
         self.active = int(status.get("active") or 0)
@@ -124,6 +131,13 @@ class IndexedRun:
             self.created_at = now
         if self.ready or self.completed:
             self._explained_at = now  # running: no reason to explain for a while
+        # A pod ran since the last look (ready now, or a shard completed in between), or
+        # Kueue holds the Job: not stuck; else stuck since the first look that saw it so.
+        ran = self.ready or len(self.completed) > done_before
+        if ran or self.finished or (job.get("spec") or {}).get("suspend"):
+            self._stuck_since = None
+        elif self._stuck_since is None:
+            self._stuck_since = now
 
     def vanish(self) -> None:
         """The Job was deleted before it finished: its unfinished shards failed."""
@@ -137,23 +151,54 @@ class IndexedRun:
                 "shards_done": len(self.completed), "shards_failed": len(self.failed),
                 "state": self.state or "Running"}
 
-    def explain_pending(self, kube: KubeClient, settings: ClusterSettings, now: float) -> None:
-        """No pod of the Job ready for pending_timeout_s: say why, once per timeout."""
+    def explain_pending(self, kube: KubeClient, settings: ClusterSettings,
+                        now: float) -> str | None:
+        """No pod of the Job ready for pending_timeout_s: say why, once per timeout.
+
+        Returns a line when the Job is stuck for good: its pods have had no node for
+        pending_timeout_s (the scheduler says Unschedulable: no node has the GPUs, disk,
+        memory or toleration they ask for), none running, and Kueue not holding it; the
+        line names its class, what its pods ask for and the scheduler's reason. Pods that
+        wait for something else (an image, a quota) are only explained, and looked at again
+        a timeout later."""
         if self.finished or self.ready:
-            return
+            return None
+        timeout = settings.pending_timeout_s
         since = self._explained_at if self._explained_at is not None else self.created_at
-        if since is None or now - since < settings.pending_timeout_s:
-            return
-        self._explained_at = now
+        explain = since is not None and now - since >= timeout
+        stuck_for = now - self._stuck_since if self._stuck_since is not None else 0.0
+        if not explain and stuck_for < timeout:
+            return None
         ns = settings.namespace
         pods = kube.list_pods(ns, f"{JOB_NAME_LABEL}={self.name}")
         pending = [p for p in pods if (p.get("status") or {}).get("phase") == "Pending"][:1]
         events: list[dict[str, Any]] = []
         for obj in [self.name, *(p["metadata"]["name"] for p in pending)]:
             events += kube.list_events(ns, f"involvedObject.name={obj}")
-        log.warning("job=%s: no pod running for %.0fs: %s", self.name, now - since,
-                    describe_pending(self.job, pending, events,
-                                     queued_workloads(kube, settings, self.job)))
+        reason = describe_pending(self.job, pending, events,
+                                  queued_workloads(kube, settings, self.job))
+        if explain and since is not None:
+            self._explained_at = now
+            log.warning("job=%s: no pod running for %.0fs: %s", self.name, now - since, reason)
+        if stuck_for >= timeout:
+            if is_unschedulable(pending, events):
+                return (f"class {self.class_name} cannot be scheduled: no pod of Job "
+                        f"{self.name} has found a node for {stuck_for:.0f}s "
+                        f"(--pending-timeout {timeout:g}); its pods ask for "
+                        f"{pod_requests(self.job)}: {reason.rstrip('. ')}")
+            self._stuck_since = now  # pending for another reason: look again a timeout on
+        return None
+
+
+def pod_requests(job: Mapping[str, Any]) -> str:
+    """What a Job's worker pods ask the scheduler for: the container's resource requests
+    and the pod's node selector ("cpu 2, memory 64Gi, ephemeral-storage 400Gi, ...")."""
+    pod = ((job.get("spec") or {}).get("template") or {}).get("spec") or {}
+    containers = pod.get("containers") or [{}]
+    requests = (containers[0].get("resources") or {}).get("requests") or {}
+    parts = [f"{name} {value}" for name, value in requests.items()]
+    parts += [f"node {key}={value}" for key, value in (pod.get("nodeSelector") or {}).items()]
+    return ", ".join(parts) or "nothing"
 
 
 class ShardFailures:
@@ -203,3 +248,23 @@ class ShardFailures:
     def where(self, key: str) -> str:
         found = self._by_key.get(key)
         return found[1] if found else f"namespace={self.namespace}"
+
+
+def held_keys(store: Store, runs: Sequence[IndexedRun]) -> Iterator[str]:
+    """The keys of the models the shards of these (unfinished) Jobs hold that may still run:
+    every index not failed yet, one shard list read at a time, so a caller can stream them
+    into a KeySet (an earlier run's million models are never held as strings). A shard
+    list that cannot be read is skipped, logged: its pod cannot read it either."""
+    for run in runs:
+        failed = set(run.failed)
+        for index in range(run.completions):
+            if index in failed:
+                continue  # its models are not done: to be sharded again
+            url = f"{store.url.rstrip('/')}/{shard_key(run.run_id, run.class_name, index)}"
+            try:
+                rows = read_model_list(url).rows
+            except (ModelListError, OSError) as e:
+                log.warning("cannot read shard %d of job %s (%s): its models are sharded "
+                            "again", index, run.name, e)
+                continue
+            yield from (row.key for row in rows)
