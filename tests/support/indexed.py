@@ -7,15 +7,19 @@ conditions) and what the kubelet reports per pod. Not the API server (kubesim.Ku
 non-indexed Jobs (kubesim.JobSimulator, whose API plumbing and pod status shapes this
 reuses), nor activeDeadlineSeconds, nor Kueue beyond admitting suspended Jobs.
 
-Every read and write goes over HTTP, bypassing the faults injected for the controller under
-test, which sees the objects and watch events a cluster would send. One `tick` lists the
-Jobs and the live pods once, then only writes: Pending → Running (scheduled), Running → the
-outcome the `worker` callback (playing the worker) returns, new pods for the lowest pending
-indexes up to `parallelism`, one status patch per Job that changed.
+Pods are bound to `nodes` (names; one by default): the least loaded node that meets the
+pod's required node affinity (tests.support.scheduler), spec.nodeName set as it starts; a
+pod no node admits stays Pending, Unschedulable. Every read and write goes over HTTP,
+bypassing the faults injected for the controller under test, which sees the objects and
+watch events a cluster would send. One `tick` lists the Jobs and the live pods once, then
+only writes: Pending → Running (scheduled), Running → the outcome the `worker` callback
+(playing the worker) returns, new pods for the lowest pending indexes up to `parallelism`,
+one status patch per Job that changed.
 
     indexed = IndexedJobSimulator(sim, namespace="esd")
     def worker(job, index, attempt):   # once per pod, while it runs: "succeed", an exit
         return "succeed"                # code, Exit(2, log=...), "oom", "evict", "node_lost"
+    # (a worker with a `pod` keyword also gets the running pod: spec.nodeName, its env)
     with indexed.autopilot(worker):     # or indexed.tick(worker), one round at a time
         ...run the controller...
     indexed.counters("job-name").outcomes  # Counter({"succeed": 5, "exit 2": 1})
@@ -26,22 +30,25 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import inspect
 import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from tests.support.indexsets import format_indexes, parse_indexes
 from tests.support.kubesim import (
     MERGE_PATCH,
     POD_FAULTS,
     JobSimulator,
     KubeSim,
     condition,
+    fail_job_message,
     failure_policy_action,
     fault_conditions,
     job_finished,
@@ -49,6 +56,7 @@ from tests.support.kubesim import (
     pod_running_status,
     pod_terminated_status,
 )
+from tests.support.scheduler import least_loaded
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # annotation and label
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
@@ -58,6 +66,7 @@ INDEX_ENV = "JOB_COMPLETION_INDEX"
 _NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _MAX_GENERATED_PREFIX = 58  # 63 - the 5-character suffix
 _CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
+_CLASS_LABEL = "esd-sweep/shard-class"  # the controller's resource class of an Indexed Job
 _LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
 _SUCCESS = "Reached expected number of succeeded pods"
 
@@ -75,7 +84,7 @@ class Exit:
 # "succeed", an exit code, Exit(...), or a POD_FAULTS name: "oom", "evict", "preempt",
 # "node_lost".
 Outcome = str | int | Exit
-Worker = Callable[[dict[str, Any], int, int], Outcome]
+Worker = Callable[..., Outcome]  # (job, index, attempt), and pod= if it takes the pod
 
 
 def succeed(job: Mapping[str, Any], index: int, attempt: int) -> Outcome:
@@ -91,6 +100,7 @@ class JobCounters:
     pods: int = 0
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     max_active: int = 0
+    nodes: collections.Counter[str] = field(default_factory=collections.Counter)  # pods bound
 
 
 @dataclass
@@ -101,48 +111,8 @@ class _IndexHistory:
     ignored: int = 0  # failures a podFailurePolicy Ignore rule matched
 
 
-# -- the index set format of status.completedIndexes / status.failedIndexes -----------------
-
-def format_indexes(indexes: Iterable[int]) -> str:
-    """Indexes as the Job controller writes them: increasing, comma-separated, runs of three
-    or more as first-last ("1,3-5,7"); a run of two stays two numbers ("3,4"). (A run
-    is a group of sorted indexes with the same index - position.)"""
-    parts: list[str] = []
-    for _, run in itertools.groupby(enumerate(sorted(set(indexes))), lambda p: p[1] - p[0]):
-        values = [str(v) for _, v in run]
-        parts.append(f"{values[0]}-{values[-1]}" if len(values) >= 3 else ",".join(values))
-    return ",".join(parts)
-
-
-def parse_indexes(text: str | None) -> set[int]:
-    """The indexes of a completedIndexes / failedIndexes string ("1,3-5,7")."""
-    out: set[int] = set()
-    for part in filter(None, (text or "").split(",")):
-        first, _, last = part.partition("-")
-        out.update(range(int(first), int(last or first) + 1))
-    return out
-
-
 def pod_index(pod: Mapping[str, Any]) -> int:
     return int(pod["metadata"]["annotations"][COMPLETION_INDEX])
-
-
-def resolve_env(pod: Mapping[str, Any], container: str | None = None) -> dict[str, str]:
-    """A container's environment as the kubelet resolves it: plain values and downward-API
-    fieldRefs to metadata (labels['k'], annotations['k'], name, namespace, uid)."""
-    spec = next(c for c in pod["spec"]["containers"] if container in (None, c["name"]))
-    meta = pod["metadata"]
-    env: dict[str, str] = {}
-    for var in spec.get("env") or []:
-        path = ((var.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
-        if path is None:
-            env[var["name"]] = str(var.get("value", ""))
-        elif path.startswith(("metadata.labels['", "metadata.annotations['")):
-            where, _, key = path[len("metadata."):].partition("['")
-            env[var["name"]] = str((meta.get(where) or {}).get(key[:-2], ""))
-        elif path.startswith("metadata."):
-            env[var["name"]] = str(meta.get(path[len("metadata."):], ""))
-    return env
 
 
 # -- the simulator ---------------------------------------------------------------------------
@@ -152,10 +122,13 @@ class IndexedJobSimulator:
     """The Job controller and kubelet for the Indexed Jobs of one namespace (see the module
     docstring). `tick` is one round over every Job; `autopilot` runs ticks on a thread."""
 
-    def __init__(self, sim: KubeSim, namespace: str = "esd", node: str = "gpu-node-0") -> None:
+    def __init__(self, sim: KubeSim, namespace: str = "esd", node: str = "gpu-node-0",
+                 nodes: Sequence[str] = ()) -> None:
         self.sim = sim
         self.namespace = namespace
         self.node = node
+        self.nodes = list(nodes) or [node]
+        self._load: collections.Counter[str | None] = collections.Counter()  # pods by node
         self.api = JobSimulator(sim, namespace=namespace, node=node)  # plumbing, bypassing faults
         self.calls: collections.Counter[str] = collections.Counter()  # "list pods", …
         self.ticks = 0
@@ -166,6 +139,9 @@ class IndexedJobSimulator:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._rng = random.Random()
+        # The scheduler's message for the pods of these Jobs (by class label or Job name):
+        # they stay Pending, PodScheduled False/Unschedulable, with a FailedScheduling event.
+        self.unschedulable: dict[str, str] = {}
 
     def jobs(self) -> list[dict[str, Any]]:
         """The namespace's Indexed Jobs, as stored."""
@@ -193,6 +169,8 @@ class IndexedJobSimulator:
                 self.namespace, label_selector=COMPLETION_INDEX, field_selector=_LIVE_PODS,
                 _preload_content=False))
             live: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+            self._load = collections.Counter(p["spec"].get("nodeName") for p in doc["items"]
+                                             if p["status"].get("phase") == "Running")
             for pod in doc["items"]:  # the label the apiserver put on the Job's template
                 live[pod["metadata"]["labels"].get(_CONTROLLER_UID, "")].append(pod)
             for job in jobs:
@@ -229,12 +207,15 @@ class IndexedJobSimulator:
                 active.append(pod)  # a leftover; deleted below when the Job ends
                 continue
             if pod["status"].get("phase") == "Pending":
-                running = self._run(pod)
+                running = self._unschedulable(job, pod) or self._run(pod)
                 if running is not None:
                     active.append(running)
                 continue
             ix = history.setdefault(index, _IndexHistory())
-            ended = self._end(pod, worker(job, index, ix.failures + ix.ignored), name)
+            attempt = ix.failures + ix.ignored
+            self._load[pod["spec"].get("nodeName")] -= 1
+            ended = self._end(pod, worker(job, index, attempt, pod=pod) if _takes_pod(worker)
+                              else worker(job, index, attempt), name)
             if ended is None:
                 continue  # deleted meanwhile: the index is pending again
             pod = ended
@@ -247,7 +228,7 @@ class IndexedJobSimulator:
                 continue
             failed += 1
             if action == "FailJob":
-                end = ("PodFailurePolicy", _fail_job_message(job, pod, int(rule or 0)))
+                end = ("PodFailurePolicy", fail_job_message(job, pod, int(rule or 0)))
             elif action == "FailIndex" and per_index:
                 failed_indexes.add(index)
             else:
@@ -368,9 +349,41 @@ class IndexedJobSimulator:
         self.counters(name).pods += 1
         return pod
 
+    def _unschedulable(self, job: Mapping[str, Any],
+                       pod: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The pod, left Pending, when its Job's class (or name) is in `unschedulable`: the
+        scheduler's condition and FailedScheduling event are written once, as the
+        scheduler reports a pod it cannot place (kubesim.JobSimulator.start does the same
+        for plain Jobs); None for a pod the scheduler may place."""
+        meta = job["metadata"]
+        message = self.unschedulable.get(meta["name"]) or self.unschedulable.get(
+            (meta.get("labels") or {}).get(_CLASS_LABEL, ""))
+        if message is None:
+            return None
+        return self._leave_pending(pod, message)
+
+    def _leave_pending(self, pod: Mapping[str, Any], message: str) -> dict[str, Any] | None:
+        """The scheduler's PodScheduled False condition and FailedScheduling event, once."""
+        if any(c.get("type") == "PodScheduled" for c in pod["status"].get("conditions") or []):
+            return dict(pod)
+        self.api._event(pod, "FailedScheduling", message, component="default-scheduler")
+        doc: dict[str, Any] | None = self._write(
+            "patch pods/status", self.api._patch_pod, pod["metadata"]["name"],
+            {"phase": "Pending", "conditions": [
+                condition("PodScheduled", "Unschedulable", message, status="False")]})
+        return doc
+
     def _run(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The scheduler binds the pod to the node and its container starts (one write)."""
-        patch = {"spec": {"nodeName": self.node}, "status": pod_running_status(pod)}
+        """The scheduler binds the pod to a node and its container starts (one write); a pod
+        no node admits stays Pending with PodScheduled False (written once)."""
+        node = least_loaded(pod["spec"], self.nodes, self._load)
+        if node is None:
+            return self._leave_pending(pod, f"0/{len(self.nodes)} nodes are available: "
+                                       f"{len(self.nodes)} node(s) didn't match Pod's node "
+                                       "affinity/selector.")
+        self._load[node] += 1
+        self.counters(pod["metadata"]["ownerReferences"][0]["name"]).nodes[node] += 1
+        patch = {"spec": {"nodeName": node}, "status": pod_running_status(pod)}
         doc: dict[str, Any] | None = self._write("patch pods", lambda: self.api._doc(
             self.api._core.patch_namespaced_pod(
                 pod["metadata"]["name"], self.namespace, patch, _preload_content=False,
@@ -483,16 +496,5 @@ def _indexed(job: Mapping[str, Any]) -> bool:
     return (job.get("spec") or {}).get("completionMode") == "Indexed"
 
 
-def _fail_job_message(job: Mapping[str, Any], pod: Mapping[str, Any], rule: int) -> str:
-    """The Job controller's message for a pod that matched a FailJob rule."""
-    pod_ref = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
-    on_conditions = job["spec"]["podFailurePolicy"]["rules"][rule].get("onPodConditions")
-    if on_conditions:
-        kinds = {c["type"] for c in on_conditions}
-        kind = next(c["type"] for c in pod["status"]["conditions"] if c["type"] in kinds)
-        return f"Pod {pod_ref} has condition {kind} matching FailJob rule at index {rule}"
-    (status,) = pod["status"]["containerStatuses"]
-    code = status["state"]["terminated"]["exitCode"]
-    return (f"Container {status['name']} for pod {pod_ref} failed with exit code {code} "
-            f"matching FailJob rule at index {rule}")
-
+def _takes_pod(worker: Worker) -> bool:
+    return "pod" in inspect.signature(worker).parameters

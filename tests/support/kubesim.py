@@ -1209,6 +1209,20 @@ def failure_policy_action(job: Mapping[str, Any], pod: Mapping[str, Any]) -> tup
     return "Count", None
 
 
+def fail_job_message(job: Mapping[str, Any], pod: Mapping[str, Any], rule: int) -> str:
+    """The Job controller's message for a pod that matched a FailJob rule."""
+    pod_ref = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+    on_conditions = job["spec"]["podFailurePolicy"]["rules"][rule].get("onPodConditions")
+    if on_conditions:
+        kinds = {c["type"] for c in on_conditions}
+        kind = next(c["type"] for c in pod["status"]["conditions"] if c["type"] in kinds)
+        return f"Pod {pod_ref} has condition {kind} matching FailJob rule at index {rule}"
+    (status,) = pod["status"]["containerStatuses"]
+    code = status["state"]["terminated"]["exitCode"]
+    return (f"Container {status['name']} for pod {pod_ref} failed with exit code {code} "
+            f"matching FailJob rule at index {rule}")
+
+
 @dataclass
 class _Auto:
     script: list[Any]

@@ -7,11 +7,12 @@ required node affinity (NodeAffinity filter). Among those, the preferred node af
 weights score (NodeAffinity score); ties go to the first node by name. What a preference
 can never do is put a pod on a node that failed the filter: this is what the tests of
 placement hold the controller to. Taints, other resources and spreading are left out.
+`least_loaded` is the Indexed Job simulator's choice: required affinity, then fewest pods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,3 +84,21 @@ def schedule(pod_spec: Mapping[str, Any], nodes: list[Node]) -> str | None:
     if not fits:
         return None
     return max(fits, key=lambda n: score(pod_spec, n)).name
+
+
+HOSTNAME = "kubernetes.io/hostname"
+
+
+def least_loaded(pod_spec: Mapping[str, Any], nodes: Sequence[str],
+                 load: Mapping[str | None, int]) -> str | None:
+    """A node for a pod when GPUs are not modelled (the Indexed Job simulator): among the
+    `nodes` (each labelled only with its kubernetes.io/hostname) that meet the pod's required
+    node affinity, the one with the fewest running pods (`load`), ties to the first listed;
+    None: none meets it (the pod stays Pending, Unschedulable). nodeSelector is not checked:
+    these nodes carry no other label a test could select on."""
+    required = (((pod_spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    fits = [name for name in nodes if required is None or any(
+        term_matches(t, Node(name, 0, labels={HOSTNAME: name}))
+        for t in required["nodeSelectorTerms"])]
+    return min(fits, key=lambda name: load.get(name, 0), default=None)

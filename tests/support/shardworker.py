@@ -13,6 +13,9 @@ is scripted, by the prefix of the model's name (after `org/`):
 - `flaky-…`: a transient error on its first try, fine afterwards;
 - `oom-…`: the pod is OOM-killed while analysing it (nothing recorded, the note stays).
 
+`broken_nodes`: nodes whose GPU is broken: a pod there exits 6 (EXIT_DEVICE) at once,
+having recorded nothing, as the worker's device check makes it; its log names the node
+as the real worker's does, from NODE_NAME (the Downward API's spec.nodeName).
 `evict` maps an index to the pod attempts that are evicted before they start (disruptions).
 `analysed` counts analyses per model key: "done exactly once" is checked against it.
 """
@@ -27,13 +30,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
-from esd_worker.core.errors import EXIT_OK, EXIT_PERMANENT, PermanentModelError, TransientError
+from esd_worker.core.errors import (
+    ERROR_PREFIX,
+    EXIT_DEVICE,
+    EXIT_OK,
+    EXIT_PERMANENT,
+    PermanentModelError,
+    TransientError,
+)
 from esd_worker.core.store.layout import write_model_result
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import requests_from_list
 from tests.support.indexed import Exit, Outcome
+from tests.support.podenv import resolve_env
 
 PARAMS = canonical_parameters(AnalysisSettings().as_dict())
 
@@ -58,14 +69,20 @@ class ShardWorker:
     store: Store
     max_retries: int = 2
     evict: Mapping[int, set[int]] = field(default_factory=dict)
+    broken_nodes: frozenset[str] = frozenset()
     analysed: collections.Counter[str] = field(default_factory=collections.Counter)
     tried: collections.Counter[str] = field(default_factory=collections.Counter)
     pods: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def __call__(self, job: dict[str, Any], index: int, attempt: int) -> Outcome:
+    def __call__(self, job: dict[str, Any], index: int, attempt: int,
+                 pod: Mapping[str, Any] | None = None) -> Outcome:
         with self._lock:
             self.pods += 1
+        if pod is not None and pod["spec"].get("nodeName") in self.broken_nodes:
+            node = resolve_env(pod).get("NODE_NAME") or "?"  # what the worker can tell
+            return Exit(EXIT_DEVICE, log=f"{ERROR_PREFIX}DeviceError: CUDA unusable on node "
+                        f"{node}: cudaErrorNoDevice (the device self-check failed)\n")
         if attempt in self.evict.get(index, set()):
             return "evict"
         requests = requests_from_list(f"{shard_url(job)}/{index}.csv")

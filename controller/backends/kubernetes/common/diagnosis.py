@@ -44,7 +44,7 @@ def pod_sort_key(pod: Mapping[str, Any]) -> tuple[str, int]:
     return str(meta.get("creationTimestamp") or ""), int(meta.get("resourceVersion") or 0)
 
 
-def _worker_terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def worker_terminated(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         if cs.get("name") == CONTAINER_NAME:
             terminated = (cs.get("state") or {}).get("terminated")
@@ -81,7 +81,7 @@ def diagnose_failure(
     _, reason, message = job_condition(job)
     failed = [p for p in pods if (p.get("status") or {}).get("phase") == "Failed"]
     pod = max(failed or pods, key=pod_sort_key) if (failed or pods) else None
-    terminated = _worker_terminated(pod) if pod is not None else None
+    terminated = worker_terminated(pod) if pod is not None else None
     pod_name = str((pod.get("metadata") or {}).get("name")) if pod is not None else None
     node = str((pod.get("spec") or {}).get("nodeName") or "") or None if pod else None
     tail = _lines(log_text, tail_lines)

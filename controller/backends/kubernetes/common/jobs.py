@@ -38,7 +38,7 @@ from controller.backends.kubernetes.common.names import (
 )
 from controller.backends.kubernetes.common.quantities import quantity_problem
 from esd_worker.core.command.invocation import MODEL, WorkerInvocation
-from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.core.errors import EXIT_CLASSES, EXIT_PERMANENT, EXIT_USAGE
 from esd_worker.core.models.naming import split_model_ref
 from esd_worker.core.redact import has_userinfo
 
@@ -58,7 +58,7 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Env names set here or from Secrets, which --env must not override.
 _RESERVED_ENV = frozenset({
     "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN", "HF_HOME", "HOME", "TMPDIR", "XDG_CACHE_HOME",
+    "AWS_SESSION_TOKEN", "HF_HOME", "HOME", "TMPDIR", "XDG_CACHE_HOME", "NODE_NAME",
 })
 # Names that say "this is a credential": those belong in a Secret, not in the Job object.
 _SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
@@ -219,8 +219,7 @@ def sweep_labels(settings: JobSettings) -> dict[str, str]:
     return {
         "app.kubernetes.io/name": APP_NAME,
         INSTANCE_LABEL: settings.instance,
-        "app.kubernetes.io/component": COMPONENT,
-        MANAGED_BY_LABEL: APP_NAME,
+        "app.kubernetes.io/component": COMPONENT, MANAGED_BY_LABEL: APP_NAME,
         RUN_LABEL: settings.run_id,
     }
 
@@ -251,11 +250,11 @@ def pod_failure_policy() -> dict[str, Any]:
     worker that happens to exit 2 or 3 while being killed is still retried, and without
     using up backoffLimit. An eviction for passing the cache volume's sizeLimit carries no
     DisruptionTarget and is counted like a crash: the worker's hard download budget is
-    what prevents it. Exit 2 (usage)
-    and 3 (permanent: not found, gated, unsupported) fail the Job at once: retrying cannot
-    help. Exit 4 (transient) and 5 (GPU out of memory) count against backoffLimit like any
-    other failure (OOMKilled, crashes): GPUs may be shared (time-slicing, MIG) and the next
-    pod can land on a bigger or idle one; the controller reads the exit code afterwards.
+    what prevents it. Exit 2 (usage) and 3 (permanent: not found, gated, unsupported) fail
+    the Job at once: retrying cannot help. The retryable codes (4 transient, 5 GPU out of
+    memory, 6 the node's GPU broken) count against backoffLimit like any other failure
+    (OOMKilled, crashes): the next pod can land on another node or an idle GPU (time-slicing,
+    MIG); the controller reads the exit code afterwards (a Job failed by 6 gets a new Job).
     """
     return {
         "rules": [
@@ -276,7 +275,7 @@ def pod_failure_policy() -> dict[str, Any]:
                 "onExitCodes": {
                     "containerName": CONTAINER_NAME,
                     "operator": "In",
-                    "values": [EXIT_TRANSIENT, EXIT_GPU_OOM],
+                    "values": sorted(c for c, (_, retry) in EXIT_CLASSES.items() if retry),
                 },
             },
         ]
@@ -291,6 +290,8 @@ def _env(settings: JobSettings) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
+        # The worker's log names its node: a broken GPU is the node's fault, not a model's.
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
     # Secrets by reference only. optional: a public model needs no token (a gated one then
     # fails with a clear "gated without token" record), and without static S3 keys boto3
@@ -337,9 +338,8 @@ def pod_annotations(settings: JobSettings) -> dict[str, str]:
             "cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
 
 
-def pod_spec(
-    args: list[str], settings: JobSettings, affinity: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+def pod_spec(args: list[str], settings: JobSettings,
+             affinity: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The worker pod of every esd-sweep Job, per-model or sharded: `args` is the container's
     argv (no command, no shell), affinity None = wherever the scheduler finds room."""
     container: dict[str, Any] = {

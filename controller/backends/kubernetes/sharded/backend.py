@@ -33,6 +33,7 @@ from controller.backends.kubernetes.common.wiring import (
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.budgets import DownloadBudgets
+from controller.backends.kubernetes.sharded.devicefaults import DeviceFaults
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
 from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
@@ -41,6 +42,7 @@ from controller.errors import InfrastructureError, SweepError
 from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
 from controller.progress import Progress
+from esd_worker.core.errors import EXIT_DEVICE
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import read_failure
@@ -97,6 +99,8 @@ class ShardedBackend:
         self.runs: list[IndexedRun] = []  # this run's Jobs
         self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
         self.left_running: list[str] = []
+        self.devices = DeviceFaults(settings.namespace, store, run_id=spec.run_id,
+                                    max_faults=spec.max_retries + 1)
 
     @classmethod
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec, *,
@@ -164,6 +168,7 @@ class ShardedBackend:
                 "jobs_left_running": self.left_running,
                 "api_requests": self.kube.requests if self.kube is not None else 0,
                 "waited": self.settings.wait,
+                "bad_nodes": self.devices.report(),
             },
         }
 
@@ -250,7 +255,8 @@ class ShardedBackend:
             parallelism=c.parallelism, backoff_limit_per_index=self.spec.max_retries + 1,
             shards_url=f"{self.spec.store_url.rstrip('/')}/{prefix}",
             output_url=self.spec.store_url, settings=settings,
-            models=c.models, shard_bytes=c.bytes // max(c.shards, 1))
+            models=c.models, shard_bytes=c.bytes // max(c.shards, 1),
+            avoid_nodes=self.devices.avoided())
 
     def _create(self, kube: KubeClient, c: ClassShards, pods: int) -> IndexedRun:
         job = self._job(c, pods)
@@ -268,7 +274,7 @@ class ShardedBackend:
                 "one Job per model with --shard-size 1")
         log.info("job=%s class=%s: %d shard(s), %d model(s), %d pod(s) at once", name,
                  c.cls.name, c.shards, c.models, c.parallelism)
-        return IndexedRun.from_job(created, per_shard=c.per_shard)
+        return self.devices.track(IndexedRun.from_job(created, per_shard=c.per_shard), c, pods)
 
     def _follow(self, kube: KubeClient, runs: list[IndexedRun],
                 progress: Progress | None) -> bool:
@@ -286,6 +292,8 @@ class ShardedBackend:
                 stuck = r.explain_pending(kube, self.settings, self._clock())
                 if stuck is not None:  # a class no node can run ends the run (exit 3)
                     raise _give_up(kube, self.settings.namespace, r, runs, stuck)
+            runs.extend(self.devices.follow(  # indexes whose GPU broke run again elsewhere
+                kube, runs, self._clock(), lambda c, pods: self._create(kube, c, pods)))
             if progress is not None:
                 _show(progress, runs)
             if all(r.finished for r in runs):
@@ -344,7 +352,8 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
     records); a model of a failed index without a record of this run (or of the attached
     run whose shard held it) gets the diagnosis of the index's last pod; one with neither
     is a retryable NoOutcome. too_big: the models the plan sharded nowhere (key -> error),
-    each a permanent failure."""
+    each a permanent failure. A shard given up after broken GPUs (exit 6) is tallied,
+    never written as a model's record."""
     too_big = too_big or {}
     attached = attached or _Attached()
     done = KeySet(iter_markers(store))
@@ -364,10 +373,11 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
             outcome = _outcome(task, "failed", where=where, recorded=True, error=record.error,
                                retryable=record.retryable, exit_code=record.exit_code,
                                attempts=record.attempts, tail=record.stderr_tail)
-        elif diagnosis is not None:
+        elif diagnosis is not None:  # broken GPUs are no model's fault: recorded as nothing
             outcome = _outcome(task, "failed", where=where, error=diagnosis.error,
                                retryable=diagnosis.retryable, exit_code=diagnosis.exit_code,
-                               signal=diagnosis.signal, tail=diagnosis.tail)
+                               signal=diagnosis.signal, tail=diagnosis.tail,
+                               recorded=diagnosis.exit_code == EXIT_DEVICE)
         else:
             outcome = _outcome(task, "failed", where=where, retryable=True, error=(
                 "NoOutcome: the shard's pod ended without a result or a failure record "
@@ -392,7 +402,7 @@ def _show(progress: Progress, runs: list[IndexedRun]) -> None:
     done = sum(r.models_done for r in runs)
     failed = sum(r.models_failed for r in runs)
     running = sum(r.models_running for r in runs)
-    total = sum(r.models for r in runs)
+    total = sum(r.models - r.models_replaced for r in runs)  # a replaced shard counts once
     progress.update(done=done, failed=failed, running=running,
                     waiting=max(total - done - failed - running, 0))
 

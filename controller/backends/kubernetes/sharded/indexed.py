@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from controller.backends.kubernetes.common.errors import JobSpecError
@@ -37,8 +38,9 @@ from controller.backends.kubernetes.common.names import (
     check_ref,
     output_annotation,
 )
+from controller.backends.kubernetes.common.telemetry import HOSTNAME_KUBERNETES_LABEL
 from esd_worker.core.command.invocation import SHARDS
-from esd_worker.core.errors import EXIT_PERMANENT, EXIT_USAGE
+from esd_worker.core.errors import EXIT_DEVICE, EXIT_PERMANENT, EXIT_USAGE
 from esd_worker.core.redact import without_userinfo
 
 # Pods of an Indexed Job are named <job>-<index>-<5 random> and get the hostname
@@ -93,7 +95,10 @@ def shard_failure_policy() -> dict[str, Any]:
     DisruptionTarget condition) is ignored: the index runs again without using one of its
     retries, and the worker skips the models already done. Exit 2 (usage) and 3 (the store
     unusable as configured) mean the shard itself cannot run (no shard file, bad flags, no
-    bucket): FailIndex ends that index at once, the others go on. A model that failed for
+    bucket): FailIndex ends that index at once, the others go on. Exit 6 (the node's GPU is
+    broken; the worker recorded nothing) fails the index at once too: a retry of the index
+    could land on the same node, so the controller runs the shard again in a replacement
+    Job that keeps off the node (sharded.devicefaults). A model that failed for
     good is an outcome, not a pod failure: `esd-worker --shards` records it and exits 0
     once the rest of its shard is done. Everything else (4 transient, 5 GPU out of memory,
     137 OOMKilled, a segfault) counts against backoffLimitPerIndex: the next pod skips what
@@ -111,7 +116,7 @@ def shard_failure_policy() -> dict[str, Any]:
                 "onExitCodes": {
                     "containerName": CONTAINER_NAME,
                     "operator": "In",
-                    "values": sorted({EXIT_USAGE, EXIT_PERMANENT}),
+                    "values": sorted({EXIT_USAGE, EXIT_PERMANENT, EXIT_DEVICE}),
                 },
             },
         ]
@@ -156,6 +161,7 @@ def build_indexed_job(
     active_deadline_s: int | None = None,
     models: int | None = None,
     shard_bytes: int | None = None,
+    avoid_nodes: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The batch/v1 Indexed Job that runs one resource class's shards (a plain dict).
 
@@ -167,8 +173,8 @@ def build_indexed_job(
     hub rate); active_deadline_s: a limit on
     the whole Job (None: none; a sharded run may last days; settings.active_deadline_s is
     each pod's, and the sharded backend leaves it unset unless asked); models / shard_bytes:
-    recorded as annotations for people and the run report. Raises JobSpecError listing
-    every problem.
+    recorded as annotations for people and the run report; avoid_nodes: nodes its pods may
+    not land on (avoid_nodes_affinity: bad GPUs). Raises JobSpecError listing every problem.
     """
     problems = list(settings.problems())
     name = ""
@@ -214,7 +220,8 @@ def build_indexed_job(
     # get the Job would read in its argv.
     worker = settings.worker.replace(mode=SHARDS, target=without_userinfo(shards_url),
                                      output=without_userinfo(output_url))
-    pod = pod_spec(pod_argv(settings, worker), settings)
+    pod = pod_spec(pod_argv(settings, worker), settings,
+                   avoid_nodes_affinity(avoid_nodes) if avoid_nodes else None)
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if settings.do_not_disrupt:
         template_meta["annotations"] = pod_annotations(settings)
@@ -231,6 +238,16 @@ def build_indexed_job(
     if active_deadline_s is not None:
         spec["activeDeadlineSeconds"] = active_deadline_s
     return job_object(name, settings, job_labels, annotations, spec)
+
+
+def avoid_nodes_affinity(nodes: Sequence[str]) -> dict[str, Any]:
+    """A pod `affinity` that keeps it off `nodes`: required (a preference would still send
+    pods to a free broken node), on the kubernetes.io/hostname label, which the kubelet sets
+    to the node name unless it runs with --hostname-override. IgnoredDuringExecution: a pod
+    already running there is left alone (it exits 6 on its own)."""
+    avoid = {"key": HOSTNAME_KUBERNETES_LABEL, "operator": "NotIn", "values": sorted(set(nodes))}
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [avoid]}]}}}
 
 
 def server_too_old(git_version: str) -> str | None:

@@ -30,7 +30,7 @@ from controller.backends.kubernetes.common.names import (
     RUN_LABEL,
 )
 from controller.backends.kubernetes.common.settings import ClusterSettings
-from esd_worker.core.errors import ModelListError
+from esd_worker.core.errors import EXIT_DEVICE, ModelListError
 from esd_worker.core.models.modellist import ModelRow, read_model_list
 from esd_worker.core.store.layout import shard_key
 from esd_worker.core.store.stores import Store
@@ -82,6 +82,11 @@ class IndexedRun:
     # Since when the Job has had pods to place and none running (None: running, or
     # suspended: Kueue holds it for quota, which is waiting, not being stuck).
     _stuck_since: float | None = None
+    # Failed indexes that are not this Job's to diagnose (sharded.devicefaults): handed to
+    # a replacement Job (index → its name; its models' outcomes are that Job's), or given
+    # up after broken GPUs on too many nodes (index → the DeviceError for its models).
+    replaced: dict[int, str] = field(default_factory=dict)
+    device_errors: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], per_shard: Sequence[int] = ()) -> IndexedRun:
@@ -110,7 +115,11 @@ class IndexedRun:
 
     @property
     def models_failed(self) -> int:
-        return self._count(self.failed)
+        return self._count([i for i in self.failed if i not in self.replaced])
+
+    @property
+    def models_replaced(self) -> int:
+        return self._count(list(self.replaced))
 
     @property
     def models_running(self) -> int:
@@ -148,7 +157,9 @@ class IndexedRun:
     def summary(self) -> dict[str, Any]:
         return {"name": self.name, "run_id": self.run_id, "class": self.class_name,
                 "shards": self.completions, "models": self.models,
-                "shards_done": len(self.completed), "shards_failed": len(self.failed),
+                "shards_done": len(self.completed),
+                "shards_failed": len(self.failed) - len(self.replaced),
+                "shards_replaced": len(self.replaced),
                 "state": self.state or "Running"}
 
     def explain_pending(self, kube: KubeClient, settings: ClusterSettings,
@@ -211,7 +222,11 @@ class ShardFailures:
         self.namespace = settings.namespace
         for run in runs:
             for index in run.failed:
-                diagnosis = self._diagnose(kube, settings, run, index)
+                if index in run.replaced:
+                    continue  # its models' outcomes are the replacement Job's
+                diagnosis = (_device_error(run.device_errors[index])
+                             if index in run.device_errors
+                             else self._diagnose(kube, settings, run, index))
                 where = f"job={self.namespace}/{run.name} index={index}"
                 for row in self._models(store, run, index):
                     self._by_key[row.key] = (diagnosis, where)
@@ -248,6 +263,12 @@ class ShardFailures:
     def where(self, key: str) -> str:
         found = self._by_key.get(key)
         return found[1] if found else f"namespace={self.namespace}"
+
+
+def _device_error(error: str) -> Diagnosis:
+    """A shard given up after broken GPUs (sharded.devicefaults): retryable, no node at
+    fault for the next run."""
+    return Diagnosis(error, True, EXIT_DEVICE, None, ())
 
 
 def held_keys(store: Store, runs: Sequence[IndexedRun]) -> Iterator[str]:

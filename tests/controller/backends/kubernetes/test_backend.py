@@ -80,6 +80,9 @@ def test_one_job_per_model_all_done(sim: KubeSim, kube: KubeClient, store: Store
         pytest.param({0: ["oom"], 1: ["oom"], 2: ["oom"]}, "failed",
                      "KilledBySignal: OOMKilled", 3, 3, id="oomkilled-every-time"),
         pytest.param({0: [4]}, "done", "", 2, 2, id="exit4-retried"),
+        pytest.param({0: [6]}, "done", "", 2, 2, id="exit6-broken-gpu-retried"),
+        pytest.param({0: [6], 1: [6], 2: [6]}, "failed", "DeviceError", 3, 3,
+                     id="exit6-out-of-retries-still-retryable"),
         pytest.param({0: [5], 1: [5], 2: [5]}, "failed", "GpuOutOfMemoryError", 3, 3,
                      id="exit5-out-of-retries"),
         pytest.param({0: ["evict", "succeed"]}, "done", "", 1, 1, id="evicted-not-counted"),
@@ -95,7 +98,7 @@ def test_failures_are_classified_and_retried(
     scripts: dict[int, list[Any]], status: str, error: str, attempts: int, jobs: int,
 ) -> None:
     """The exit code contract decides: 3 fails the Job at once (podFailurePolicy FailJob) and
-    is not resubmitted; 4/5 and OOMKilled (137) are resubmitted as `-a<N>` up to
+    is not resubmitted; 4/5/6 and OOMKilled (137) are resubmitted as `-a<N>` up to
     max_retries=2; evictions, preemptions and lost nodes (DisruptionTarget) are absorbed by
     the Job itself (Ignore) and cost no attempt; a deadline is not retried."""
     outcomes: list[Outcome] = []
@@ -106,6 +109,9 @@ def test_failures_are_classified_and_retried(
     assert outcome.status == status
     assert outcome.error.startswith(error)
     assert outcome.attempts == attempts
+    if status == "failed":  # a broken GPU stays retryable: the next run tries the model
+        assert outcome.retryable is (error in ("KilledBySignal: OOMKilled",
+                                               "GpuOutOfMemoryError", "DeviceError"))
     assert sorted(job_names(sim)) == sorted(
         job_name(row.key, a) for a in range(jobs))
     assert sim.count("create", "jobs") == jobs

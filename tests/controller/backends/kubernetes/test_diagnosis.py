@@ -37,6 +37,8 @@ def _failed_job(reason: str, message: str = "m") -> dict[str, Any]:
                      id="exit3"),
         pytest.param("BackoffLimitExceeded", _pod(exit_code=4), "TransientError", True,
                      id="exit4"),
+        pytest.param("BackoffLimitExceeded", _pod(exit_code=6), "DeviceError", True,
+                     id="exit6-broken-gpu"),
         pytest.param("BackoffLimitExceeded", _pod(exit_code=137, reason="OOMKilled"),
                      "KilledBySignal: OOMKilled", True, id="oomkilled"),
         pytest.param("BackoffLimitExceeded", _pod(exit_code=143, conditions=[
@@ -61,6 +63,8 @@ def test_diagnose_failure(job_reason: str, pod: dict[str, Any] | None, error: st
     assert found.retryable is retryable
     if pod and "containerStatuses" in pod["status"]:
         assert found.tail == ("last line",)  # the termination message without a log
+    if pod:  # a broken GPU, like any failure, names the node it happened on
+        assert found.node == "n1" and found.error.endswith("(pod p on n1)")
 
 
 @pytest.mark.parametrize(

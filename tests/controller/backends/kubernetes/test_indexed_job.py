@@ -38,7 +38,13 @@ from controller.backends.kubernetes.sharded.indexed import (
     shard_failure_policy,
 )
 from esd_worker.core.command.invocation import MODEL, BatchOptions, WorkerInvocation
-from esd_worker.core.errors import EXIT_GPU_OOM, EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from esd_worker.core.errors import (
+    EXIT_DEVICE,
+    EXIT_GPU_OOM,
+    EXIT_PERMANENT,
+    EXIT_TRANSIENT,
+    EXIT_USAGE,
+)
 from esd_worker.core.models.naming import model_key
 
 K8S_VERSIONS = ("1.31.0", "1.37.0")
@@ -69,7 +75,8 @@ def make_indexed(
     *, class_name: str = "gpu1", completions: int = 12, parallelism: int = 4,
     backoff_limit_per_index: int = 3, shards_url: str = SHARDS, output_url: str = OUTPUT,
     batch: BatchOptions = BATCH, active_deadline_s: int | None = None,
-    models: int | None = None, shard_bytes: int | None = None, **settings: Any,
+    models: int | None = None, shard_bytes: int | None = None,
+    avoid_nodes: tuple[str, ...] = (), **settings: Any,
 ) -> dict[str, Any]:
     job_settings = make_settings(**settings)
     job_settings = replace(job_settings, worker=job_settings.worker.replace(batch=batch))
@@ -78,7 +85,7 @@ def make_indexed(
         parallelism=parallelism, backoff_limit_per_index=backoff_limit_per_index,
         shards_url=shards_url, output_url=output_url, settings=job_settings,
         active_deadline_s=active_deadline_s, models=models,
-        shard_bytes=shard_bytes,
+        shard_bytes=shard_bytes, avoid_nodes=avoid_nodes,
     )
 
 
@@ -110,6 +117,7 @@ BUILDS: dict[str, dict[str, Any]] = {
     "placement": {"node_selector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
                   "priority_class": "batch-low", "service_account": "esd-sweep-worker",
                   "image_pull_secrets": ("regcred",)},
+    "replacement-off-bad-nodes": {"class_name": "gpu-small-r2", "avoid_nodes": ("n7", "n3")},
 }
 
 
@@ -297,6 +305,7 @@ def _action(policy: Mapping[str, Any], exit_code: int, disrupted: bool) -> str:
 @pytest.mark.parametrize(("exit_code", "disrupted", "action"), [
     (EXIT_USAGE, False, "FailIndex"),
     (EXIT_PERMANENT, False, "FailIndex"),
+    (EXIT_DEVICE, False, "FailIndex"),
     (EXIT_TRANSIENT, False, "Count"),
     (EXIT_GPU_OOM, False, "Count"),
     (137, False, "Count"),
@@ -304,12 +313,13 @@ def _action(policy: Mapping[str, Any], exit_code: int, disrupted: bool) -> str:
     (1, False, "Count"),
     (137, True, "Ignore"),
     (EXIT_PERMANENT, True, "Ignore"),
-], ids=["usage", "permanent", "transient", "gpu-oom", "oomkilled", "segfault", "crash",
-        "evicted", "permanent-while-evicted"])
+    (EXIT_DEVICE, True, "Ignore"),
+], ids=["usage", "permanent", "broken-gpu", "transient", "gpu-oom", "oomkilled", "segfault",
+        "crash", "evicted", "permanent-while-evicted", "broken-gpu-while-evicted"])
 def test_shard_failure_policy(exit_code: int, disrupted: bool, action: str) -> None:
-    """A disruption never uses a retry (checked first, whatever the exit code); a shard
-    that cannot run fails its index at once; every other failure counts against
-    backoffLimitPerIndex."""
+    """A disruption never uses a retry (checked first, whatever the exit code); a shard that
+    cannot run fails its index at once, and so does a broken GPU (exit 6: the controller
+    reruns it in a Job off that node); the rest counts against backoffLimitPerIndex."""
     policy = make_indexed()["spec"]["podFailurePolicy"]
     assert policy == shard_failure_policy()
     assert [r["action"] for r in policy["rules"]] == ["Ignore", "FailIndex"]

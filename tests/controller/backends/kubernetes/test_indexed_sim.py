@@ -31,12 +31,11 @@ from tests.support.indexed import (
     IndexedJobSimulator,
     Outcome,
     Worker,
-    format_indexes,
-    parse_indexes,
     pod_index,
-    resolve_env,
 )
+from tests.support.indexsets import format_indexes, parse_indexes
 from tests.support.kubesim import KubeSim, job_finished
+from tests.support.podenv import resolve_env
 
 JOB = "esd-shards-gpu"
 SELECTOR = "esd-sweep/class=gpu"
@@ -429,3 +428,53 @@ def test_apiserver_without_per_index_backoff(gated: tuple[bool, KubeClient]) -> 
     else:
         assert "backoffLimitPerIndex" not in spec and "maxFailedIndexes" not in spec
         assert actions == ["Ignore"] and spec["backoffLimit"] == 6
+
+
+# -- nodes ---------------------------------------------------------------------------------------
+
+
+def test_pods_spread_over_nodes_and_keep_off_the_nodes_their_affinity_excludes(
+    sim: KubeSim, kube: KubeClient,
+) -> None:
+    """Pods go to the least loaded of the nodes their required node affinity allows
+    (kubernetes.io/hostname NotIn), spec.nodeName set as they start; the worker callback
+    that takes `pod` sees it, and NODE_NAME from the Downward API resolves to it. A Job
+    whose affinity allows no node keeps its pod Pending, Unschedulable, and runs nothing."""
+    nodes = ["n0", "n1", "n2"]
+    indexed = IndexedJobSimulator(sim, namespace=NS, nodes=nodes)
+    job = make_indexed_job(completions=9, parallelism=3)
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["env"] = [{"name": "NODE_NAME",
+                         "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    job["spec"]["template"]["spec"]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn",
+                                  "values": ["n1"]}]}]}}}
+    created(kube, job)
+    seen: list[tuple[str, str]] = []
+
+    def worker(job: dict[str, Any], index: int, attempt: int,
+               pod: Mapping[str, Any] | None = None) -> Outcome:
+        assert pod is not None
+        seen.append((pod["spec"]["nodeName"], resolve_env(pod)["NODE_NAME"]))
+        return "succeed"
+
+    indexed.run_until_finished(worker)
+    assert len(seen) == 9 and all(node == env for node, env in seen)
+    # n1 excluded; 3 pods at a time over the 2 others: 2 + 1 (ties to the first listed)
+    assert indexed.counters(JOB).nodes == {"n0": 6, "n2": 3}
+
+    stuck = make_indexed_job("esd-shards-nowhere", completions=1, parallelism=1)
+    stuck["spec"]["template"]["spec"]["affinity"] = job["spec"]["template"]["spec"]["affinity"]
+    stuck["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
+        "matchExpressions"][0]["values"] = nodes
+    created(kube, stuck)
+    for _ in range(4):
+        indexed.tick(by_index({}))
+    (pod,) = kube.list_pods(NS, "batch.kubernetes.io/job-name=esd-shards-nowhere")
+    assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+    (scheduled,) = [c for c in pod["status"]["conditions"] if c["type"] == "PodScheduled"]
+    assert scheduled["reason"] == "Unschedulable" and "0/3 nodes" in scheduled["message"]
+    assert indexed.counters("esd-shards-nowhere").nodes == {}
+    assert_stored_objects_valid(sim)

@@ -145,6 +145,9 @@ def test_security_context(built: dict[str, Any]) -> None:
     assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
     env = {e["name"]: e for e in container["env"]}
     assert env["HF_HOME"]["value"] == "/cache/hf"
+    # The Downward API gives the worker its node's name, which its log and errors name.
+    assert env["NODE_NAME"] == {"name": "NODE_NAME",
+                                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
     assert "hostPath" not in json.dumps(pod) and "privileged" not in json.dumps(pod)
 
 
@@ -246,7 +249,9 @@ def test_job_name_rejects_bad_attempts(attempt: Any) -> None:
 
 def test_pod_failure_policy() -> None:
     """Disruptions are ignored first (retried without counting); exit 2/3 fail the Job at
-    once; 4 (transient) and 5 (GPU OOM) count against backoffLimit."""
+    once; the retryable codes, 4 (transient), 5 (GPU OOM) and 6 (the node's GPU broken),
+    count against backoffLimit: the next pod may land elsewhere, and a Job failed by 6 is
+    retryable (another Job attempt), never a permanent failure of the model."""
     job = make_job()
     assert job["spec"]["podFailurePolicy"] == pod_failure_policy()
     rules = job["spec"]["podFailurePolicy"]["rules"]
@@ -254,7 +259,7 @@ def test_pod_failure_policy() -> None:
     assert rules[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert rules[1]["onExitCodes"] == {"containerName": "worker", "operator": "In",
                                        "values": [2, 3]}
-    assert rules[2]["onExitCodes"]["values"] == [4, 5]
+    assert rules[2]["onExitCodes"]["values"] == [4, 5, 6]
     # Apiserver rules the schema does not check: sorted, no duplicates, no 0 with In,
     # the named container exists, restartPolicy Never.
     names = {c["name"] for c in job["spec"]["template"]["spec"]["containers"]}
@@ -373,14 +378,15 @@ def test_settings_problems_name_every_field() -> None:
         image="", namespace="ESD", run_id="bad run", gpus_per_job=-1, cpu_request="two",
         memory_limit="16 GB", backoff_limit=-1, node_selector={"pool": "a b"},
         priority_class="Low", hf_token_secret="no-colon", s3_secret="S3!",
-        env={"HF_TOKEN": "x", "MY_API_KEY": "y", "OK": "multi\nline"}, kueue_queue="",
+        env={"HF_TOKEN": "x", "MY_API_KEY": "y", "OK": "multi\nline", "NODE_NAME": "n"},
+        kueue_queue="",
         worker=WorkerInvocation(MODEL, log_format="xml"),
     )
     text = "\n".join(settings.problems())
     for name in ("image", "namespace", "run_id", "gpus_per_job", "cpu_request",
                  "memory_limit", "backoff_limit", "node_selector", "priority_class",
                  "hf_token_secret", "s3_secret", "env: HF_TOKEN", "env: MY_API_KEY",
-                 "env: the value of OK", "kueue_queue", "log_format"):
+                 "env: the value of OK", "env: NODE_NAME", "kueue_queue", "log_format"):
         assert name in text, name
     with pytest.raises(JobSpecError, match="namespace"):
         make_job(namespace="ESD")

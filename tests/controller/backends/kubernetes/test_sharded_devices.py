@@ -1,0 +1,218 @@
+"""A node whose GPU is broken, in a sharded run: no model pays for it, its shards run elsewhere.
+
+The worker exits 6 (EXIT_DEVICE) when its device is broken, recording nothing; the Indexed
+Job fails that index at once (FailIndex) and the controller hands the index to a
+replacement Job whose pods may not land on the bad node (a required node affinity). The
+cluster is tests.support.indexed.IndexedJobSimulator with several nodes, its pods the
+worker's real batch loop (tests.support.shardworker), the controller the real one over
+HTTP (KubeSim), as in test_sharded.py, whose small helpers these tests repeat (no test
+module imports another).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from ruamel.yaml import YAML
+
+from controller.backends.base import Outcome, Task, WorkerSpec
+from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.names import CLASS_LABEL, sharded_selector
+from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
+from controller.backends.kubernetes.sharded.backend import ShardedBackend
+from controller.backends.kubernetes.sharded.indexed import build_indexed_job
+from controller.backends.kubernetes.sharded.plan import default_classes
+from controller.run.recorder import Recorder
+from esd_worker.core.errors import EXIT_DEVICE
+from esd_worker.core.models.modellist import ModelRow, read_model_list
+from esd_worker.core.store.layout import list_failure_keys, shard_prefix
+from esd_worker.core.store.stores import Store
+from tests.support.cluster import IMAGE, NS
+from tests.support.indexed import Exit, IndexedJobSimulator
+from tests.support.indexed import Outcome as PodOutcome
+from tests.support.kubesim import KubeSim
+from tests.support.shardworker import ShardWorker, shard_url
+
+RUN_A = "20261123T070501Z-aaaaaa"
+GB = 10**9
+
+
+def rows(names: Sequence[str]) -> list[ModelRow]:
+    return [ModelRow(model_id=f"org/{n}", revision=None, relation="", source_model=None,
+                     metadata={"size_bytes": str(GB)}) for n in names]
+
+
+def backend_for(kube: KubeClient, store: Store, *, max_parallel: int,
+                shard_size: int) -> ShardedBackend:
+    """The sharded backend of test_sharded.py's runs: 1 GB models (class gpu-small),
+    --max-retries 2, polled every 20 ms."""
+    settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False,
+                               poll_interval_s=0.02, max_parallel=max_parallel,
+                               shard_size=shard_size)
+    spec = WorkerSpec(run_id=RUN_A, store_url=store.url, max_retries=2)
+    job_settings = settings.job_settings(run_id=RUN_A, instance=sweep_instance(store.url),
+                                         gpus_per_job=1, worker=spec.invocation())
+    return ShardedBackend(
+        settings, kube, spec=spec, job_settings=job_settings, store=store,
+        classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB),
+        size=lambda row: int(row.metadata["size_bytes"]), poll_s=0.02)
+
+
+def run(backend: ShardedBackend, models: Sequence[ModelRow],
+        store: Store) -> tuple[list[Outcome], Recorder]:
+    """Every outcome, as on_outcome got it, through the sweep's recorder."""
+    recorder = Recorder(store, backend.spec.run_id)
+    seen: list[Outcome] = []
+
+    def on_outcome(outcome: Outcome) -> None:
+        seen.append(outcome)
+        recorder(outcome)
+
+    backend.run([Task.for_model(r) for r in models], on_outcome)
+    return seen, recorder
+
+
+def by_status(outcomes: Sequence[Outcome]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {"done": set(), "failed": set()}
+    for o in outcomes:
+        out[o.status].add(o.task.label)
+    return out
+
+
+NODES = [f"gpu-node-{i}" for i in range(8)]
+BROKEN = "gpu-node-3"
+HOSTNAME = "kubernetes.io/hostname"
+
+
+def avoided_nodes(job: dict[str, Any]) -> list[str]:
+    """The nodes a Job's pod template may not land on (a required NotIn on the hostname)."""
+    required = (((job["spec"]["template"]["spec"].get("affinity") or {})
+                 .get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution") or {})
+    out: list[str] = []
+    for term in required.get("nodeSelectorTerms") or []:
+        for req in term.get("matchExpressions") or []:
+            if req["key"] == HOSTNAME and req["operator"] == "NotIn":
+                out += req["values"]
+    return out
+
+
+def test_a_broken_gpu_node_costs_no_model_and_its_shards_run_elsewhere(
+    sim: KubeSim, kube: KubeClient, store: Store, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """2,000 models in 40 shards over 8 nodes, one of which fails every pod at once with
+    exit 6: every model is analysed exactly once, no failure record is written, the run
+    report and the log (with the command that quarantines it) name the node, and no pod of
+    a replacement Job runs there. The original Job did
+    put pods on the node (the fault happened): those indexes ran again elsewhere."""
+    indexed = IndexedJobSimulator(sim, namespace=NS, nodes=NODES)
+    models = rows([f"ok-{i}" for i in range(2000)])
+    worker = ShardWorker(store, broken_nodes=frozenset({BROKEN}))
+    backend = backend_for(kube, store, max_parallel=16, shard_size=50)
+    with indexed.autopilot(worker):
+        outcomes, recorder = run(backend, models, store)
+    assert by_status(outcomes) == {"done": {m.ref for m in models}, "failed": set()}
+    assert len(worker.analysed) == len(models) and set(worker.analysed.values()) == {1}
+    assert not list_failure_keys(store) and recorder.failed == {}
+    (bad,) = backend.report()["kubernetes"]["bad_nodes"]
+    assert bad["node"] == BROKEN and bad["device_faults"] >= 1
+    assert "DeviceError" in bad["error"] and BROKEN in bad["error"]  # NODE_NAME reached it
+    assert f"node {BROKEN}: GPU broken" in caplog.text
+    assert f"kubectl cordon {BROKEN}" in caplog.text
+    jobs = {j["metadata"]["name"]: j for j in indexed.jobs()}
+    first = [n for n, j in jobs.items() if j["metadata"]["labels"][CLASS_LABEL] == "gpu-small"]
+    replacements = [n for n in jobs if n not in first]
+    assert len(first) == 1 and replacements
+    broke = indexed.counters(first[0]).outcomes["exit 6"]
+    assert broke >= 1 and indexed.counters(first[0]).nodes[BROKEN] == broke
+    # Batched: the first Job ended within the minute, so one replacement took every shard
+    # that broke, its lists copied under this run's shard prefix for class gpu-small-r1.
+    (replacement,) = replacements
+    assert jobs[replacement]["spec"]["completions"] == broke
+    assert len(list(store.list_keys(shard_prefix(RUN_A, "gpu-small-r1")))) == broke
+    # A restarted controller finds it with the sweep's Jobs (the same labels).
+    listed, _ = kube.list_jobs(NS, sharded_selector(backend.instance))
+    assert {j["metadata"]["name"] for j in listed} == set(jobs)
+    for name in replacements:
+        assert BROKEN in avoided_nodes(jobs[name])
+        assert indexed.counters(name).nodes[BROKEN] == 0
+        assert sum(indexed.counters(name).nodes.values()) >= 1
+
+
+@pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])
+def test_a_replacement_job_keeps_its_pods_off_the_bad_nodes(version: str) -> None:
+    """A required (not preferred: the scheduler would still send pods to a broken node with
+    room) NotIn on the kubernetes.io/hostname label, each bad node once, sorted. Valid in
+    the strict schema, and the same object once its YAML is read back as the API server
+    reads it (YAML 1.2, ruamel); a Job of no bad node carries no affinity."""
+    settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False)
+    spec = WorkerSpec(run_id=RUN_A, store_url="s3://esd/out", max_retries=2)
+    job_settings = settings.job_settings(run_id=RUN_A, instance="out", gpus_per_job=1,
+                                         worker=spec.invocation())
+
+    def build(class_name: str, avoid: tuple[str, ...]) -> dict[str, Any]:
+        shards = "s3://esd/out/" + shard_prefix(RUN_A, class_name).rstrip("/")
+        return build_indexed_job(
+            run_id=RUN_A, class_name=class_name, completions=3, parallelism=3,
+            backoff_limit_per_index=3, shards_url=shards, output_url="s3://esd/out",
+            settings=job_settings, avoid_nodes=avoid)
+
+    job = build("gpu-small-r1", ("gpu-node-7", "gpu-node-3", "gpu-node-7"))
+    kubernetes_validate.validate(job, version, strict=True)
+    assert job["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
+            "matchExpressions": [{"key": HOSTNAME, "operator": "NotIn",
+                                  "values": ["gpu-node-3", "gpu-node-7"]}]}]}}}
+    (read_back,) = YAML(typ="safe", pure=True).load_all(jobs_to_yaml([job]))
+    assert read_back == job
+    assert "affinity" not in build("gpu-small", ())["spec"]["template"]["spec"]
+
+
+def test_a_shard_that_breaks_every_gpu_ends_after_max_retries_plus_one_nodes(
+    sim: KubeSim, kube: KubeClient, store: Store,
+) -> None:
+    """A shard whose pod breaks the GPU of whichever node it lands on (an Xid its model
+    triggers) is not replaced for ever: each replacement avoids every bad node so far, and
+    once the shard met broken GPUs on max_retries + 1 = 3 nodes and then a fourth, its
+    models end failed, retryable, "DeviceError: … on 4 nodes (…)", with no failure record
+    written against them (the next run tries them again). The other shards are done."""
+    indexed = IndexedJobSimulator(sim, namespace=NS, nodes=NODES)
+    models = rows([f"ok-{i}" for i in range(30)] + ["xid-kernel"] + [f"ok-z{i}" for i in range(9)])
+    worker = ShardWorker(store)
+
+    def pod(job: dict[str, Any], index: int, attempt: int,
+            pod: dict[str, Any] | None = None) -> PodOutcome:
+        listed = read_model_list(f"{shard_url(job)}/{index}.csv").rows
+        if any(r.model_id.startswith("org/xid-") for r in listed):
+            assert pod is not None
+            return Exit(EXIT_DEVICE, log=f"DeviceError: Xid 79 on {pod['spec']['nodeName']}\n")
+        return worker(job, index, attempt)
+
+    backend = backend_for(kube, store, max_parallel=4, shard_size=10)
+    with indexed.autopilot(pod):
+        outcomes, recorder = run(backend, models, store)
+    status = by_status(outcomes)
+    assert status["failed"] and "org/xid-kernel" in status["failed"]
+    assert status["done"] == {m.ref for m in models} - status["failed"]
+    for outcome in outcomes:
+        if outcome.status == "failed":
+            assert outcome.retryable and outcome.error.startswith("DeviceError: ")
+            assert "on 4 nodes (" in outcome.error and outcome.exit_code == EXIT_DEVICE
+    assert not list_failure_keys(store)  # nothing against the models
+    assert set(recorder.failed) == {m.key for m in models if m.ref in status["failed"]}
+    jobs = sorted(indexed.jobs(), key=lambda j: j["metadata"]["creationTimestamp"])
+    classes = [j["metadata"]["labels"][CLASS_LABEL] for j in jobs]
+    assert sorted(classes) == ["gpu-small", "gpu-small-r1", "gpu-small-r2", "gpu-small-r3"]
+    bad = [n["node"] for n in backend.report()["kubernetes"]["bad_nodes"]]
+    assert len(bad) == 4
+    by_class = {j["metadata"]["labels"][CLASS_LABEL]: j for j in jobs}
+    for n in (1, 2, 3):  # each avoids the nodes that broke before it was made
+        assert len(avoided_nodes(by_class[f"gpu-small-r{n}"])) == n
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__])
