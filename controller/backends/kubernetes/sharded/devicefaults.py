@@ -69,8 +69,8 @@ class _Waiting:
 class DeviceFaults:
     """The device faults of one sharded run (see the module docstring).
 
-    run_id: this run's (only its own Jobs are replaced; an earlier run's that the backend
-    waits for only teach which nodes are bad: what they leave undone is sharded again).
+    run_id: this run's (only its own Jobs are replaced; the Jobs of an earlier run it
+    re-attached to only teach which nodes are bad).
     max_faults: device faults a shard may meet, each on another node, before its models get
     a DeviceError (the worker's --max-retries + 1). every_s: REPLACE_EVERY_S.
     """
@@ -158,7 +158,10 @@ class DeviceFaults:
                     "nvidia-smi, the GPU operator's validator pods): %s",
                     node, EXIT_DEVICE, node, node, error)
         if run.run_id != self.run_id:
-            return  # an earlier run's Job: its undone models are sharded again after it
+            # An earlier run's Job, re-attached: its class is not this run's to rebuild; the
+            # shard's models end with the pod's DeviceError (retryable, no record written)
+            # and the next run tries them, off the nodes known bad by then.
+            return
         nodes = (*self._lineage.get((run.name, index), ()), node or "?")
         if len(nodes) > self.max_faults:
             run.device_errors[index] = (

@@ -12,6 +12,7 @@ module imports another).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import kubernetes_validate
@@ -21,15 +22,19 @@ from ruamel.yaml import YAML
 from controller.backends.base import Outcome, Task, WorkerSpec
 from controller.backends.kubernetes.common.client import KubeClient
 from controller.backends.kubernetes.common.names import CLASS_LABEL, sharded_selector
+from controller.backends.kubernetes.common.resources import ResourceClass
 from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.backend import ShardedBackend
+from controller.backends.kubernetes.sharded.devicefaults import REPLACE_EVERY_S, DeviceFaults
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job
 from controller.backends.kubernetes.sharded.plan import default_classes
+from controller.backends.kubernetes.sharded.sharding import ClassShards
+from controller.backends.kubernetes.sharded.status import IndexedRun
 from controller.run.recorder import Recorder
 from esd_worker.core.errors import EXIT_DEVICE
 from esd_worker.core.models.modellist import ModelRow, read_model_list
-from esd_worker.core.store.layout import list_failure_keys, shard_prefix
+from esd_worker.core.store.layout import list_failure_keys, shard_key, shard_prefix
 from esd_worker.core.store.stores import Store
 from tests.support.cluster import IMAGE, NS
 from tests.support.indexed import Exit, IndexedJobSimulator
@@ -143,25 +148,27 @@ def test_a_broken_gpu_node_costs_no_model_and_its_shards_run_elsewhere(
         assert sum(indexed.counters(name).nodes.values()) >= 1
 
 
+def build(class_name: str, *, avoid: tuple[str, ...] = (), completions: int = 3,
+          parallelism: int = 3, output: str = "s3://esd/out") -> dict[str, Any]:
+    """The Indexed Job the sharded backend makes for a class of this run (--max-retries 2)."""
+    settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False)
+    spec = WorkerSpec(run_id=RUN_A, store_url=output, max_retries=2)
+    job_settings = settings.job_settings(run_id=RUN_A, instance="out", gpus_per_job=1,
+                                         worker=spec.invocation())
+    return build_indexed_job(
+        run_id=RUN_A, class_name=class_name, completions=completions,
+        parallelism=parallelism, backoff_limit_per_index=3,
+        shards_url=f"{output}/{shard_prefix(RUN_A, class_name).rstrip('/')}",
+        output_url=output, settings=job_settings, avoid_nodes=avoid)
+
+
 @pytest.mark.parametrize("version", ["1.31.0", "1.37.0"])
 def test_a_replacement_job_keeps_its_pods_off_the_bad_nodes(version: str) -> None:
     """A required (not preferred: the scheduler would still send pods to a broken node with
     room) NotIn on the kubernetes.io/hostname label, each bad node once, sorted. Valid in
     the strict schema, and the same object once its YAML is read back as the API server
     reads it (YAML 1.2, ruamel); a Job of no bad node carries no affinity."""
-    settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False)
-    spec = WorkerSpec(run_id=RUN_A, store_url="s3://esd/out", max_retries=2)
-    job_settings = settings.job_settings(run_id=RUN_A, instance="out", gpus_per_job=1,
-                                         worker=spec.invocation())
-
-    def build(class_name: str, avoid: tuple[str, ...]) -> dict[str, Any]:
-        shards = "s3://esd/out/" + shard_prefix(RUN_A, class_name).rstrip("/")
-        return build_indexed_job(
-            run_id=RUN_A, class_name=class_name, completions=3, parallelism=3,
-            backoff_limit_per_index=3, shards_url=shards, output_url="s3://esd/out",
-            settings=job_settings, avoid_nodes=avoid)
-
-    job = build("gpu-small-r1", ("gpu-node-7", "gpu-node-3", "gpu-node-7"))
+    job = build("gpu-small-r1", avoid=("gpu-node-7", "gpu-node-3", "gpu-node-7"))
     kubernetes_validate.validate(job, version, strict=True)
     assert job["spec"]["template"]["spec"]["affinity"] == {"nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{
@@ -169,7 +176,55 @@ def test_a_replacement_job_keeps_its_pods_off_the_bad_nodes(version: str) -> Non
                                   "values": ["gpu-node-3", "gpu-node-7"]}]}]}}}
     (read_back,) = YAML(typ="safe", pure=True).load_all(jobs_to_yaml([job]))
     assert read_back == job
-    assert "affinity" not in build("gpu-small", ())["spec"]["template"]["spec"]
+    assert "affinity" not in build("gpu-small")["spec"]["template"]["spec"]
+
+
+def test_replacements_are_batched_per_class_at_most_once_a_minute(
+    sim: KubeSim, kube: KubeClient, store: Store,
+) -> None:
+    """While Jobs of the class still run, a shard whose GPU broke waits for the class's
+    next replacement, made REPLACE_EVERY_S after the first fault (then after the last
+    replacement), not one Job per failed index; the failed pods are listed once per Job
+    with new failures, never again; the replacement has the class's settings and a copy
+    of the shard's list, and the index is marked as handed on (ShardFailures skips it)."""
+    for index in range(3):
+        store.put_bytes(shard_key(RUN_A, "gpu-small", index),
+                        f"model_id\norg/ok-{index}\n".encode())
+    job = build("gpu-small", completions=3, parallelism=1)
+    kube.create_job(NS, job)
+    indexed = IndexedJobSimulator(sim, namespace=NS, nodes=["n0", "n1"])
+    stored: dict[str, Any] | None = None
+    for _ in range(10):  # until index 0 broke on n0; index 1 then runs
+        indexed.tick(lambda job, index, attempt: Exit(EXIT_DEVICE) if index == 0 else "succeed")
+        stored = kube.read_job(NS, job["metadata"]["name"])
+        if stored is not None and stored["status"].get("failedIndexes") == "0":
+            break
+    assert stored is not None
+    run = IndexedRun.from_job(stored, per_shard=[1, 1, 1])
+    assert run.failed == [0] and not run.finished
+    cls = ResourceClass("gpu-small", 1, 8 * GB, "7Gi", "23Gi")
+    faults = DeviceFaults(NS, store, run_id=RUN_A, max_faults=3)
+    faults.track(run, ClassShards(cls=cls, parallelism=1, models=3, bytes=3 * GB,
+                                  per_shard=[1, 1, 1]), pods=1)
+    made: list[ClassShards] = []
+
+    def create(shards: ClassShards, pods: int) -> IndexedRun:
+        made.append(shards)
+        return IndexedRun(name=f"esd-x-{shards.cls.name}", run_id=RUN_A,
+                          class_name=shards.cls.name, completions=shards.shards,
+                          models=shards.models, per_shard=list(shards.per_shard))
+
+    assert faults.follow(kube, [run], 1000.0, create) == []  # the class still runs
+    assert faults.avoided() == ["n0"] and faults.report()[0]["device_faults"] == 1
+    requests = kube.requests
+    assert faults.follow(kube, [run], 1000.0 + REPLACE_EVERY_S - 1, create) == []
+    (replacement,) = faults.follow(kube, [run], 1000.0 + REPLACE_EVERY_S, create)
+    assert kube.requests == requests  # index 0 was read once
+    assert replacement.class_name == "gpu-small-r1" and run.replaced == {0: replacement.name}
+    (shards,) = made
+    assert shards.cls == replace(cls, name="gpu-small-r1") and shards.per_shard == [1]
+    assert store.get_bytes(shard_key(RUN_A, "gpu-small-r1", 0)) == b"model_id\norg/ok-0\n"
+    assert faults.follow(kube, [run], 5000.0, create) == []  # nothing waits any more
 
 
 def test_a_shard_that_breaks_every_gpu_ends_after_max_retries_plus_one_nodes(
