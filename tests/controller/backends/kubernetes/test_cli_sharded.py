@@ -21,7 +21,7 @@ import pytest
 
 from controller.cli import main
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.store.layout import list_markers
+from esd_worker.core.store.layout import list_failure_keys, list_markers, run_report_key
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.stores import Store
 from tests.support import REPO_ROOT
@@ -65,6 +65,30 @@ def test_exit_status_report_and_status_come_from_the_store(
     assert main(["status", "--model-list", str(models), "--output-dir", str(out)]) == 0
     status = json.loads(capsys.readouterr().out)
     assert (status["done"], status["todo"], status["failed_permanent"]) == (9, 0, 1)
+
+
+def test_a_broken_gpu_node_is_named_in_the_report_and_costs_no_model(
+    sim: KubeSim, kubeconfig: Path, out: Path, store: Store, tmp_path: Path,
+) -> None:
+    """One of 3 nodes fails every pod with exit 6: the run still exits 0 (every model
+    done, none charged), and the --report JSON and the run report in the store name the
+    node under kubernetes.bad_nodes, with its count and the worker's last line."""
+    models = write_list(tmp_path / "models.csv", [f"org/ok-{i}" for i in range(24)])
+    worker = ShardWorker(store, broken_nodes=frozenset({"gpu-node-1"}))
+    report_file = tmp_path / "report.json"
+    indexed = IndexedJobSimulator(sim, namespace=NS, nodes=["gpu-node-0", "gpu-node-1",
+                                                            "gpu-node-2"])
+    with indexed.autopilot(worker):
+        code = main(run_args(models, out, "--shard-size", "2", "--report", str(report_file)))
+    assert code == 0
+    report = json.loads(report_file.read_text())
+    assert report["counts"]["done"] == 24 and report["failures"] == {}
+    (bad,) = report["report"]["kubernetes"]["bad_nodes"]
+    assert bad["node"] == "gpu-node-1" and bad["device_faults"] >= 1
+    assert "DeviceError" in bad["error"]
+    stored = json.loads(store.get_bytes(run_report_key(report["run_id"])) or b"{}")
+    assert stored["kubernetes"]["bad_nodes"] == [bad]
+    assert not list_failure_keys(store)
 
 
 def test_a_controller_killed_mid_run_and_started_again_runs_every_model_once(
