@@ -152,12 +152,20 @@ def describe_pending(
     return "pending: the scheduler has not placed the pod yet"
 
 
+# Events an autoscaler puts on a pod it is bringing a node up for (cluster-autoscaler,
+# Karpenter): after the scheduler's last FailedScheduling, a node is on its way.
+_SCALING_UP = frozenset({"TriggeredScaleUp", "Nominated"})
+
+
 def is_unschedulable(pods: Sequence[Mapping[str, Any]],
                      events: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the scheduler has said it cannot place these pods: a Pending pod with
-    PodScheduled False for reason Unschedulable, or a FailedScheduling event. No node has
-    what they ask for (GPUs, disk, memory, a toleration, a node affinity), as opposed to
-    pods that wait for an image, a volume, a quota or Kueue."""
+    """Whether the scheduler has said it cannot place these pods, and no autoscaler has
+    answered since: a Pending pod with PodScheduled False for reason Unschedulable, or a
+    FailedScheduling event, unless the latest of those events is older than an autoscaler's
+    TriggeredScaleUp or Nominated. No node has what they ask for (GPUs, disk, memory, a
+    toleration, a node affinity), as opposed to pods that wait for an image, a volume, a
+    quota, Kueue, or a node being added."""
+    said = any(e.get("reason") == "FailedScheduling" for e in events)
     for pod in pods:
         status = pod.get("status") or {}
         if status.get("phase") != "Pending":
@@ -165,8 +173,16 @@ def is_unschedulable(pods: Sequence[Mapping[str, Any]],
         for cond in status.get("conditions") or []:
             if (cond.get("type") == "PodScheduled" and cond.get("status") == "False"
                     and cond.get("reason") == "Unschedulable"):
-                return True
-    return any(e.get("reason") == "FailedScheduling" for e in events)
+                said = True
+    if not said:
+        return False
+    failed = [_event_time(e) for e in events if e.get("reason") == "FailedScheduling"]
+    scaling = [_event_time(e) for e in events if e.get("reason") in _SCALING_UP]
+    return not scaling or (bool(failed) and max(failed) > max(scaling))
+
+
+def _event_time(event: Mapping[str, Any]) -> str:
+    return str(event.get("lastTimestamp") or event.get("eventTime") or "")
 
 
 def describe_workload(workloads: Sequence[Mapping[str, Any]]) -> str:

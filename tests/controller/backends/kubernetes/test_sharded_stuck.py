@@ -21,6 +21,7 @@ import pytest
 
 from controller.backends.base import Outcome
 from controller.backends.kubernetes.common.client import KubeClient
+from controller.backends.kubernetes.common.diagnosis import is_unschedulable
 from controller.backends.kubernetes.common.names import CLASS_LABEL, RUN_LABEL
 from controller.backends.kubernetes.sharded.backend import ShardedBackend
 from controller.errors import EXIT_INFRA, SweepError, describe_error
@@ -161,6 +162,45 @@ def test_a_restart_creates_the_missing_jobs_before_the_attached_one_finishes(
     assert bad.recorded and not bad.retryable and "NoOutcome" not in bad.error
     assert set(worker.analysed.values()) == {1} and len(worker.analysed) == len(models) - 1
     assert [r.run_id for r in second.attached] == [RUN_A]
+
+
+def pending_pod(reason: str | None) -> dict[str, Any]:
+    conditions = [] if reason is None else [
+        {"type": "PodScheduled", "status": "False", "reason": reason, "message": NO_DISK}]
+    return {"metadata": {"name": "p"}, "status": {"phase": "Pending", "conditions": conditions}}
+
+
+def event(reason: str, at: str) -> dict[str, Any]:
+    return {"type": "Normal" if reason != "FailedScheduling" else "Warning", "reason": reason,
+            "message": "...", "lastTimestamp": at}
+
+
+T0, T1 = "2026-11-26T17:00:00Z", "2026-11-26T17:01:00Z"
+STUCK_CASES = {
+    "unschedulable": (pending_pod("Unschedulable"), [event("FailedScheduling", T0)], True),
+    "event-only": (pending_pod(None), [event("FailedScheduling", T0)], True),
+    "image-pull": (pending_pod(None), [event("Failed", T0)], False),
+    "scheduling-gated": (pending_pod("SchedulingGated"), [], False),
+    "autoscaler-scaling-up": (pending_pod("Unschedulable"), [
+        event("FailedScheduling", T0), event("TriggeredScaleUp", T1)], False),
+    "karpenter-nominated": (pending_pod("Unschedulable"), [
+        event("FailedScheduling", T0), event("Nominated", T1)], False),
+    "scale-up-then-failed-again": (pending_pod("Unschedulable"), [
+        event("TriggeredScaleUp", T0), event("FailedScheduling", T1)], True),
+    "autoscaler-gave-up": (pending_pod("Unschedulable"), [
+        event("FailedScheduling", T0), event("NotTriggerScaleUp", T1)], True),
+}
+
+
+@pytest.mark.parametrize(("pod", "events", "stuck"), STUCK_CASES.values(),
+                         ids=STUCK_CASES.keys())
+def test_what_counts_as_unschedulable(pod: dict[str, Any], events: list[dict[str, Any]],
+                                      stuck: bool) -> None:
+    """Unschedulable is the scheduler's word that no node fits; an autoscaler that has
+    since started a node for the pod (cluster-autoscaler TriggeredScaleUp, Karpenter
+    Nominated) means a node is coming, not that none ever will; one that declined
+    (NotTriggerScaleUp) does not."""
+    assert is_unschedulable([pod], events) is stuck
 
 
 @pytest.fixture
