@@ -82,7 +82,8 @@ class ClusterSettings:
     exporter pods scraped at http://<pod IP>:<port>/metrics; telemetry_urls: scrape these
     instead (out-of-cluster runs, tests); telemetry=False: no scraping at all.
     pending_timeout_s: a Job not running after this many seconds is diagnosed (why it is
-    pending) in the log and the run report (default 600).
+    pending) in the log and the run report (default 600); in a sharded run, a class whose
+    pods the scheduler has found no node for this long ends the run (exit 3).
     wait: wait until every Job has ended (default); False: submit what fits and return,
     leaving Jobs running (a later run adopts them).
     watch_timeout_s: server-side timeout of each watch request (the watch is reopened).
@@ -343,7 +344,8 @@ def add_cluster_flags(g: Any) -> None:
              help="no GPU telemetry: Jobs only request nvidia.com/gpu")
     add_flag(g, "--pending-timeout", type=float_in(0, WEEK_S, above=True, unit="seconds"),
              default=600.0, metavar="S",
-             help="report why a Job is not running after S seconds (default 600)")
+             help="report why a Job is not running after S seconds; sharded runs: a class "
+             "whose pods no node can take for S seconds ends the run, exit 3 (default 600)")
     add_flag(g, "--allow-local-output", action="store_true",
              help="accept a local --output-dir (a volume mounted at that path in every pod)")
     wait = g.add_mutually_exclusive_group()
