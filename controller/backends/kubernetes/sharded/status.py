@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient
 
 log = logging.getLogger(__name__)
+
+_READERS = 16  # shard lists read at once when re-attaching (held_keys)
 
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # on the pods, from Kubernetes 1.28
 MODELS_ANNOTATION = "esd-sweep/models"
@@ -271,21 +274,30 @@ def _device_error(error: str) -> Diagnosis:
     return Diagnosis(error, True, EXIT_DEVICE, None, ())
 
 
-def held_keys(store: Store, runs: Sequence[IndexedRun]) -> Iterator[str]:
+def held_keys(store: Store, runs: Sequence[IndexedRun], *,
+              threads: int = _READERS) -> Iterator[str]:
     """The keys of the models the shards of these (unfinished) Jobs hold that may still run:
-    every index not failed yet, one shard list read at a time, so a caller can stream them
-    into a KeySet (an earlier run's million models are never held as strings). A shard
-    list that cannot be read is skipped, logged: its pod cannot read it either."""
+    every index neither completed (its models have markers) nor failed (to be sharded
+    again). The shard lists are read `threads` at a time (a store's GET latency is the
+    cost) and handed on in order, a few at a time, so a caller can stream the keys into a
+    KeySet: an earlier run's million models are never held as strings. A list that cannot
+    be read is skipped, logged: its pod cannot read it either."""
+    wanted: list[tuple[IndexedRun, int]] = []
     for run in runs:
-        failed = set(run.failed)
-        for index in range(run.completions):
-            if index in failed:
-                continue  # its models are not done: to be sharded again
-            url = f"{store.url.rstrip('/')}/{shard_key(run.run_id, run.class_name, index)}"
-            try:
-                rows = read_model_list(url).rows
-            except (ModelListError, OSError) as e:
-                log.warning("cannot read shard %d of job %s (%s): its models are sharded "
-                            "again", index, run.name, e)
-                continue
-            yield from (row.key for row in rows)
+        ended = set(run.completed) | set(run.failed)
+        wanted += [(run, index) for index in range(run.completions) if index not in ended]
+
+    def read(shard: tuple[IndexedRun, int]) -> list[str]:
+        run, index = shard
+        url = f"{store.url.rstrip('/')}/{shard_key(run.run_id, run.class_name, index)}"
+        try:
+            return [row.key for row in read_model_list(url).rows]
+        except (ModelListError, OSError) as e:
+            log.warning("cannot read shard %d of job %s (%s): its models are sharded "
+                        "again", index, run.name, e)
+            return []
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for start in range(0, len(wanted), 4 * threads):
+            for keys in pool.map(read, wanted[start:start + 4 * threads]):
+                yield from keys
