@@ -119,7 +119,9 @@ class DeviceFaults:
             now - self._since[origin] >= self.every_s
             or not any(not r.finished and self._origin.get(r.class_name) == origin
                        for r in runs))]
-        made = (self._replace(origin, now, create) for origin in due)
+        made = (self._replace(origin, now, create, busy=sum(
+            r.active for r in runs if not r.finished and self._origin.get(r.class_name) == origin))
+            for origin in due)
         return [run for run in made if run is not None]
 
     # -- reading the failed pods --
@@ -177,9 +179,12 @@ class DeviceFaults:
 
     # -- the replacement --
 
-    def _replace(self, origin: str, now: float, create: Create) -> IndexedRun | None:
+    def _replace(self, origin: str, now: float, create: Create, *,
+                 busy: int) -> IndexedRun | None:
         """One Job for every shard of `origin` waiting: its lists copied to the next class
-        `<origin>-r<n>` (index j of the new Job is the j-th waiting shard)."""
+        `<origin>-r<n>` (index j of the new Job is the j-th waiting shard). busy: pods the
+        class's Jobs still have; the new Job's parallelism is what they leave of the class's
+        GPU budget (at least 1: a Job cannot have none)."""
         self._since[origin] = now
         self._replacements[origin] += 1
         name = f"{origin}-r{self._replacements[origin]}"
@@ -195,7 +200,7 @@ class DeviceFaults:
         first, pods = self._shards[origin]
         each = first.bytes // max(first.shards, 1)
         shards = ClassShards(cls=replace(first.cls, name=name),
-                             parallelism=min(first.parallelism, len(waiting)),
+                             parallelism=max(1, min(first.parallelism - busy, len(waiting))),
                              models=sum(per_shard), bytes=each * len(waiting),
                              per_shard=per_shard, largest=first.largest)
         self._origin[name] = origin

@@ -186,7 +186,8 @@ def test_replacements_are_batched_per_class_at_most_once_a_minute(
     next replacement, made REPLACE_EVERY_S after the first fault (then after the last
     replacement), not one Job per failed index; the failed pods are listed once per Job
     with new failures, never again; the replacement has the class's settings and a copy
-    of the shard's list, and the index is marked as handed on (ShardFailures skips it)."""
+    of the shard's list, and the index is marked as handed on (ShardFailures skips it);
+    its parallelism is what the class's running pods leave of the class's (its GPUs)."""
     for index in range(3):
         store.put_bytes(shard_key(RUN_A, "gpu-small", index),
                         f"model_id\norg/ok-{index}\n".encode())
@@ -194,17 +195,17 @@ def test_replacements_are_batched_per_class_at_most_once_a_minute(
     kube.create_job(NS, job)
     indexed = IndexedJobSimulator(sim, namespace=NS, nodes=["n0", "n1"])
     stored: dict[str, Any] | None = None
-    for _ in range(10):  # until index 0 broke on n0; index 1 then runs
-        indexed.tick(lambda job, index, attempt: Exit(EXIT_DEVICE) if index == 0 else "succeed")
+    for _ in range(20):  # until indexes 0 and 1 broke; index 2 then runs
+        indexed.tick(lambda job, index, attempt: Exit(EXIT_DEVICE) if index < 2 else "succeed")
         stored = kube.read_job(NS, job["metadata"]["name"])
-        if stored is not None and stored["status"].get("failedIndexes") == "0":
+        if stored is not None and stored["status"].get("failedIndexes") == "0,1":
             break
     assert stored is not None
     run = IndexedRun.from_job(stored, per_shard=[1, 1, 1])
-    assert run.failed == [0] and not run.finished
+    assert run.failed == [0, 1] and not run.finished and run.active == 1
     cls = ResourceClass("gpu-small", 1, 8 * GB, "7Gi", "23Gi")
     faults = DeviceFaults(NS, store, run_id=RUN_A, max_faults=3)
-    faults.track(run, ClassShards(cls=cls, parallelism=1, models=3, bytes=3 * GB,
+    faults.track(run, ClassShards(cls=cls, parallelism=2, models=3, bytes=3 * GB,
                                   per_shard=[1, 1, 1]), pods=1)
     made: list[ClassShards] = []
 
@@ -215,15 +216,20 @@ def test_replacements_are_batched_per_class_at_most_once_a_minute(
                           models=shards.models, per_shard=list(shards.per_shard))
 
     assert faults.follow(kube, [run], 1000.0, create) == []  # the class still runs
-    assert faults.avoided() == ["n0"] and faults.report()[0]["device_faults"] == 1
+    assert faults.avoided() == ["n0"]  # one pod at a time: each on the first idle node
+    assert [n["device_faults"] for n in faults.report()] == [2]
     requests = kube.requests
     assert faults.follow(kube, [run], 1000.0 + REPLACE_EVERY_S - 1, create) == []
     (replacement,) = faults.follow(kube, [run], 1000.0 + REPLACE_EVERY_S, create)
-    assert kube.requests == requests  # index 0 was read once
-    assert replacement.class_name == "gpu-small-r1" and run.replaced == {0: replacement.name}
+    assert kube.requests == requests  # the failed indexes were read once
+    assert replacement.class_name == "gpu-small-r1"
+    assert run.replaced == {0: replacement.name, 1: replacement.name}
     (shards,) = made
-    assert shards.cls == replace(cls, name="gpu-small-r1") and shards.per_shard == [1]
-    assert store.get_bytes(shard_key(RUN_A, "gpu-small-r1", 0)) == b"model_id\norg/ok-0\n"
+    assert shards.cls == replace(cls, name="gpu-small-r1") and shards.per_shard == [1, 1]
+    assert shards.parallelism == 1  # index 2's pod holds the class's other GPU
+    for index in (0, 1):
+        assert store.get_bytes(shard_key(RUN_A, "gpu-small-r1", index)) == \
+            f"model_id\norg/ok-{index}\n".encode()
     assert faults.follow(kube, [run], 5000.0, create) == []  # nothing waits any more
 
 
