@@ -5,7 +5,8 @@ controller), or the device check (`--self-check`, esd_worker.serve.selfcheck); t
 
 A batch's per-model loop is esd_worker.serve.batch's, its read-ahead esd_worker.serve.prefetch's,
 which
-shard a pod takes and a batch's exit code esd_worker.serve.runner's.
+shard a pod takes and a batch's exit code esd_worker.serve.runner's; `--models` and `--shards`
+run the batch in a child of esd_worker.serve.supervisor's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from esd_worker.core.redact import redact
 from esd_worker.core.store.opener import open_store
 from esd_worker.fetch.hub import set_rate_limit
 from esd_worker.serve.runner import Shard, locate_shard, run_batch
+from esd_worker.serve.supervisor import supervise, supervised_child
 
 log = logging.getLogger("esd_worker")
 
@@ -99,7 +101,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = open_store(settings.output)
         store.check()
         if not args.model:
-            return run_batch(args, settings, store, shard)
+            child = supervised_child()
+            if not args.serve and not child:
+                # A model that crashes, hangs or leaks must cost its own retries only: the
+                # batch runs in a watched child (--serve is watched by its controller).
+                return supervise(args, sys.argv[1:] if argv is None else list(argv), store,
+                                 shard.url if shard is not None else None)
+            return run_batch(args, settings, store, shard, resumed=child > 1)
         from esd_worker.analysis.analyze import analyse_model
 
         analyse_model(settings, store=store, model_key=args.model_key)

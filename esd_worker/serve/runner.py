@@ -25,6 +25,15 @@ Exit codes of a batch (the codes themselves are esd_worker.core.errors'):
     an index that is not a whole number >= 0, the shard missing or not a model list;
   3 (as for any worker) the store is unusable as configured (no bucket, access denied) or a
     bug outside any model; a store that cannot be reached just now is 4.
+
+Under a supervisor (esd_worker.serve.supervisor, the parent of `--models` and `--shards`;
+`--serve` is watched by its controller): the batch runs in its child, and a model that kills
+the child, shows no progress for its limit (--model-timeout) or passes --memory-limit costs
+that model's retries only: a new child goes on, and once --max-retries are spent the model's
+record names the cause (WorkerCrashed, ModelTimeout, HostOutOfMemory). After a 4 the batch
+runs again, up to --max-retries more times; then --shards exits 0 when every model had its
+outcome (retryable records: the next run retries them), --models 4. A child that dies with
+no model in progress ends the process with 128+N (signal N): the pod's or node's fault.
 """
 
 from __future__ import annotations
@@ -93,9 +102,11 @@ def locate_shard(folder: str, index: str | None,
 
 
 def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
-              shard: Shard | None = None) -> int:
+              shard: Shard | None = None, *, resumed: bool = False) -> int:
     """Analyse every model of --models or of `shard` (--shards), or of the requests on stdin
-    with --serve; the exit code as the module docstring says."""
+    with --serve; the exit code as the module docstring says. resumed: a supervised child
+    after the first (esd_worker.serve.supervisor), which skips what failed for good in this
+    run as a shard's pod retry does."""
     if args.max_retries < 0:  # --prefetch is checked by its flag (flags.PREFETCH_COUNT)
         raise UsageError("--max-retries must be >= 0")
     started = time.perf_counter()
@@ -142,7 +153,7 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         # the model's outcome. A later run tries it again, as `esd-sweep run` does.
         BatchSettings(template=template, run_id=args.run_id, max_retries=args.max_retries,
                       overwrite=args.overwrite, skip_failed=args.skip_failed,
-                      skip_own_failures=shard is not None),
+                      skip_own_failures=shard is not None or resumed),
         store, analyse, emit, finished=prefetcher.finished,
     )
     emit(event_line("ready", pid=os.getpid()))
