@@ -336,9 +336,7 @@ class Supervisor:
         rss = group_rss(pgid, self.proc)
         if rss <= limit:
             return None
-        return (f"{HOST_OUT_OF_MEMORY}: the worker passed {limit / 2**30:.2f} GiB "
-                f"({self.settings.memory_source}; {rss / 2**30:.2f} GiB resident) analysing "
-                f"{self._model(key)}: killed")
+        return memory_cause(self._model(key), limit, rss, self.settings.memory_source)
 
     # -- charging the model ---------------------------------------------------------------
 
@@ -359,9 +357,7 @@ class Supervisor:
         return True
 
     def _crash_cause(self, child: Child, key: str) -> str:
-        how = (f"killed by {signal_name(child.signal)}" if child.signal is not None
-               else f"exited with code {child.code}")
-        return f"{WORKER_CRASHED}: {how} while analysing {self._model(key)}"
+        return crash_cause(self._model(key), signum=child.signal, code=child.code)
 
     def _model(self, key: str) -> str:
         """The model's reference as its note names it, else its key."""
@@ -379,17 +375,37 @@ class Supervisor:
         return note if isinstance(note, dict) else None
 
     def _write_cause(self, key: str, cause: str) -> None:
-        # The child wrote the note before it said `start`; a note missing here (removed by
-        # hand) is written with this one start, so that the crash still counts.
-        note = self._note(key) or {"model": key, "starts": 1, "run_id": self.settings.run_id,
-                                   "host": platform.node(), "pid": os.getpid(),
-                                   "time": utc_now()}
-        note["last_error"] = cause
-        try:
-            self.store.put_bytes(attempt_key(key), (json.dumps(note) + "\n").encode())
-        except Exception as e:  # the crash still counts by the note's starts
-            log.warning("model_key=%s cause not written to its attempt note: %s", key,
-                        redact(str(e)))
+        write_cause(self.store, key, cause, run_id=self.settings.run_id, note=self._note(key))
+
+
+def crash_cause(model: str, *, signum: int | None = None, code: int | None = None) -> str:
+    """The cause of a child that died under `model`: by signal `signum`, or exit `code`."""
+    how = (f"killed by {signal_name(signum)}" if signum is not None
+           else f"exited with code {code}")
+    return f"{WORKER_CRASHED}: {how} while analysing {model}"
+
+
+def memory_cause(model: str, limit: int, rss: int, source: str) -> str:
+    """The cause of a child killed for passing the memory limit (`source`: where it is from)."""
+    return (f"{HOST_OUT_OF_MEMORY}: the worker passed {limit / 2**30:.2f} GiB ({source}; "
+            f"{rss / 2**30:.2f} GiB resident) analysing {model}: killed")
+
+
+def write_cause(store: Store, key: str, cause: str, *, run_id: str,
+                note: dict[str, Any] | None) -> None:
+    """Put `cause` into the model's attempt note (`note`: as read, None when missing or not
+    one) as its `last_error`: the batch's poison record names it (esd_worker.serve.batch).
+    The child wrote the note before it said `start`; a note missing here (removed by hand)
+    is written with this one start, so that the crash still counts."""
+    note = dict(note) if note is not None else {
+        "model": key, "starts": 1, "run_id": run_id, "host": platform.node(),
+        "pid": os.getpid(), "time": utc_now()}
+    note["last_error"] = cause
+    try:
+        store.put_bytes(attempt_key(key), (json.dumps(note) + "\n").encode())
+    except Exception as e:  # the crash still counts by the note's starts
+        log.warning("model_key=%s cause not written to its attempt note: %s", key,
+                    redact(str(e)))
 
 
 def _handle(signum: int, handler: Callable[[int, FrameType | None], None]) -> Any:

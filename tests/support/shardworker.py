@@ -11,7 +11,12 @@ is scripted, by the prefix of the model's name (after `org/`):
 - `ok-…`: writes the model's marker (what analyse_model writes last);
 - `bad-…`: a permanent error (a failure record, the shard goes on);
 - `flaky-…`: a transient error on its first try, fine afterwards;
-- `oom-…`: the pod is OOM-killed while analysing it (nothing recorded, the note stays).
+- `oom-…`: the pod is OOM-killed while analysing it (nothing recorded, the note stays);
+- `crash-…`, `hang-…`, `leak-…`: the worker under the pod's supervisor
+  (esd_worker.serve.supervisor) dies with SIGSEGV, is killed as hung, or is killed past its
+  memory limit while analysing it: the supervisor writes the cause into the model's attempt
+  note (its own write_cause) and starts a new worker in the same pod, which goes on; the
+  batch's poison record names the cause once the model is out of retries.
 
 `broken_nodes`: nodes whose GPU is broken: a pod there exits 6 (EXIT_DEVICE) at once,
 having recorded nothing, as the worker's device check makes it; its log names the node
@@ -24,6 +29,8 @@ from __future__ import annotations
 
 import collections
 import io
+import json
+import signal
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,15 +45,37 @@ from esd_worker.core.errors import (
     PermanentModelError,
     TransientError,
 )
-from esd_worker.core.store.layout import write_model_result
+from esd_worker.core.store.layout import attempt_key, write_model_result
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.stores import Store
+from esd_worker.core.watchdog import ModelWatch
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import requests_from_list
+from esd_worker.serve.supervisor import crash_cause, memory_cause, write_cause
 from tests.support.indexed import Exit, Outcome
 from tests.support.podenv import resolve_env
 
 PARAMS = canonical_parameters(AnalysisSettings().as_dict())
+
+
+def _cause(name: str, model: str, key: str) -> str:
+    """What the pod's supervisor says of a worker that died under a `crash-`, `hang-` or
+    `leak-` model: the real supervisor's words."""
+    if name.startswith("crash-"):
+        return crash_cause(model, signum=signal.SIGSEGV)
+    if name.startswith("leak-"):
+        return memory_cause(model, 8 << 30, 9 << 30, "--memory-limit")
+    watch = ModelWatch()
+    watch.start(key, 0.0)
+    return watch.overdue(watch.limit_s) or ""
+
+
+class _ChildKilled(BaseException):
+    """The supervised worker died under model `key` (`cause`); the pod lives on."""
+
+    def __init__(self, key: str, cause: str) -> None:
+        super().__init__(cause)
+        self.key, self.cause = key, cause
 
 
 class _PodKilled(BaseException):
@@ -87,13 +116,20 @@ class ShardWorker:
             return "evict"
         requests = requests_from_list(f"{shard_url(job)}/{index}.csv")
         template = WorkerSettings(model="-", output=self.store.url)
-        batch = Batch(BatchSettings(template=template, run_id=run_id_of(job),
-                                    max_retries=self.max_retries, skip_own_failures=True),
-                      self.store, self._analyse, emit=lambda line: None, stderr=io.StringIO())
-        try:
-            tally = batch.run(iter(requests))
-        except _PodKilled:
-            return "oom"
+        while True:  # the pod's supervisor: a new worker after one died under a model
+            batch = Batch(BatchSettings(template=template, run_id=run_id_of(job),
+                                        max_retries=self.max_retries, skip_own_failures=True),
+                          self.store, self._analyse, emit=lambda line: None,
+                          stderr=io.StringIO())
+            try:
+                tally = batch.run(iter(requests))
+                break
+            except _PodKilled:
+                return "oom"
+            except _ChildKilled as killed:
+                data = self.store.get_bytes(attempt_key(killed.key))
+                write_cause(self.store, killed.key, killed.cause, run_id=run_id_of(job),
+                            note=json.loads(data) if data else None)
         code = tally.exit_code
         if code in (EXIT_OK, EXIT_PERMANENT):  # --shards: a permanent failure is an outcome
             return "succeed"
@@ -106,6 +142,8 @@ class ShardWorker:
             tries = self.tried[key]
         if model.startswith("oom-"):
             raise _PodKilled(model)
+        if model.startswith(("crash-", "hang-", "leak-")):
+            raise _ChildKilled(key, _cause(model, settings.model, key))
         if model.startswith("bad-"):
             raise PermanentModelError(f"{model}: not found on the hub")
         if model.startswith("flaky-") and tries == 1:

@@ -336,3 +336,38 @@ def test_no_wait_creates_the_jobs_and_returns(
     outcomes, _ = run(backend, rows([f"ok-{i}" for i in range(5)]), store)
     assert outcomes == [] and len(sim.objects("jobs", NS)) == 1
     assert backend.report()["running"] == 5
+
+
+def test_crashing_hanging_and_leaking_models_cost_their_own_retries_not_the_index(
+    sim: KubeSim, kube: KubeClient, store: Store, indexed: IndexedJobSimulator,
+) -> None:
+    """Issue 29: 3 crash-prone models, 1 hanging and 1 leaking among 10 good ones. A pod's
+    supervisor charges the model under a worker that died (segfault, killed as hung, killed
+    past its memory limit) to that model's attempt note and goes on with a new worker in the
+    same pod: every index completes with its first pod (none of its backoffLimitPerIndex is
+    used), every good model is done once, and each bad one is recorded after --max-retries
+    (2) + 1 attempts with the cause of the last, as the pod's supervisor wrote it."""
+    bad = {"crash-a": "WorkerCrashed: killed by SIGSEGV while analysing org/crash-a",
+           "crash-b": "WorkerCrashed: killed by SIGSEGV while analysing org/crash-b",
+           "crash-c": "WorkerCrashed: killed by SIGSEGV while analysing org/crash-c",
+           "hang-x": "ModelTimeout: no progress for 600 s",
+           "leak-y": "HostOutOfMemory: the worker passed 8.00 GiB (--memory-limit"}
+    names = [f"ok-{i}" for i in range(10)] + list(bad)
+    models = rows(names)
+    worker = ShardWorker(store)
+    with indexed.autopilot(worker):
+        outcomes, _ = run(backend_for(kube, store, max_parallel=2), models, store)
+    status = by_status(outcomes)
+    assert status["failed"] == {f"org/{name}" for name in bad}
+    assert len(status["done"]) == 10
+    assert all(worker.analysed[m.key] == 1 for m in models if m.ref in status["done"])
+    for name, cause in bad.items():
+        key = models[names.index(name)].key
+        record = read_failure(store, key)
+        assert record is not None and record.error.startswith(cause), (name, record)
+        assert (record.attempts, record.retryable, worker.tried[key]) == (3, False, 3)
+    (job,) = indexed.jobs()
+    completions = job["spec"]["completions"]
+    counters = indexed.counters(job["metadata"]["name"])
+    assert counters.outcomes == {"succeed": completions} and counters.pods == completions
+    assert not list(store.list_keys("_attempts/"))
