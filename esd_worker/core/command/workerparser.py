@@ -38,8 +38,11 @@ EPILOG = f"""exit codes: 0 done (a batch: every model done or skipped); 2 usage 
 shard cannot run: no index, a bad index, no such shard); 3 permanent (a batch: some models
 failed for good, each recorded in _failures/; --shards exits 0 then, the records being the
 shard's outcome); 4 transient (network, storage, a stop; a batch: some failure a retry may
-fix); 5 out of GPU memory; 6 the device or its node is broken (nothing recorded against
-any model: run it elsewhere). --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
+fix, after --max-retries more rounds; --shards exits 0 then, the retryable records being the
+outcome); 5 out of GPU memory; 6 the device or its node is broken (nothing recorded against
+any model: run it elsewhere); 128+N the batch's worker died of signal N with no model in
+progress (a crash, hang or leak under a model costs that model's retries: a new worker goes
+on). --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
 cannot be used (--device cuda without CUDA), 3 wrong numbers or a device error. --shards
 takes shard N of URL, URL/N.csv, N from --shard-index or {SHARD_INDEX_ENV}."""
 
@@ -98,8 +101,10 @@ def build_parser(parser_class: type[Parser] = Parser) -> argparse.ArgumentParser
              help=f"with --shards: the shard to take (default ${SHARD_INDEX_ENV})")
     add_flag(batch, "--run-id", default="", help="stamped on the failure records written")
     add_flag(batch, "--max-retries", type=int_in(0, MAX_RETRIES), default=2,
-             help="a model that killed more than this many workers is recorded as a "
-             "permanent failure (poison model) and not started again (default 2)")
+             help="a model that killed more than this many workers (a crash, killed as hung "
+             "or past --memory-limit) is recorded as a permanent failure (poison model) with "
+             "the cause and not started again; --models, --shards: also the rounds a batch "
+             "is run again after failures a retry may fix (default 2)")
     add_flag(batch, "--overwrite", action="store_true", help="analyse models that are done")
     add_flag(batch, "--skip-failed", action="store_true",
              help="skip models with a permanent failure record")
