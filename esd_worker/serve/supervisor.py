@@ -186,7 +186,7 @@ class Supervisor:
     def _run(self) -> int:
         rounds = 0
         while True:
-            child = self._child()
+            child = self._child() if self._stop is None else Child()
             if self._stop is not None:
                 log.warning("stopped by %s: the model in progress was not charged",
                             signal_name(self._stop))
