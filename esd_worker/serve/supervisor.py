@@ -15,7 +15,9 @@ its controller instead (controller.backends.local).
 
 Exit codes (esd_worker.serve.runner's contract, and):
 - a child that crashes (a signal, or an exit other than 0, 2, 3, 4, 6) with a model in
-  progress, or is killed here for that model: the model is charged, a new child goes on;
+  progress, or is killed here for that model: the model is charged, a new child goes on
+  (the cause: ModelTimeout, HostOutOfMemory past --memory-limit or when the cgroup counts
+  the SIGKILL as the kernel's OOM kill, else WorkerCrashed and the signal);
 - a child that exits 2 (usage), 3 (store unusable; --models: some models failed for good),
   6 (device fault), or dies with no model in progress: that code at once (128+N for signal
   N): a fault of the pod or its node, which Kubernetes counts;
@@ -74,6 +76,9 @@ STOP_GRACE_S = 25.0  # a stopped child's time to clear its note (Kubernetes give
 CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),
                       Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 NO_LIMIT = 1 << 60
+# cgroup v2's count of the kernel's OOM kills in the container: a SIGKILL it explains is the
+# memory limit's, not a crash.
+CGROUP_EVENTS_FILE = Path("/sys/fs/cgroup/memory.events")
 LIMIT_SHARE = 0.9  # of the container's: the parent and the page cache need the rest
 FAULT_EXITS = (EXIT_USAGE, EXIT_PERMANENT, EXIT_DEVICE)  # the pod's or node's: exit at once
 
@@ -96,6 +101,21 @@ def container_memory_limit(files: Sequence[Path] = CGROUP_LIMIT_FILES) -> int | 
             return None  # "max": no limit
         value = int(text)
         return value if 0 < value < NO_LIMIT else None
+    return None
+
+
+def oom_kills(path: Path | None) -> int | None:
+    """The kernel's OOM kills so far in the container (memory.events' oom_kill); None when
+    not known (no file: cgroup v1 or not in a container)."""
+    if path is None:
+        return None
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        return None
     return None
 
 
@@ -125,7 +145,8 @@ class SupervisorSettings:
     argv: the child's command line. max_retries: --max-retries (the rounds after a transient
     exit; a model's crashes are bounded by its attempt note). model_timeout_s: the floor of
     the no-progress limit, seconds. memory_limit: the child group's resident bytes (None:
-    none); memory_source: where that number comes from, for the error. sharded: --shards.
+    none); memory_source: where that number comes from, for the error; oom_events: the
+    cgroup's memory.events (None: not read). sharded: --shards.
     keys: the models' keys when known (None: the list could not be read here; the child
     reports it). run_id: of the notes. poll_s, backoff_s, stop_grace_s: seconds.
     """
@@ -135,6 +156,7 @@ class SupervisorSettings:
     model_timeout_s: float = DEFAULT_MODEL_TIMEOUT_S
     memory_limit: int | None = None
     memory_source: str = "--memory-limit"
+    oom_events: Path | None = None
     sharded: bool = False
     keys: frozenset[str] | None = None
     run_id: str = ""
@@ -146,12 +168,14 @@ class SupervisorSettings:
 @dataclass
 class Child:
     """How one child ended: its exit code or signal, the model in progress then (None: none),
-    why it was killed here (None: it ended by itself), the keys it gave a result for."""
+    why it was killed here (None: it ended by itself), whether the kernel's OOM killer killed
+    it, the keys it gave a result for."""
 
     code: int | None = None
     signal: int | None = None
     key: str | None = None
     killed_for: str | None = None
+    oom_killed: bool = False
     results: set[str] = field(default_factory=set)
 
 
@@ -241,6 +265,7 @@ class Supervisor:
     def _child(self) -> Child:
         self.children += 1
         env = self.environ | {SUPERVISED_ENV: str(self.children)}
+        ooms = oom_kills(self.settings.oom_events)
         proc = subprocess.Popen(list(self.settings.argv), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, env=env, process_group=0,
                                 preexec_fn=_die_with_parent)
@@ -281,6 +306,9 @@ class Supervisor:
         child.key = watch.key
         if proc.returncode < 0:
             child.signal = -proc.returncode
+            after = oom_kills(self.settings.oom_events)
+            child.oom_killed = (child.signal == signal.SIGKILL and ooms is not None
+                                and after is not None and after > ooms)
         else:
             child.code = proc.returncode
         return child
@@ -357,6 +385,9 @@ class Supervisor:
         return True
 
     def _crash_cause(self, child: Child, key: str) -> str:
+        if child.oom_killed:
+            return (f"{HOST_OUT_OF_MEMORY}: the kernel's OOM killer killed the worker (the "
+                    f"container's memory limit) analysing {self._model(key)}")
         return crash_cause(self._model(key), signum=child.signal, code=child.code)
 
     def _model(self, key: str) -> str:
@@ -453,7 +484,8 @@ def supervise(args: argparse.Namespace, argv: Sequence[str], store: Store,
         argv=[sys.executable, "-m", "esd_worker.cli", *argv],
         max_retries=args.max_retries,
         model_timeout_s=args.model_timeout or DEFAULT_MODEL_TIMEOUT_S,
-        memory_limit=limit, memory_source=source, sharded=shard_url is not None,
+        memory_limit=limit, memory_source=source, oom_events=CGROUP_EVENTS_FILE,
+        sharded=shard_url is not None,
         keys=_keys(shard_url or args.models), run_id=args.run_id)
     return Supervisor(settings, store).run()
 

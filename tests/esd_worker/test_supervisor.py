@@ -62,16 +62,22 @@ def results(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ("sigkill", "WorkerCrashed: killed by SIGKILL while analysing org/sigkill"),
     ("sigsegv", "WorkerCrashed: killed by SIGSEGV while analysing org/sigsegv"),
     ("leak", "HostOutOfMemory: the worker passed 0.15 GiB (--memory-limit"),
-], ids=["hangs-without-heartbeats", "sigkill", "sigsegv", "leaks-past-memory-limit"])
+    ("oom-killed", "HostOutOfMemory: the kernel's OOM killer killed the worker"),
+], ids=["hangs-without-heartbeats", "sigkill", "sigsegv", "leaks-past-memory-limit",
+        "oom-killed-by-the-kernel"])
 def test_a_model_that_kills_or_hangs_its_child_is_charged_until_it_is_poison(
     tmp_path: Path, scenario: str, cause: str
 ) -> None:
     """With --max-retries 1 the model gets two starts, each ended by the fault: the
     supervisor writes the cause into the model's attempt note and starts a new child; the
     third child finds the note past its retries and records the model as poison with that
-    cause (the fake reports the note's last_error as the real batch does). The pod exits 0:
+    cause (the fake reports the note's last_error as the real batch does). A SIGKILL that
+    the cgroup's memory.events counts as the kernel's OOM kill is the memory's, not a crash;
+    an uncounted one (sigkill) is a crash. The pod exits 0:
     the model's crashes cost its own retries, not the pod's."""
-    code, supervisor, events = supervise(tmp_path, scenario, memory_limit=150 << 20)
+    (tmp_path / "memory.events").write_text("oom_kill 0\n")
+    code, supervisor, events = supervise(tmp_path, scenario, memory_limit=150 << 20,
+                                         oom_events=tmp_path / "memory.events")
     assert code == 0
     assert supervisor.children == MAX_RETRIES + 2
     [poison] = results(events)

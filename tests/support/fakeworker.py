@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 SCENARIOS = ("slow", "hang", "sigkill", "sigsegv", "leak", "device", "idle-kill",
-             "transient", "stop")
+             "transient", "stop", "oom-killed")
 
 
 def emit(**event: Any) -> None:
@@ -68,6 +68,11 @@ def main(store: Path, key: str, scenario: str, max_retries: int) -> int:
         sleeper = subprocess.Popen(["sleep", "3600"])
         (store / "grandchild.pid").write_text(str(sleeper.pid))
         time.sleep(3600)
+    elif scenario == "oom-killed":  # as the kernel does it: counted in memory.events
+        events = store / "memory.events"
+        kills = int(events.read_text().split()[-1]) if events.exists() else 0
+        events.write_text(f"low 0\nhigh 0\nmax 3\noom 1\noom_kill {kills + 1}\n")
+        os.kill(os.getpid(), signal.SIGKILL)
     elif scenario in ("sigkill", "sigsegv"):
         os.kill(os.getpid(), signal.SIGKILL if scenario == "sigkill" else signal.SIGSEGV)
     elif scenario == "leak":
