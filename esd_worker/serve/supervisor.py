@@ -63,6 +63,12 @@ from esd_worker.core.store.layout import attempt_key
 from esd_worker.core.store.records import utc_now
 from esd_worker.core.store.stores import Store
 from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S, ModelWatch
+from esd_worker.serve.hostmemory import (
+    CGROUP_EVENTS_FILE,
+    container_memory_limit,
+    group_rss,
+    oom_kills,
+)
 
 log = logging.getLogger("esd_worker")
 
@@ -72,13 +78,6 @@ WORKER_CRASHED = "WorkerCrashed"
 POLL_S = 0.5
 BACKOFF_S = 2.0  # before a transient round: times the round's number
 STOP_GRACE_S = 25.0  # a stopped child's time to clear its note (Kubernetes gives 30 s)
-# The container's memory limit, cgroup v2 then v1; "max" or a number this large is none.
-CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"),
-                      Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-NO_LIMIT = 1 << 60
-# cgroup v2's count of the kernel's OOM kills in the container: a SIGKILL it explains is the
-# memory limit's, not a crash.
-CGROUP_EVENTS_FILE = Path("/sys/fs/cgroup/memory.events")
 LIMIT_SHARE = 0.9  # of the container's: the parent and the page cache need the rest
 FAULT_EXITS = (EXIT_USAGE, EXIT_PERMANENT, EXIT_DEVICE)  # the pod's or node's: exit at once
 
@@ -87,55 +86,6 @@ def supervised_child(environ: Mapping[str, str] = os.environ) -> int:
     """This process's number as a supervised child (1 for the first), 0 when it is none."""
     raw = environ.get(SUPERVISED_ENV, "")
     return int(raw) if raw.isdigit() else 0
-
-
-def container_memory_limit(files: Sequence[Path] = CGROUP_LIMIT_FILES) -> int | None:
-    """The container's memory limit in bytes (cgroup v2, else v1); None when there is none
-    ("max", a number of 2**60 or more, no cgroup file: not in a container)."""
-    for path in files:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if not text.isdigit():
-            return None  # "max": no limit
-        value = int(text)
-        return value if 0 < value < NO_LIMIT else None
-    return None
-
-
-def oom_kills(path: Path | None) -> int | None:
-    """The kernel's OOM kills so far in the container (memory.events' oom_kill); None when
-    not known (no file: cgroup v1 or not in a container)."""
-    if path is None:
-        return None
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-def group_rss(pgid: int, proc: Path = Path("/proc")) -> int:
-    """Resident bytes of every process of group `pgid` (the child and what it started)."""
-    total = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            # After the command name, which may hold spaces and ')': state, ppid, pgrp.
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile, or a kernel thread
-    return total
 
 
 @dataclass(frozen=True)

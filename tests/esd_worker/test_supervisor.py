@@ -1,7 +1,7 @@
 """The shard pod's supervisor (esd_worker.serve.supervisor) driving a fake child
-(tests/support/fakeworker.py: the batch's protocol and attempt note, no torch), the
-container's memory limit, and the poison record that names the supervisor's cause
-(esd_worker.serve.batch)."""
+(tests/support/fakeworker.py: the batch's protocol and attempt note, no torch), what the
+host says of memory (esd_worker.serve.hostmemory), and the poison record that names the
+supervisor's cause (esd_worker.serve.batch)."""
 
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ import pytest
 from esd_worker.core.store.layout import attempt_key, failure_key
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import LocalStore
+from esd_worker.serve.hostmemory import container_memory_limit, group_rss, oom_kills
 from esd_worker.serve.supervisor import (
     SUPERVISED_ENV,
     Supervisor,
     SupervisorSettings,
-    container_memory_limit,
-    group_rss,
     supervised_child,
 )
 from tests.esd_worker.test_batch import Analyses, req, run_batch
@@ -150,6 +149,18 @@ def test_the_containers_memory_limit(tmp_path: Path, content: str | None,
     if content is not None:
         path.write_text(content)
     assert container_memory_limit([path, tmp_path / "absent"]) == limit
+
+
+@pytest.mark.parametrize(("content", "kills"), [
+    ("low 0\nhigh 0\nmax 7\noom 2\noom_kill 2\noom_group_kill 0\n", 2),
+    ("oom_kill many\n", None),
+    (None, None),  # cgroup v1, or not in a container
+], ids=["v2-events", "not-a-number", "no-file"])
+def test_the_kernels_oom_kills(tmp_path: Path, content: str | None, kills: int | None) -> None:
+    path = tmp_path / "memory.events"
+    if content is not None:
+        path.write_text(content)
+    assert oom_kills(path) == kills
 
 
 def test_group_rss_counts_the_group_of_a_process() -> None:
