@@ -51,6 +51,8 @@ from esd_worker.fetch.resolve import ResolvedModel, resolve_model
 log = logging.getLogger(__name__)
 
 ADAPTER_RELATIONS = frozenset({"adapter", "lora", "peft"})
+# progress(layers done so far, the model's bytes on disk or None: unchanged)
+Progress = Callable[[int, "int | None"], None]
 
 
 def select_device(requested: str) -> torch.device:
@@ -267,10 +269,11 @@ class _Analysis:
                 continue  # a status row, the adapter's own copy, or no device work
             self._check_fits(spec.name, spec.shape, spec.layer_type, stored, device)
 
-    def run(self) -> None:
+    def run(self, progress: Callable[[int], None] | None = None) -> None:
         self.check_memory()
         self.streams = Streams(self.layer_map.layers, self.devices, fetch=self._fetch,
-                               analyse=self.analyse_layer, label=self.model.ref)
+                               analyse=self.analyse_layer, label=self.model.ref,
+                               progress=progress)
         results = self.streams.run()
         self.wait_s = self.streams.wait_s
         for spec, result in zip(self.layer_map.layers, results, strict=True):
@@ -286,14 +289,18 @@ def analyse_model(
     store: Store | None = None,
     model_key: str | None = None,
     resolve: Callable[[str], ResolvedModel] = resolve_model,
+    progress: Progress | None = None,
 ) -> Marker:
     """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
 
     resolve: how model references (the model, an adapter's base) become local files; a
-    caller that has downloaded them already hands in its own. Returns the marker written
-    (result.json).
+    caller that has downloaded them already hands in its own. progress: called as
+    progress(layers done, bytes on disk) once the files are there (0 layers; the model's
+    bytes with its base's) and after each layer (bytes None: unchanged): a long-lived
+    worker's heartbeat. Returns the marker written (result.json).
     """
-    return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve)
+    return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve,
+                              progress=progress)
 
 
 def analyse_model_with(
@@ -305,6 +312,7 @@ def analyse_model_with(
     speculate: str = "auto",
     devices: Sequence[torch.device] | None = None,
     capacity: Capacity = device_capacity,
+    progress: Progress | None = None,
 ) -> Marker:
     """analyse_model, with the speculation switch (esd_worker.analysis.speculate): auto decides by
     the
@@ -342,6 +350,8 @@ def analyse_model_with(
         adapter = LoraAdapter(model.directory)
         base = _resolve_base(settings, adapter, resolve)
     weights_model = base or model
+    if progress is not None:
+        progress(0, sum(_on_disk(m) for m in (model, base) if m is not None))
     t_resolve = time.perf_counter()
 
     from esd_worker.analysis.weights import Checkpoint
@@ -377,7 +387,7 @@ def analyse_model_with(
             capacity=capacity, stored_dtype=lambda name: float_dtype(ckpt.dtype(name)),
         )
         try:
-            job.run()
+            job.run(None if progress is None else lambda done: progress(done, None))
         except torch.cuda.OutOfMemoryError as e:
             raise GpuOutOfMemoryError(
                 f"out of GPU memory analysing {settings.model}: {_first_line(e)}"
@@ -465,6 +475,14 @@ def _resolve_base(
             f"adapter base {ref} (from adapter_config.json) could not be resolved: {e}; "
             + (f"{folder}, or " if folder else "") + "pass --base-model"
         ) from e
+
+
+def _on_disk(model: ResolvedModel) -> int:
+    """The model's bytes: as sized for the download, else its folder's files (the weights
+    and configs sit at its top)."""
+    if model.size_bytes is not None:
+        return model.size_bytes
+    return sum(p.stat().st_size for p in model.directory.iterdir() if p.is_file())
 
 
 def _first_line(e: BaseException) -> str:

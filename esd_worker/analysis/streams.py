@@ -33,7 +33,7 @@ import torch
 
 from esd_worker.analysis.layers import CONV2D, LayerSpec
 from esd_worker.analysis.spectra import work_dtype
-from esd_worker.core.errors import GpuOutOfMemoryError, UsageError
+from esd_worker.core.errors import DeviceError, GpuOutOfMemoryError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def choose_devices(
     when not, the CPU when asked for or when CUDA is not there (auto). Pure: the caller says
     what torch sees (tests give any count)."""
     if requested == "cuda" and not available:
-        raise UsageError("--device cuda asked for, but CUDA is not available (CPU-only torch?)")
+        # The node's fault, not the command's: the same command runs where the GPU works.
+        raise DeviceError("--device cuda asked for, but CUDA is not available (no GPU, a "
+                          "driver mismatch, or a CPU-only torch)")
     if requested == "cpu" or not available or count < 1:
         return [torch.device("cpu")]
     return [torch.device(f"cuda:{i}") for i in range(count if parallel else 1)]
@@ -192,6 +194,7 @@ class Streams(Generic[T]):
         analyse: Callable[[LayerSpec, torch.Tensor, torch.device], T],
         label: str = "",
         prefetch: int = PREFETCH,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("Streams needs at least one device")
@@ -201,6 +204,7 @@ class Streams(Generic[T]):
         self._analyse = analyse
         self._label = label
         self._prefetch = max(1, prefetch)
+        self._progress = progress  # told the layers done so far after each (a heartbeat)
         self._threads = torch.get_num_threads()
         self._lock = threading.Lock()
         self._next = 0
@@ -317,3 +321,5 @@ class Streams(Generic[T]):
             self.layers_per_stream[stream] += 1
         if done % max(1, total // 10) == 0 or done == total:
             log.info("layers %d/%d analysed (%s)", done, total, self._layers[i].name)
+        if self._progress is not None:
+            self._progress(done)

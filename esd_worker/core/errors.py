@@ -94,15 +94,46 @@ class Terminated(BaseException):
     """
 
 
+# What torch, the CUDA runtime and the driver say when the GPU, not the model, failed: the
+# context is poisoned (every later CUDA call fails) or the GPU is gone (Xid-class faults:
+# ECC, fallen off the bus; NVML). Matched in RuntimeError texts, since torch raises these as
+# plain RuntimeError.
+DEVICE_FAULT_TEXTS = (
+    "cuda error", "cublas_status", "cusolver_status", "cuda runtime error",
+    "uncorrectable ecc error", "unspecified launch failure", "illegal memory access",
+    "gpu is lost", "busy or unavailable", "no cuda gpus are available",
+    "no cuda-capable device", "found no nvidia driver", "nvml",
+)
+# ... unless the text says the GPU was full: that is the model's size (GpuOutOfMemoryError).
+OUT_OF_MEMORY_TEXTS = ("out of memory", "alloc_failed")
+
+
+def device_fault(error: BaseException) -> bool:
+    """Whether `error` is the device's (or its node's) fault, never the model's: a
+    DeviceError, or a RuntimeError from torch whose text is one of DEVICE_FAULT_TEXTS and
+    not an out-of-memory. The one classification: the batch (no record against the model,
+    exit EXIT_DEVICE) and exit_code_for use it."""
+    if isinstance(error, DeviceError):
+        return True
+    if isinstance(error, WorkerError) or not isinstance(error, RuntimeError):
+        return False
+    text = str(error).lower()
+    return (any(t in text for t in DEVICE_FAULT_TEXTS)
+            and not any(t in text for t in OUT_OF_MEMORY_TEXTS))
+
+
 def exit_code_for(error: BaseException) -> int:
     """The worker's exit code for the error that ended it: the one table on this side.
 
-    Its own errors carry theirs. An interrupt (Ctrl+C; SIGTERM as Terminated) or host
-    memory running out is transient (4): another attempt, maybe elsewhere, may succeed.
+    Its own errors carry theirs; a device fault (device_fault) is EXIT_DEVICE. An interrupt
+    (Ctrl+C; SIGTERM as Terminated) or host memory running out is transient (4): another
+    attempt, maybe elsewhere, may succeed.
     Anything else is a bug in the worker: 3, not retried (it would fail the same way).
     """
     if isinstance(error, WorkerError):
         return error.exit_code
+    if device_fault(error):
+        return EXIT_DEVICE
     if isinstance(error, KeyboardInterrupt | Terminated | MemoryError):
         return EXIT_TRANSIENT
     return WorkerError.exit_code
@@ -172,6 +203,8 @@ def failure_message(error: BaseException, model: str) -> str:
         text = "interrupted; no result written"
     elif isinstance(error, MemoryError):
         text = "out of host memory; retry on a larger machine"
+    elif device_fault(error):
+        text = f"the GPU failed analysing {model} (not the model's fault): {error}"
     else:  # a bug in the worker, not a model problem (the caller logs the traceback)
         text = (f"internal error analysing {model}: {type(error).__name__}: {error} "
                 "(a bug: see the traceback above)")

@@ -39,7 +39,9 @@ class ResolvedModel:
     """A model's files on local disk and where they came from.
 
     ref: as given; model_id / revision: parsed from it (revision None when not given);
-    resolved_revision: the commit the files are from (None for local directories).
+    resolved_revision: the commit the files are from (None for local directories);
+    size_bytes: the bytes of the files fetched (None when nothing was sized: a local
+    directory, the offline cache).
     """
 
     ref: str
@@ -48,6 +50,7 @@ class ResolvedModel:
     resolved_revision: str | None
     directory: Path
     source: str  # "local" or "hub"
+    size_bytes: int | None = None
 
     @property
     def is_adapter(self) -> bool:
@@ -105,7 +108,8 @@ def resolve_model(
              ", ".join(files.names), files.total_bytes)
     directory = download_files(model_id, files.sha, files.names, ref=revision,
                                cache_dir=cache_dir, policy=policy)
-    return ResolvedModel(ref, model_id, revision, files.sha, directory, "hub")
+    return ResolvedModel(ref, model_id, revision, files.sha, directory, "hub",
+                         files.total_bytes)
 
 
 def model_files(

@@ -1,12 +1,14 @@
 """Many models in one worker process: each model's outcome in the store, one bad model never
-stops the others.
+stops the others, and a broken device is charged to no model.
 
 Owns the per-model loop of a long-lived worker: skip what is done, the attempt note that
 finds a model which crashed a predecessor ("poison model"), analysis, the failure record a
-failed model gets (the controller's schema: esd_worker.core.store.records), and one protocol result
-per
-model (esd_worker.core.protocol). Does not parse flags (esd_worker.cli), read requests
-(esd_worker.requests) or download ahead (esd_worker.serve.prefetch).
+failed model gets (the controller's schema: esd_worker.core.store.records), one protocol
+result per model and its progress heartbeats (esd_worker.core.protocol), and the stop on a
+device fault (esd_worker.core.errors.device_fault: no record, exit 6, run elsewhere). Does
+not parse flags (esd_worker.cli), read requests (esd_worker.serve.inbox), download ahead
+(esd_worker.serve.prefetch) nor check the device before the first model
+(esd_worker.serve.runner).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import os
 import platform
 import re
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, TextIO
 
@@ -27,6 +30,8 @@ from esd_worker.core.command.settings import WorkerSettings
 from esd_worker.core.echo import echo
 from esd_worker.core.errors import (
     ERROR_PREFIX,
+    EXIT_DEVICE,
+    EXIT_GPU_OOM,
     EXIT_OK,
     EXIT_TRANSIENT,
     EXIT_USAGE,
@@ -34,6 +39,7 @@ from esd_worker.core.errors import (
     Terminated,
     WorkerError,
     classify_exit,
+    device_fault,
     exit_code_for,
     failure_message,
 )
@@ -47,6 +53,7 @@ from esd_worker.core.protocol import (
     begin_line,
     end_line,
     event_line,
+    progress_line,
 )
 from esd_worker.core.redact import redact
 from esd_worker.core.store.layout import attempt_key, check_files, read_marker
@@ -64,6 +71,7 @@ log = logging.getLogger("esd_worker")
 
 TAIL_LINES = 20
 _CAUSE = re.compile(r"[A-Z][A-Za-z]{0,63}: \S")  # an attempt note's last_error
+BEAT_INTERVAL_S = 0.5  # at most two progress lines a second (thousands of tiny layers)
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,8 @@ class ModelLog(logging.Handler):
 
 @dataclass
 class Tally:
-    """Outcomes so far; `exit_code` is the batch's: 0 all done or skipped, 4 some failure a
-    retry may fix, 3 only permanent failures."""
+    """Outcomes so far; `exit_code` is theirs (Batch.exit_code adds the stops): 0 all done
+    or skipped, 4 some failure a retry may fix, 3 only permanent failures."""
 
     done: int = 0
     failed: int = 0
@@ -127,23 +135,81 @@ class Tally:
         return 3 if self.failed else EXIT_OK
 
 
+class Heartbeat:
+    """The progress lines of the model in progress (esd_worker.core.protocol.progress_line):
+    layers done so far and its bytes on disk, so that a watch (esd_worker.core.watchdog)
+    tells a hung model from a slow one.
+
+    Called from the analysis' stream threads and the prefetcher, hence the lock. Throttled
+    to one line per `interval_s`: a model of thousands of tiny layers must not flood the
+    protocol stream; a new size (it raises the model's limit) and the first layer (the
+    analysis is under way) go at once.
+    """
+
+    def __init__(self, emit: Callable[[str], None], *, interval_s: float = BEAT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._emit = emit
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._key: str | None = None
+        self._layers = 0
+        self._size: int | None = None
+        self._sent_at = float("-inf")
+
+    def begin(self, key: str) -> None:
+        with self._lock:
+            self._key, self._layers, self._size = key, 0, None
+            self._sent_at = float("-inf")
+
+    def end(self) -> None:
+        with self._lock:
+            self._key = None  # a late call (a reader thread) says nothing for the next model
+
+    def __call__(self, layers: int = 0, size_bytes: int | None = None) -> None:
+        """`layers` done so far (never goes back); `size_bytes` the model's bytes on disk
+        once known (None: unchanged)."""
+        with self._lock:
+            if self._key is None:
+                return
+            first_layer = self._layers == 0 < layers
+            self._layers = max(self._layers, layers)
+            sized = size_bytes is not None and size_bytes != self._size
+            if sized:
+                self._size = size_bytes
+            now = self._clock()
+            if not (sized or first_layer) and now - self._sent_at < self._interval_s:
+                return
+            self._sent_at = now
+            # Under the lock: lines leave in order, and never after end().
+            self._emit(progress_line(self._key, layers=self._layers, size_bytes=self._size))
+
+
 Analyse = Callable[[WorkerSettings, Store, str], Any]
 
 
 class Batch:
-    """Analyse requests one by one; `emit` gets one protocol line per event (stdout)."""
+    """Analyse requests one by one; `emit` gets one protocol line per event (stdout).
+
+    heartbeat: the model in progress's progress lines (the analysis step and the prefetcher
+    call it; default: one on `emit`). A device fault (esd_worker.core.errors.device_fault)
+    charges no model: the model in progress gets a retryable result with exit code 6 and
+    neither failure record nor attempt note, and the batch stops (`exit_code` 6)."""
 
     def __init__(self, settings: BatchSettings, store: Store, analyse: Analyse,
                  emit: Callable[[str], None], stderr: TextIO | None = None,
-                 finished: Callable[[Request], None] | None = None) -> None:
+                 finished: Callable[[Request], None] | None = None,
+                 heartbeat: Heartbeat | None = None) -> None:
         self.settings = settings
         self.store = store
         self.analyse = analyse
         self.emit = emit
         self.stderr = stderr or sys.stderr
         self.finished = finished  # after each model (the prefetcher evicts what it used)
+        self.heartbeat = heartbeat or Heartbeat(emit)
         self.tally = Tally()
         self.fatal = False  # the process cannot go on (a CUDA context error): exit after this
+        self.device_broken = False  # ... because the device is broken: exit EXIT_DEVICE
         self._params = canonical_parameters(settings.template.analysis.as_dict())
 
     def run(self, requests: Iterator[Request]) -> Tally:
@@ -158,9 +224,18 @@ class Batch:
             self._finished(request)
             if self.fatal:
                 log.error("the worker cannot go on after this error; exiting so that a fresh "
-                          "one takes the next models")
+                          "one%s takes the next models",
+                          " on another node" if self.device_broken else "")
                 break
         return self.tally
+
+    @property
+    def exit_code(self) -> int:
+        """The batch's: 6 the device broke (no model charged), 4 a CUDA error ended the
+        process, else the tally's."""
+        if self.device_broken:
+            return EXIT_DEVICE
+        return EXIT_TRANSIENT if self.fatal else self.tally.exit_code
 
     def _finished(self, request: Request) -> None:
         if self.finished is not None:
@@ -174,9 +249,11 @@ class Batch:
         tail = ModelLog()
         tail.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(tail)
+        self.heartbeat.begin(request.key)
         try:
             result = self._one(request, tail)
         finally:
+            self.heartbeat.end()
             logging.getLogger().removeHandler(tail)
             self.stderr.write(end_line(request.key))
             self.stderr.flush()
@@ -227,9 +304,11 @@ class Batch:
         return Result(key, DONE, EXIT_OK)
 
     def _error(self, request: Request, e: Exception, tail: ModelLog) -> Result:
+        if device_fault(e):
+            return self._device_fault(request, e)
         code = exit_code_for(e)
-        if _fatal_cuda(e):
-            code, self.fatal = EXIT_TRANSIENT, True
+        if _cuda_out_of_memory(e):  # the GPU was full: the model's size, retried with more
+            code, self.fatal = EXIT_GPU_OOM, True
         elif not isinstance(e, (WorkerError, MemoryError)):
             log.error("unexpected error analysing %s", request.model, exc_info=e)
         message = redact(failure_message(e, request.model))  # stderr is a pod's log
@@ -238,6 +317,22 @@ class Batch:
         cls, retryable = classify_exit(code, None)
         return self._failed(request, f"{cls}: {message}", code, retryable, tail,
                             attempts=request.attempt)
+
+    def _device_fault(self, request: Request, e: Exception) -> Result:
+        """The device broke under the model: nothing recorded against it (its attempt note
+        goes: it did not crash the worker, the node did); a retryable result with exit code
+        6 so that whoever runs the worker tries it on another node; the batch stops."""
+        self.fatal = self.device_broken = True
+        error = redact(f"DeviceError: {failure_message(e, request.model)} ({node_label()}): "
+                       "nothing recorded against the model")
+        log.error("model=%s key=%s %s", request.model, request.key, error)
+        self.stderr.write(ERROR_PREFIX + error + "\n")
+        try:
+            self._clear_note(request.key)
+        except Exception as cleared:  # the next worker counts one start too many, no more
+            log.warning("model=%s key=%s attempt note not removed: %s", request.model,
+                        request.key, redact(str(cleared)))
+        return Result(request.key, FAILED, EXIT_DEVICE, error=error, retryable=True)
 
     def _skip_reason(self, key: str) -> str:
         if not self.settings.overwrite:
@@ -318,12 +413,25 @@ class Batch:
         self.store.delete(attempt_key(key))
 
 
-def _fatal_cuda(e: BaseException) -> bool:
-    """A CUDA error after which the process's context is unusable (not an out-of-memory)."""
+def _cuda_out_of_memory(e: BaseException) -> bool:
+    """A CUDA error that says the GPU was full ("CUDA error: out of memory", cuBLAS's
+    ALLOC_FAILED), raised past torch's OutOfMemoryError: the process exits after it, its
+    allocator may not recover (device_fault leaves these to the model)."""
     if isinstance(e, WorkerError) or not isinstance(e, RuntimeError):
         return False
-    text = str(e)
-    return "CUDA error" in text or "CUBLAS_STATUS" in text or "cuda runtime error" in text
+    text = str(e).lower()
+    return ("cuda" in text or "cublas" in text) and (
+        "out of memory" in text or "alloc_failed" in text)
+
+
+def node_label(environ: Mapping[str, str] | None = None) -> str:
+    """Where this worker runs, for the lines that blame a device: the Kubernetes node
+    ($NODE_NAME, which the Job's pod gets through the Downward API) and this host (a pod's
+    name in a pod)."""
+    env = os.environ if environ is None else environ
+    host = platform.node() or "unknown host"
+    node = env.get("NODE_NAME", "").strip()
+    return f"node={node} host={host}" if node and node != host else f"node={host}"
 
 
 def _note_cause(value: object) -> str:
@@ -339,3 +447,5 @@ def _release_gpu_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+

@@ -3,7 +3,8 @@ what the workers downloaded into their own cache once no later model needs it.
 
 Owns the read-ahead of a long-lived worker: which upcoming models to fetch (`depth` of them,
 each sized from the hub's file metadata before a byte is downloaded), the bytes held on disk
-against `budget`, and when a model's repo may go (only with `own_cache`: never the user's HF
+against `budget`, the hard bound `limit` on what one model needs (with its base: both are on
+disk at once), and when a model's repo may go (only with `own_cache`: never the user's HF
 cache). Which folders may be deleted, and sharing one cache between workers, is
 esd_worker.fetch.cachedir's. Does not talk HTTP itself (esd_worker.fetch.resolve) nor decide what
 comes
@@ -15,11 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from esd_worker.core.errors import TransientError
+from esd_worker.core.errors import PermanentModelError, TransientError
 from esd_worker.core.models.naming import is_local_path, split_model_ref
 from esd_worker.core.protocol import Request
 from esd_worker.fetch.cachedir import CacheDir, Hold
@@ -43,6 +45,7 @@ class _Entry:
     ref: str
     model_id: str
     size: int | None  # None while it is being sized
+    adapter: bool = False  # its files hold an adapter_config.json: a base comes with it
     result: Future[ResolvedModel] = field(default_factory=Future)
     hold: Hold | None = None  # its repo's lock in the worker's own cache (own_cache only)
 
@@ -52,17 +55,27 @@ class Prefetcher:
     being fetched is waited for, any other is fetched now.
 
     depth: models fetched ahead of the current one (0: none). budget: bytes on disk for the
-    current model and those ahead; a model that does not fit waits (one that alone exceeds it
-    is fetched when its turn comes). cache_dir: where downloads go (None: the user's HF
-    cache). own_cache: evict a model's repo from cache_dir once no queued model needs it
-    (esd_worker.fetch.cachedir: only repos the workers created, none another worker holds).
+    current model and those ahead; a model that does not fit waits, and none is fetched
+    ahead while the current model's own needs are not known (an adapter's base). limit: the
+    most bytes one model may need with its base (None: no bound); a model beyond it fails
+    with PermanentModelError before a byte of it is downloaded, naming `budget_source`
+    (where the limit comes from: the flag, a shard's class). cache_dir: where downloads go
+    (None: the user's HF cache). own_cache: evict a model's repo from cache_dir once no
+    queued model needs it (esd_worker.fetch.cachedir: only repos the workers created, none
+    another worker holds). sized: told the current model's bytes (with its base) once they
+    are known, before its download (the heartbeat: a long download is not a hang).
     """
 
     def __init__(self, inbox: Inbox, *, depth: int = 1, budget: int | None = None,
-                 cache_dir: Path | None = None, own_cache: bool = False) -> None:
+                 limit: int | None = None, budget_source: str = "--cache-budget",
+                 cache_dir: Path | None = None, own_cache: bool = False,
+                 sized: Callable[[int, int | None], None] | None = None) -> None:
         self.inbox = inbox
         self.depth = depth
         self.budget = budget
+        self.limit = limit
+        self.budget_source = budget_source
+        self.sized = sized
         self.cache_dir = cache_dir
         self._cache = CacheDir(cache_dir) if own_cache and cache_dir is not None else None
         self._entries: dict[str, _Entry] = {}
@@ -97,12 +110,40 @@ class Prefetcher:
         try:
             entry.hold = self._hold(entry.model_id)
             files = model_files(ref, cache_dir=self.cache_dir)
+            need = files.total_bytes + self._current_bytes(ref)
+            self._check_limit(ref, files.total_bytes, need)
+        except PermanentModelError:
+            # Not kept: a base too big for one adapter may fit alone for its own row.
+            with self._lock:
+                self._entries.pop(ref, None)
+            self._let_go(entry, evict=False)
+            raise
         except BaseException as e:
             entry.result.set_exception(e)
             raise
-        entry.size = files.total_bytes
+        entry.size, entry.adapter = files.total_bytes, _is_adapter(files)
+        if self.sized is not None:
+            self.sized(0, need)
         self._download(entry, files)
         return entry.result.result()
+
+    def _current_bytes(self, ref: str) -> int:
+        """Bytes of the other references the model in progress holds (an adapter's, for its
+        base): they are on disk together."""
+        with self._lock:
+            return sum(self._entries[r].size or 0 for r in self._current
+                       if r != ref and r in self._entries)
+
+    def _check_limit(self, ref: str, size: int, need: int) -> None:
+        """PermanentModelError when `need` bytes (ref's `size` and what the model in
+        progress holds besides) exceed the hard bound."""
+        if self.limit is None or need <= self.limit:
+            return
+        with_base = f" ({_gib(size)} for {ref} itself, with its adapter)" if need > size else ""
+        raise PermanentModelError(
+            f"{ref} needs {_gib(need)} on disk{with_base}, more than the download budget of "
+            f"{_gib(self.limit)} ({self.budget_source}): not downloaded; give it more disk "
+            "(a larger --cache-budget, or a class with more ephemeral storage)")
 
     def finished(self, request: Request) -> None:
         """The model is analysed: its downloads go unless a queued model needs them too."""
@@ -156,11 +197,19 @@ class Prefetcher:
                 self._fetch_adapter_base(request)
 
     def _current_unsized(self) -> bool:
+        """The model in progress is not sized yet, or it is an adapter whose base (named by
+        its adapter_config.json) is not: what it needs comes before any read-ahead."""
         current = self.inbox.current
         if current is None or is_local_path(current.model):
             return False
         with self._lock:
-            return current.model not in self._entries
+            entry = self._entries.get(current.model)
+            if entry is None or entry.size is None:
+                return True
+            if current.base_model is not None or not entry.adapter:
+                return False  # a base given in the list is in current.refs: fetched first
+            # Its base is known once the analysis resolves it (it joins _current).
+            return not any(r != current.model for r in self._current)
 
     def _fetch(self, ref: str) -> bool:
         """Fetch ref ahead; False when it must wait for room in the budget."""
@@ -178,13 +227,22 @@ class Prefetcher:
             with self._lock:
                 self._entries[ref] = entry
             return True
+        if self.limit is not None and files.total_bytes > self.limit:
+            entry = _Entry(ref, files.model_id, 0)  # its turn raises this, nothing fetched
+            try:
+                self._check_limit(ref, files.total_bytes, files.total_bytes)
+            except PermanentModelError as e:
+                entry.result.set_exception(e)
+            with self._lock:
+                self._entries.setdefault(ref, entry)
+            return True
         with self._lock:
             sizes = [e.size for e in self._entries.values()]
             held = sum(size or 0 for size in sizes)
             if None in sizes or (self.budget is not None and held
                                  and held + files.total_bytes > self.budget):
                 return False
-            entry = _Entry(ref, files.model_id, files.total_bytes)
+            entry = _Entry(ref, files.model_id, files.total_bytes, _is_adapter(files))
             self._entries[ref] = entry
         log.info("prefetch: %s (%s)", ref, _gib(files.total_bytes))
         try:
@@ -217,6 +275,10 @@ class Prefetcher:
             return
         if isinstance(base, str) and base:
             self._fetch(base)
+
+
+def _is_adapter(files: ModelFiles) -> bool:
+    return "adapter_config.json" in files.names
 
 
 def _gib(size: int) -> str:

@@ -10,21 +10,33 @@ how the controller splits a run into shards.
 
 Exit codes of a batch (the codes themselves are esd_worker.core.errors'):
 
+- every mode: 6 the device is broken (a node fault, never a model's): the device check
+  before the first model failed (with a CUDA device asked for: esd_worker.serve.selfcheck,
+  under a second), or a model met an error that poisons the CUDA context or says the GPU is
+  gone (esd_worker.core.errors.device_fault). Nothing is recorded against any model (that
+  model's result is retryable, exit_code 6, and its attempt note goes); the error line
+  names the node ($NODE_NAME, and this host). Run the work on another node.
 - `--models`, `--serve`: 0 every model done or skipped; 3 some failed permanently (each has
   its failure record); 4 some failure a retry may fix, a stop (SIGTERM, Ctrl+C), or a CUDA
-  error that left the process unusable.
+  out-of-memory error after which the process exits.
 - `--shards` (a contract: the controller's Indexed Job podFailurePolicy maps these):
   0 every model of the shard has its outcome in the store: done, skipped, or failed
     permanently (the failure record is the outcome: where --models exits 3, --shards
     exits 0, so that Kubernetes counts the index complete and does not retry it);
-  4 some model failed in a way a retry may fix (its record says retryable), a fatal CUDA
-    error, or a stop: Kubernetes retries the index (backoffLimitPerIndex) and the next pod
-    skips what is done, and what failed permanently in this run (--run-id: that record is
-    the model's outcome; records of earlier runs are tried again unless --skip-failed);
+  4 some model failed in a way a retry may fix (its record says retryable), a CUDA
+    out-of-memory error, or a stop: Kubernetes retries the index (backoffLimitPerIndex)
+    and the next pod skips what is done, and what failed permanently in this run
+    (--run-id: that record is the model's outcome; records of earlier runs are tried
+    again unless --skip-failed);
   2 the shard cannot run at all: no index (neither --shard-index nor JOB_COMPLETION_INDEX),
     an index that is not a whole number >= 0, the shard missing or not a model list;
   3 (as for any worker) the store is unusable as configured (no bucket, access denied) or a
-    bug outside any model; a store that cannot be reached just now is 4.
+    bug outside any model; a store that cannot be reached just now is 4;
+  6 as in every mode (the pod's node is broken): the index is retried elsewhere.
+
+--cache-budget is a hard bound for one model: a model that does not fit in it with its base
+fails at once (permanently, exit 3), naming its size, the budget, the flag and in a shard the
+resource class, before a byte is downloaded (esd_worker.serve.prefetch).
 
 Under a supervisor (esd_worker.serve.supervisor, the parent of `--models` and `--shards`;
 `--serve` is watched by its controller): the batch runs in its child, and a model that kills
@@ -56,14 +68,14 @@ from esd_worker.core.command.workerparser import SHARD_INDEX_ENV
 from esd_worker.core.errors import (
     EXIT_OK,
     EXIT_PERMANENT,
-    EXIT_TRANSIENT,
+    DeviceError,
     ModelListError,
     UsageError,
 )
 from esd_worker.core.protocol import Request, event_line
 from esd_worker.core.redact import redact
 from esd_worker.core.store.stores import Store
-from esd_worker.serve.batch import Batch, BatchSettings
+from esd_worker.serve.batch import Batch, BatchSettings, Heartbeat, node_label
 from esd_worker.serve.inbox import Inbox, requests_from_list
 
 log = logging.getLogger("esd_worker")
@@ -122,17 +134,23 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         log.info("%d model(s) from %s", len(requests), args.models)
     protocol = _protocol_stream()
 
+    def emit(line: str) -> None:
+        protocol.write(redact(line))  # a result's error may quote a URL or a config value
+        protocol.flush()
+
+    heartbeat = Heartbeat(emit)  # the model in progress: its size, then its layers
+
     from esd_worker.serve.prefetch import Prefetcher  # no torch: downloads start during imports
 
     cache_dir: Path | None = args.cache_dir
+    budget = download_budget(args.cache_budget, cache_dir, shard)
     try:
-        prefetcher = Prefetcher(inbox, depth=args.prefetch,
-                                budget=args.cache_budget or _default_budget(cache_dir),
-                                cache_dir=cache_dir, own_cache=cache_dir is not None)
+        prefetcher = Prefetcher(inbox, depth=args.prefetch, budget=budget.read_ahead,
+                                limit=budget.limit, budget_source=budget.source,
+                                cache_dir=cache_dir, own_cache=cache_dir is not None,
+                                sized=heartbeat)
     except OSError as e:  # the cache folder cannot be made or written
         raise UsageError(f"--cache-dir {cache_dir}: {e.strerror or e}") from e
-    if args.serve:
-        inbox.read_from(sys.stdin)
     from esd_worker.analysis.analyze import analyse_model  # torch: after the store check
     from esd_worker.analysis.layers import warm_up
 
@@ -140,13 +158,18 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
     # killed inside an import at exit can abort the interpreter).
     threading.Thread(target=warm_up, kwargs={"cuda": template.device != "cpu"},
                      name="esd-warm-up").start()
+    if template.device != "cpu":
+        try:
+            check_device(template.device)
+        except DeviceError:
+            prefetcher.close()
+            raise
+    if args.serve:  # after the check: a worker on a broken node answers no request
+        inbox.read_from(sys.stdin)
 
     def analyse(settings: WorkerSettings, target: Store, key: str) -> Any:
-        return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve)
-
-    def emit(line: str) -> None:
-        protocol.write(redact(line))  # a result's error may quote a URL or a config value
-        protocol.flush()
+        return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve,
+                             progress=heartbeat)
 
     batch = Batch(
         # A shard's pod retry must not retry what failed for good in this run: that record is
@@ -154,7 +177,7 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         BatchSettings(template=template, run_id=args.run_id, max_retries=args.max_retries,
                       overwrite=args.overwrite, skip_failed=args.skip_failed,
                       skip_own_failures=shard is not None or resumed),
-        store, analyse, emit, finished=prefetcher.finished,
+        store, analyse, emit, finished=prefetcher.finished, heartbeat=heartbeat,
     )
     emit(event_line("ready", pid=os.getpid()))
     try:
@@ -163,10 +186,32 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         prefetcher.close()
     log.info("batch: %d done, %d failed, %d skipped in %.1fs", tally.done, tally.failed,
              tally.skipped, time.perf_counter() - started)
-    code = EXIT_TRANSIENT if batch.fatal else tally.exit_code
-    if shard is not None and code == EXIT_PERMANENT:
+    return batch_exit_code(batch.exit_code, sharded=shard is not None)
+
+
+def batch_exit_code(code: int, *, sharded: bool) -> int:
+    """The process's exit for the batch's `code`: a shard whose models all have their
+    outcome (3: the permanent ones' records) is complete (0); every other code, 6 (the
+    device) included, is the batch's."""
+    if sharded and code == EXIT_PERMANENT:
         return EXIT_OK  # every model has its outcome in the store: the index is complete
     return code
+
+
+def check_device(requested: str) -> None:
+    """Before the first model: the self-check (esd_worker.serve.selfcheck, under a second)
+    on the device the analysis would use; DeviceError naming the node and the reason when
+    it cannot be used, so that no model is started, let alone charged."""
+    from esd_worker.serve.selfcheck import self_check  # torch
+
+    code, report = self_check(requested)
+    if code != EXIT_OK:
+        raise DeviceError(
+            f"the device check before the first model failed on {node_label()}: "
+            f"{report['error']}; no model was started or recorded (exit 6: run this work on "
+            "another node)")
+    log.info("device check passed on %s (%s) in %.3f s", report["device"],
+             report["device_name"], report["seconds"])
 
 
 def _shard_requests(shard: Shard) -> list[Request]:
@@ -187,13 +232,36 @@ def _protocol_stream() -> Any:
     return stream
 
 
-def _default_budget(cache_dir: Path | None) -> int:
-    """Half the free space where downloads go (the HF cache when no --cache-dir)."""
+@dataclass(frozen=True)
+class DownloadBudget:
+    """Bytes on disk for downloads. read_ahead: the current model and those fetched ahead
+    (0: one model at a time); limit: the most one model (with its base) may need, a hard
+    bound (None: not known); source: where the numbers come from, for the error a model
+    too big for them gets (the flag, and in a shard its resource class)."""
+
+    read_ahead: int
+    limit: int | None
+    source: str
+
+
+def download_budget(flag: int | None, cache_dir: Path | None,
+                    shard: Shard | None = None) -> DownloadBudget:
+    """--cache-budget as read-ahead budget and hard bound (a pod's disk request less its
+    headroom: a model beyond it would get the pod evicted); without it, half the free space
+    where downloads go (the HF cache when no --cache-dir) for the read-ahead and no bound
+    (a model the user has cached already needs no free space)."""
+    # The shard folder's last part is its resource class (esd_worker.core.store.layout's
+    # shard_prefix): the class whose disk the model does not fit.
+    of_class = (f", resource class {shard.folder.rstrip('/').rsplit('/', 1)[-1]}"
+                if shard is not None else "")
+    if flag:
+        return DownloadBudget(flag, flag, f"--cache-budget{of_class}")
     where = cache_dir or Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME")
                               or Path.home() / ".cache" / "huggingface")
     while not where.exists() and where != where.parent:
         where = where.parent
     try:
-        return shutil.disk_usage(where).free // 2
+        free = shutil.disk_usage(where).free
     except OSError:
-        return 0  # unknown: fetch ahead one model at a time whatever its size
+        free = 0  # unknown: fetch ahead one model at a time whatever its size
+    return DownloadBudget(free // 2, None, f"--cache-budget not set{of_class}")

@@ -9,8 +9,9 @@ analyse on the CPU although it was given a GPU (the old scripts' silent fallback
 "cpu" here. Does not judge whether that device is the right one: the controller knows
 which GPU it gave the worker (controller.doctor.doctor).
 
-Exit status: 0 the spectrum matched within TOLERANCE; 2 the device asked for cannot be
-used (--device cuda without CUDA); 3 the numbers are wrong or the device failed.
+Exit status: 0 the spectrum matched within TOLERANCE; 6 the device asked for cannot be
+used (--device cuda without CUDA, a CUDA error: esd_worker.core.errors.device_fault); 3 the
+numbers are wrong.
 """
 
 from __future__ import annotations

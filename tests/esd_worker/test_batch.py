@@ -41,7 +41,7 @@ from esd_worker.core.store.layout import (
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import LocalStore, Store
-from esd_worker.serve.batch import Batch, BatchSettings, Tally, _fatal_cuda
+from esd_worker.serve.batch import Batch, BatchSettings, Tally
 from esd_worker.serve.inbox import Inbox
 
 # -- protocol ---------------------------------------------------------------------------------
@@ -389,32 +389,6 @@ def test_a_stop_ends_the_batch_without_blaming_the_model(tmp_path: Path) -> None
         run_batch(store, analyses, [req("a"), req("b")])
     assert analyses.calls == ["a"]
     assert not store.exists(failure_key("key-a")) and not store.exists(attempt_key("key-a"))
-
-
-def test_a_fatal_cuda_error_ends_the_worker_after_recording_the_model(tmp_path: Path) -> None:
-    store = LocalStore(tmp_path)
-    analyses = Analyses({"a": RuntimeError("CUDA error: an illegal memory access")})
-    stderr = io.StringIO()
-    batch = Batch(BatchSettings(template=TEMPLATE), store, analyses, lambda line: None,
-                  stderr=stderr)
-    tally = batch.run(iter([req("a"), req("b")]))
-    assert batch.fatal and analyses.calls == ["a"] and tally.retryable == 1
-    data = store.get_bytes(failure_key("key-a"))
-    assert data is not None and FailureRecord.from_json(data).retryable
-
-
-@pytest.mark.parametrize(
-    ("error", "fatal"),
-    [
-        (RuntimeError("CUDA error: device-side assert triggered"), True),
-        (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm"), True),
-        (RuntimeError("shape mismatch"), False),
-        (GpuOutOfMemoryError("CUDA error: out of memory"), False),
-        (ValueError("CUDA error"), False),
-    ],
-)
-def test_which_errors_leave_the_cuda_context_unusable(error: BaseException, fatal: bool) -> None:
-    assert _fatal_cuda(error) is fatal
 
 
 @pytest.mark.parametrize(

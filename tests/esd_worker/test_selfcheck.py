@@ -73,9 +73,9 @@ def test_cpu_check_passes_and_reports_what_torch_says() -> None:
 @pytest.mark.skipif(not NO_CUDA, reason="this machine has CUDA")
 def test_cuda_without_cuda_is_refused_not_run_on_the_cpu() -> None:
     """The old scripts' bug was a silent CPU fallback: --device cuda on a CPU-only torch
-    reports no device, the reason, and exits 2 (usage)."""
+    reports no device, the reason, and exits 6 (the device: not usable on this node)."""
     code, report = self_check("cuda")
-    assert code == 2
+    assert code == 6
     assert report["ok"] is False
     assert report["device"] is None
     assert "CUDA is not available" in report["error"]

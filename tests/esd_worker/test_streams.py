@@ -33,9 +33,9 @@ from esd_worker.analysis.streams import (
 )
 from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings
 from esd_worker.core.errors import (
+    DeviceError,
     GpuOutOfMemoryError,
     PermanentModelError,
-    UsageError,
     exit_code_for,
     failure_message,
 )
@@ -275,8 +275,8 @@ def test_choose_devices(requested: str, parallel: bool, available: bool, count: 
     assert [str(d) for d in got] == expected
 
 
-def test_cuda_without_cuda_is_a_usage_error() -> None:
-    with pytest.raises(UsageError, match="CUDA is not available"):
+def test_cuda_without_cuda_is_a_device_error() -> None:
+    with pytest.raises(DeviceError, match="CUDA is not available"):
         choose_devices("cuda", True, available=False, count=0)
 
 

@@ -25,7 +25,9 @@ from tests.support.s3server import S3Server, serve_s3
 
 
 def events(stdout: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    """The worker's events but its heartbeats (`progress`: tests/esd_worker/test_heartbeat)."""
+    return [e for e in map(json.loads, filter(str.strip, stdout.splitlines()))
+            if e["event"] != "progress"]
 
 
 def results(stdout: str) -> dict[str, dict[str, Any]]:
@@ -111,11 +113,14 @@ class Served:
         self.proc.stdin.flush()
 
     def next_event(self) -> dict[str, Any]:
+        """The next event but heartbeats (`progress`)."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, "the worker closed its output"
-        doc: dict[str, Any] = json.loads(line)
-        return doc
+        while True:
+            line = self.proc.stdout.readline()
+            assert line, "the worker closed its output"
+            doc: dict[str, Any] = json.loads(line)
+            if doc["event"] != "progress":
+                return doc
 
 
 def test_serve_answers_each_request_and_frames_each_models_log(

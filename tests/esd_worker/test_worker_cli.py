@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from esd_worker import cli
-from esd_worker.core.errors import EXIT_PERMANENT, EXIT_USAGE
+from esd_worker.core.errors import EXIT_DEVICE, EXIT_PERMANENT, EXIT_USAGE
 from esd_worker.core.models.naming import model_key
 from tests.support.builders import (
     CliResult,
@@ -92,13 +92,15 @@ def test_bad_settings(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_gpu_is_a_usage_error(
+def test_cuda_without_gpu_is_a_device_error(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """Not the command's fault: the same command runs on a node whose GPU works (exit 6,
+    which whoever ran the worker retries elsewhere)."""
     code = cli.main(["--model", str(tmp_path), "--output", str(tmp_path / "o"),
                      "--device", "cuda"])
     run = CliResult(code, capsys.readouterr().err, tmp_path)
-    assert_one_clear_line(run, EXIT_USAGE, "CUDA is not available")
+    assert_one_clear_line(run, EXIT_DEVICE, "CUDA is not available")
 
 
 # --- permanent model errors (exit 3) -------------------------------------------------------
