@@ -95,3 +95,43 @@ def test_a_shard_with_crashing_hanging_and_leaking_models_finishes_the_rest_in_o
     assert not list((out / "_attempts").glob("*"))
     assert _left_running(str(out)) == []
     assert seconds < 150, f"{seconds:.0f} s"
+
+
+def test_models_under_the_supervisor_skip_what_failed_for_good_after_a_restart(
+    tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """`esd-worker --models` is supervised too. A corrupt model fails for good, then a
+    crash-prone one kills the worker (--max-retries 0): the new worker skips the corrupt one
+    (its record of this run is its outcome: not analysed twice), records the crash-prone one
+    as poison with its cause, and analyses the rest; the exit stays --models' 3 (some models
+    failed for good)."""
+    corrupt = tmp_path / "models" / "corrupt"
+    corrupt.mkdir(parents=True)
+    (corrupt / "config.json").write_text('{"model_type": "gpt2"}')
+    (corrupt / "model.safetensors").write_text("not a safetensors file")
+    crash = shutil.copytree(tiny_models[0], tmp_path / "models" / "crash-sigkill-9")
+    listed = write_model_list(tmp_path / "models.csv", [
+        (str(p), "", "") for p in (corrupt, crash, tiny_models[1])])
+    out = tmp_path / "results"
+    env = os.environ | ENV | {
+        "PYTHONPATH": os.pathsep.join([str(INJECTOR), str(REPO_ROOT),
+                                       os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "esd_worker.cli", "--models", str(listed), "--output-dir",
+         str(out), "--device", "cpu", "--max-retries", "0", "--run-id", "run-29"],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
+    assert run.returncode == 3, run.stderr[-3000:]
+    results: dict[str, list[str]] = {}
+    for line in run.stdout.splitlines():
+        event = json.loads(line)
+        if event["event"] == "result":
+            results.setdefault(event["key"], []).append(event["status"])
+    keys = [model_key(str(p)) for p in (corrupt, crash, tiny_models[1])]
+    assert results[keys[0]] == ["failed", "skipped"]
+    assert results[keys[1]] == ["failed"]  # poison: by the second worker, not started
+    assert results[keys[2]] == ["done"]
+    data = LocalStore(out).get_bytes(failure_key(keys[1]))
+    assert data is not None
+    assert FailureRecord.from_json(data).error.startswith(
+        "WorkerCrashed: killed by SIGKILL while analysing ")
+    assert _left_running(str(out)) == []
