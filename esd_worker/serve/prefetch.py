@@ -96,6 +96,9 @@ class Prefetcher:
             self._current.add(ref)
             entry = self._entries.get(ref)
         if entry is not None:
+            if self.sized is not None and entry.size and not entry.result.done():
+                # Still downloading ahead: its size now, not after the rest of the download.
+                self.sized(0, entry.size + self._current_bytes(ref))
             try:
                 return entry.result.result()
             except TransientError as e:  # it may have been the network then: try again now

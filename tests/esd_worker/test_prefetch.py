@@ -253,6 +253,8 @@ def test_the_read_ahead_waits_for_the_current_adapters_base(
                  "--cache-budget", str(budget), stderr=log)
     assert [e["status"] for e in results(events).values()] == ["done"] * 3
     adapter_key = results(events)["base-lora"]["key"]
+    beats = [e["bytes"] for _, e in events if e["event"] == "progress" and e["key"] == adapter_key]
+    assert max(beats) == fetched_bytes(adapter_dir) + fetched_bytes(llama_dir)  # on disk together
     adapter_end = next(i for i, line in enumerate(log)
                        if line.startswith(MODEL_END) and adapter_key in line)
     downloaded = next(i for i, line in enumerate(log)
