@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -134,4 +135,37 @@ def test_models_under_the_supervisor_skip_what_failed_for_good_after_a_restart(
     assert data is not None
     assert FailureRecord.from_json(data).error.startswith(
         "WorkerCrashed: killed by SIGKILL while analysing ")
+    assert _left_running(str(out)) == []
+
+
+def test_a_stopped_pod_passes_the_stop_to_its_worker_and_charges_no_model(
+    tiny_models: list[Path], tmp_path: Path
+) -> None:
+    """SIGTERM to the pod's process (Kubernetes stops PID 1 only) while a model runs: the
+    supervisor passes it to its worker, whose stop clears the model's attempt note (a stop is
+    not the model's fault), and exits 4 at once; no failure record, no process left."""
+    hang = shutil.copytree(tiny_models[0], tmp_path / "models" / "hang-1")
+    folder = tmp_path / "shards" / "cpu"
+    folder.mkdir(parents=True)
+    write_model_list(folder / "0.csv", [(str(hang), "", "")])
+    out = tmp_path / "results"
+    note = out / "_attempts" / f"{model_key(str(hang))}.json"
+    env = os.environ | ENV | {
+        "PYTHONPATH": os.pathsep.join([str(INJECTOR), str(REPO_ROOT),
+                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "esd_worker.cli", "--shards", str(folder), "--shard-index", "0",
+         "--output-dir", str(out), "--device", "cpu", "--run-id", "run-29"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    deadline = time.monotonic() + 120
+    while not note.exists():
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.5)  # inside the analysis, hanging
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 4, stderr[-3000:]
+    assert not note.exists()
+    assert not (out / "_failures").exists() or not list((out / "_failures").iterdir())
     assert _left_running(str(out)) == []
