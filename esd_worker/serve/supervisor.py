@@ -250,6 +250,7 @@ class Supervisor:
         # with it, so that no process outlives it.
         _kill_group(proc.pid, signal.SIGKILL)
         proc.wait()
+        _reap_orphans()
         if not eof:
             pending, _ = self._read(fd, pending, watch, child, until_eof=True)
         proc.stdout.close()
@@ -403,6 +404,16 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _reap_orphans() -> None:
+    """As a container's PID 1, reap what the dead child left (its processes are ours then):
+    zombies must not pile up over restarts. Elsewhere they are someone else's to reap."""
+    if os.getpid() != 1:
+        return
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
 
 
 def _exited(pid: int) -> bool:
