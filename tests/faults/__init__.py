@@ -13,6 +13,9 @@ HTTP where the store is S3); the README's "Reliability" section lists the same g
                      `run` see what a listing shows (missing, other size), the report what a
                      hash shows (same size, other bytes), one line each, never a traceback.
 - test_concurrent.py two sweeps on one output: one runs, the other is told who holds it.
+- test_shard_pod.py  a shard pod's worker crashed, hung and out of memory under bad models
+                     (esd-worker --shards, --models under their supervisor): those models
+                     are recorded with their cause, the rest of the shard done in one run.
 
 Faults covered closer to their code, not repeated here: a worker SIGKILLed (the OOM killer)
 and poison models (tests/controller/test_sweep.py, tests/esd_worker/test_worker_batch.py), S3
