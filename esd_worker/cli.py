@@ -107,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # batch runs in a watched child (--serve is watched by its controller).
                 return supervise(args, sys.argv[1:] if argv is None else list(argv), store,
                                  shard.url if shard is not None else None)
-            return run_batch(args, settings, store, shard, resumed=child > 1)
+            return run_batch(args, settings, store, shard, resumed=child > 1,
+                             supervised=child > 0)
         from esd_worker.analysis.analyze import analyse_model
 
         analyse_model(settings, store=store, model_key=args.model_key)

@@ -85,6 +85,10 @@ class BatchSettings:
     skip models with a permanent failure record. skip_own_failures: skip models with a
     permanent failure record of this run (a shard's pod retry: that record is the model's
     outcome, while records of earlier runs are tried again, as `esd-sweep run` does).
+    fatal_is_crash: a supervised child (esd_worker.serve.supervisor): an error after which
+    the process cannot go on ends it as a crash of that model (ProcessPoisoned), so that the
+    model's attempt note charges it and a fresh child goes on with the rest; unsupervised
+    (--serve), the model gets a retryable record and the batch stops.
     """
 
     template: WorkerSettings
@@ -93,6 +97,16 @@ class BatchSettings:
     overwrite: bool = False
     skip_failed: bool = False
     skip_own_failures: bool = False
+    fatal_is_crash: bool = False
+
+
+class ProcessPoisoned(Exception):
+    """A model's error left this process unable to go on (a CUDA out-of-memory past torch's
+    allocator): in a supervised child it ends the process with `exit_code`, no record and no
+    result, the model's attempt note kept, as a crash would: the supervisor charges the
+    model and a fresh child takes the rest, so the model cannot hold up its shard."""
+
+    exit_code = EXIT_GPU_OOM
 
 
 class ModelLog(logging.Handler):
@@ -314,6 +328,8 @@ class Batch:
         message = redact(failure_message(e, request.model))  # stderr is a pod's log
         self.stderr.write(ERROR_PREFIX + message + "\n")
         tail.lines.append(ERROR_PREFIX + message)
+        if self.fatal and self.settings.fatal_is_crash:
+            raise ProcessPoisoned(message) from e
         cls, retryable = classify_exit(code, None)
         return self._failed(request, f"{cls}: {message}", code, retryable, tail,
                             attempts=request.attempt)

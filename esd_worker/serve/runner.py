@@ -75,7 +75,7 @@ from esd_worker.core.errors import (
 from esd_worker.core.protocol import Request, event_line
 from esd_worker.core.redact import redact
 from esd_worker.core.store.stores import Store
-from esd_worker.serve.batch import Batch, BatchSettings, Heartbeat, node_label
+from esd_worker.serve.batch import Batch, BatchSettings, Heartbeat, ProcessPoisoned, node_label
 from esd_worker.serve.inbox import Inbox, requests_from_list
 
 log = logging.getLogger("esd_worker")
@@ -114,11 +114,13 @@ def locate_shard(folder: str, index: str | None,
 
 
 def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
-              shard: Shard | None = None, *, resumed: bool = False) -> int:
+              shard: Shard | None = None, *, resumed: bool = False,
+              supervised: bool = False) -> int:
     """Analyse every model of --models or of `shard` (--shards), or of the requests on stdin
     with --serve; the exit code as the module docstring says. resumed: a supervised child
     after the first (esd_worker.serve.supervisor), which skips what failed for good in this
-    run as a shard's pod retry does."""
+    run as a shard's pod retry does; supervised: any supervised child, where an error the
+    process cannot go on after ends it as that model's crash (batch.ProcessPoisoned)."""
     if args.max_retries < 0:  # --prefetch is checked by its flag (flags.PREFETCH_COUNT)
         raise UsageError("--max-retries must be >= 0")
     started = time.perf_counter()
@@ -176,12 +178,17 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
         # the model's outcome. A later run tries it again, as `esd-sweep run` does.
         BatchSettings(template=template, run_id=args.run_id, max_retries=args.max_retries,
                       overwrite=args.overwrite, skip_failed=args.skip_failed,
-                      skip_own_failures=shard is not None or resumed),
+                      skip_own_failures=shard is not None or resumed,
+                      fatal_is_crash=supervised),
         store, analyse, emit, finished=prefetcher.finished, heartbeat=heartbeat,
     )
     emit(event_line("ready", pid=os.getpid()))
     try:
         tally = batch.run(iter(inbox))
+    except ProcessPoisoned as e:  # the supervisor charges the model in progress
+        log.error("the worker cannot go on after this model's error: exiting %d so that a "
+                  "fresh one takes the next models", e.exit_code)
+        return e.exit_code
     finally:
         prefetcher.close()
     log.info("batch: %d done, %d failed, %d skipped in %.1fs", tally.done, tally.failed,

@@ -17,7 +17,9 @@ Exit codes (esd_worker.serve.runner's contract, and):
 - a child that crashes (a signal, or an exit other than 0, 2, 3, 4, 6) with a model in
   progress, or is killed here for that model: the model is charged, a new child goes on
   (the cause: ModelTimeout, HostOutOfMemory past --memory-limit or when the cgroup counts
-  the SIGKILL as the kernel's OOM kill, else WorkerCrashed and the signal);
+  the SIGKILL as the kernel's OOM kill, GpuOutOfMemoryError for the batch's exit 5 after a
+  CUDA out-of-memory it cannot go on from (esd_worker.serve.batch.ProcessPoisoned), else
+  WorkerCrashed and the signal or code);
 - a child that exits 2 (usage), 3 (store unusable; --models: some models failed for good),
   6 (device fault), or dies with no model in progress: that code at once (128+N for signal
   N): a fault of the pod or its node, which Kubernetes counts;
@@ -51,10 +53,12 @@ from typing import Any, BinaryIO
 
 from esd_worker.core.errors import (
     EXIT_DEVICE,
+    EXIT_MEANINGS,
     EXIT_OK,
     EXIT_PERMANENT,
     EXIT_TRANSIENT,
     EXIT_USAGE,
+    classify_exit,
     signal_name,
 )
 from esd_worker.core.models.modellist import read_model_list
@@ -362,6 +366,11 @@ class Supervisor:
 
 def crash_cause(model: str, *, signum: int | None = None, code: int | None = None) -> str:
     """The cause of a child that died under `model`: by signal `signum`, or exit `code`."""
+    if signum is None and code is not None:
+        cls, _ = classify_exit(code, None)
+        if cls in EXIT_MEANINGS and cls != WORKER_CRASHED:  # a batch's own "cannot go on"
+            return (f"{cls}: the worker exited {code} ({EXIT_MEANINGS[cls]}; its process "
+                    f"could not go on) while analysing {model}")
     how = (f"killed by {signal_name(signum)}" if signum is not None
            else f"exited with code {code}")
     return f"{WORKER_CRASHED}: {how} while analysing {model}"

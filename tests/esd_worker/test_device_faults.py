@@ -36,7 +36,7 @@ from esd_worker.core.errors import (
 from esd_worker.core.protocol import Request, parse_event, result_from
 from esd_worker.core.store.layout import attempt_key, failure_key
 from esd_worker.core.store.stores import LocalStore, Store
-from esd_worker.serve.batch import Batch, BatchSettings
+from esd_worker.serve.batch import Batch, BatchSettings, ProcessPoisoned
 from esd_worker.serve.runner import batch_exit_code
 from tests.support import REPO_ROOT
 from tests.support.builders import worker_command
@@ -171,6 +171,25 @@ def test_a_cuda_out_of_memory_error_text_is_still_the_models(tmp_path: Path) -> 
     tally = batch.run(iter([Request("key-a", "a"), Request("key-b", "b")]))
     assert batch.fatal and tally.failed == 1 and store.exists(failure_key("key-a"))
     assert batch.exit_code == EXIT_TRANSIENT
+
+
+def test_in_a_supervised_child_a_cuda_out_of_memory_ends_it_as_the_models_crash(
+    tmp_path: Path,
+) -> None:
+    """The same error in a supervised child: no record and no result, the model's attempt
+    note kept (it charges the model, the supervisor starts a fresh child), so the model cannot
+    stop its shard at itself round after round; the models after it are not started here."""
+    store = LocalStore(tmp_path)
+    lines: list[str] = []
+    analyses = Analyses({"a": RuntimeError("CUDA error: out of memory")})
+    batch = Batch(BatchSettings(template=TEMPLATE, fatal_is_crash=True), store, analyses,
+                  lines.append, stderr=io.StringIO())
+    with pytest.raises(ProcessPoisoned) as raised:
+        batch.run(iter([Request("key-a", "a"), Request("key-b", "b")]))
+    assert raised.value.exit_code == EXIT_GPU_OOM
+    assert not store.exists(failure_key("key-a")) and store.exists(attempt_key("key-a"))
+    assert [parse_event(line)["event"] for line in lines] == ["start"]
+    assert analyses.calls == ["a"]
 
 
 def test_cuda_asked_for_without_cuda_is_a_device_error() -> None:

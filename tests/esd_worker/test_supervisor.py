@@ -62,8 +62,10 @@ def results(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ("sigsegv", "WorkerCrashed: killed by SIGSEGV while analysing org/sigsegv"),
     ("leak", "HostOutOfMemory: the worker passed 0.15 GiB (--memory-limit"),
     ("oom-killed", "HostOutOfMemory: the kernel's OOM killer killed the worker"),
+    ("gpu-oom", "GpuOutOfMemoryError: the worker exited 5 (the GPU ran out of memory; its "
+                "process could not go on) while analysing org/gpu-oom"),
 ], ids=["hangs-without-heartbeats", "sigkill", "sigsegv", "leaks-past-memory-limit",
-        "oom-killed-by-the-kernel"])
+        "oom-killed-by-the-kernel", "gpu-full-past-its-allocator"])
 def test_a_model_that_kills_or_hangs_its_child_is_charged_until_it_is_poison(
     tmp_path: Path, scenario: str, cause: str
 ) -> None:

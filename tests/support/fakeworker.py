@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 SCENARIOS = ("slow", "hang", "sigkill", "sigsegv", "leak", "device", "idle-kill",
-             "transient", "stop", "oom-killed")
+             "transient", "stop", "oom-killed", "gpu-oom")
 
 
 def emit(**event: Any) -> None:
@@ -81,6 +81,8 @@ def main(store: Path, key: str, scenario: str, max_retries: int) -> int:
             hoard.append(bytearray(b"\x01") * (20 << 20))
             time.sleep(0.02)
         time.sleep(3600)
+    elif scenario == "gpu-oom":  # the batch's ProcessPoisoned: no result, the note kept
+        return 5
     elif scenario == "transient":
         clear_note()
         result(key, "failed", 4, "TransientError: the hub said 503", retryable=True)
