@@ -5,13 +5,11 @@ Job fails that index at once (FailIndex) and the controller hands the index to a
 replacement Job whose pods may not land on the bad node (a required node affinity). The
 cluster is tests.support.indexed.IndexedJobSimulator with several nodes, its pods the
 worker's real batch loop (tests.support.shardworker), the controller the real one over
-HTTP (KubeSim), as in test_sharded.py, whose small helpers these tests repeat (no test
-module imports another).
+HTTP (KubeSim), with test_sharded.py's helpers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -19,74 +17,33 @@ import kubernetes_validate
 import pytest
 from ruamel.yaml import YAML
 
-from controller.backends.base import Outcome, Task, WorkerSpec
+from controller.backends.base import WorkerSpec
 from controller.backends.kubernetes.common.client import KubeClient
 from controller.backends.kubernetes.common.names import CLASS_LABEL, sharded_selector
 from controller.backends.kubernetes.common.resources import ResourceClass
-from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
+from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
-from controller.backends.kubernetes.sharded.backend import ShardedBackend
 from controller.backends.kubernetes.sharded.devicefaults import REPLACE_EVERY_S, DeviceFaults
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job
-from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.sharding import ClassShards
 from controller.backends.kubernetes.sharded.status import IndexedRun
-from controller.run.recorder import Recorder
 from esd_worker.core.errors import EXIT_DEVICE
-from esd_worker.core.models.modellist import ModelRow, read_model_list
+from esd_worker.core.models.modellist import read_model_list
 from esd_worker.core.store.layout import list_failure_keys, shard_key, shard_prefix
 from esd_worker.core.store.stores import Store
+from tests.controller.backends.kubernetes.test_sharded import (
+    GB,
+    RUN_A,
+    backend_for,
+    by_status,
+    rows,
+    run,
+)
 from tests.support.cluster import IMAGE, NS
 from tests.support.indexed import Exit, IndexedJobSimulator
 from tests.support.indexed import Outcome as PodOutcome
 from tests.support.kubesim import KubeSim
 from tests.support.shardworker import ShardWorker, shard_url
-
-RUN_A = "20261123T070501Z-aaaaaa"
-GB = 10**9
-
-
-def rows(names: Sequence[str]) -> list[ModelRow]:
-    return [ModelRow(model_id=f"org/{n}", revision=None, relation="", source_model=None,
-                     metadata={"size_bytes": str(GB)}) for n in names]
-
-
-def backend_for(kube: KubeClient, store: Store, *, max_parallel: int,
-                shard_size: int) -> ShardedBackend:
-    """The sharded backend of test_sharded.py's runs: 1 GB models (class gpu-small),
-    --max-retries 2, polled every 20 ms."""
-    settings = ClusterSettings(namespace=NS, image=IMAGE, telemetry=False,
-                               poll_interval_s=0.02, max_parallel=max_parallel,
-                               shard_size=shard_size)
-    spec = WorkerSpec(run_id=RUN_A, store_url=store.url, max_retries=2)
-    job_settings = settings.job_settings(run_id=RUN_A, instance=sweep_instance(store.url),
-                                         gpus_per_job=1, worker=spec.invocation())
-    return ShardedBackend(
-        settings, kube, spec=spec, job_settings=job_settings, store=store,
-        classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB),
-        size=lambda row: int(row.metadata["size_bytes"]), poll_s=0.02)
-
-
-def run(backend: ShardedBackend, models: Sequence[ModelRow],
-        store: Store) -> tuple[list[Outcome], Recorder]:
-    """Every outcome, as on_outcome got it, through the sweep's recorder."""
-    recorder = Recorder(store, backend.spec.run_id)
-    seen: list[Outcome] = []
-
-    def on_outcome(outcome: Outcome) -> None:
-        seen.append(outcome)
-        recorder(outcome)
-
-    backend.run([Task.for_model(r) for r in models], on_outcome)
-    return seen, recorder
-
-
-def by_status(outcomes: Sequence[Outcome]) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {"done": set(), "failed": set()}
-    for o in outcomes:
-        out[o.status].add(o.task.label)
-    return out
-
 
 NODES = [f"gpu-node-{i}" for i in range(8)]
 BROKEN = "gpu-node-3"
