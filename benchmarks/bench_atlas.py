@@ -14,10 +14,13 @@ Phases (each in a fresh process, so that peak RSS is the phase's own):
 - `run`: the whole ShardedBackend.run against a simulated cluster in a CHILD process
   (tests.support.kubesim.KubeSim + tests.support.indexed.IndexedJobSimulator, validation
   off): --gpus GPUs (the pods' parallelism), every pod "analyses" its shard by writing each
-  model's marker into the store (a directory on disk, --store-dir), so the
-  controller's end (one marker listing, an outcome per model) is real. Reported: objects
-  created (from the server's counts), the controller's API requests (KubeClient.requests)
-  and their rate over the run, peak RSS, wall and CPU time.
+  model's marker (with a summary, as a worker's) into the store (a directory on disk,
+  --store-dir), so the controller's end is real: the backend's (one marker listing, an
+  outcome per model), then the sweep's (controller_end: summary.csv from every marker, the
+  run report, the CLI's first rows of summary.csv). Reported: objects created (from the
+  server's counts), the controller's API requests (KubeClient.requests) and their rate
+  over the run (to the backend's return), peak RSS (after the plan, the run, the summary
+  and at the end), wall and CPU time, each end step's time.
 - `s3`: ListPlan.scan of a --s3-rows list against an S3 store (moto's server in a child
   process, over HTTP, real boto3) holding --s3-markers markers, seeded directly into moto's
   backend in the server process (uploading 10^5+ objects over HTTP would take longer than
@@ -138,12 +141,63 @@ def phase_plan(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
 # -- phase run -----------------------------------------------------------------------------
 
 
+def done_marker(row: Any, params: dict[str, Any]) -> Any:
+    """The marker a worker writes for a done model, with a summary of a model of ~300 layers
+    (statistics as full-precision floats, as summary.csv writes them): the controller's end
+    reads these into summary.csv as it would a real sweep's."""
+    from esd_worker.core.store.marker import Marker
+    from esd_worker.core.store.results import SUMMARY_FIELDS
+
+    rng = random.Random(row.key)
+    summary: dict[str, Any] = {"layers": 291, "layers_ok": 288}
+    summary.update({col: rng.uniform(0.1, 9.0) for col in SUMMARY_FIELDS if col not in summary})
+    return Marker(model=row.ref, model_key=row.key, model_id=row.model_id,
+                  revision=row.revision, relation=row.relation, parameters=params,
+                  layer_count=291, status_counts={"ok": 288, "fit_failed": 3},
+                  summary=summary, timings={"total_s": round(rng.uniform(20, 900), 3)},
+                  device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+                  finished_at="2026-11-23T07:05:01+00:00")
+
+
+def controller_end(store: Any, plan: Any, backend: Any, recorder: Any,
+                   started: float) -> dict[str, Any]:
+    """What `esd-sweep run` does once the backend returns (controller.run.sweep): summary.csv
+    from every listed model's marker, the run report, and the CLI's first rows of the
+    summary; each timed, with the peak RSS after the summary."""
+    from controller.results.summary import KnownMarkers, format_summary_table, write_summary
+    from controller.run.runs import run_report, write_run_report
+    from esd_worker.core.command.settings import AnalysisSettings
+
+    params = AnalysisSettings().as_dict()
+    t0 = time.perf_counter()
+    # known: the done markers the plan read; none here (the store was empty at the plan).
+    rows = write_summary(store, plan.rows(), parameters=params, known=KnownMarkers())
+    t1 = time.perf_counter()
+    peak_summary = peak_rss_mib()
+    counts = plan.counts
+    report = run_report(
+        run_id=RUN_ID, started_at="", finished_at="", output=store.url, mode="esd",
+        backend=backend.name, backend_report=backend.report(), parameters=params,
+        counts={"models": counts.models, "bad_rows": counts.bad_rows,
+                "already_done": counts.done, "skipped_failed": counts.skipped_failed},
+        tally=recorder, summary_rows=rows, runtime_s=time.perf_counter() - started,
+        interrupted=False)
+    write_run_report(store, RUN_ID, report)
+    t2 = time.perf_counter()
+    table = format_summary_table(store)
+    t3 = time.perf_counter()
+    return {"summary_rows": rows,
+            "summary_mib": round(store.root.joinpath("summary.csv").stat().st_size / 2**20),
+            "summary_s": round(t1 - t0, 1), "report_s": round(t2 - t1, 1),
+            "table_s": round(t3 - t2, 1), "peak_rss_after_summary_mib": round(peak_summary),
+            "table_last_line": table.splitlines()[-1]}
+
 def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     """The child: KubeSim + IndexedJobSimulator whose pods write their shard's markers."""
     from esd_worker.core.command.settings import AnalysisSettings
     from esd_worker.core.models.modellist import read_model_list
     from esd_worker.core.store.layout import marker_key
-    from esd_worker.core.store.marker import Marker, canonical_parameters
+    from esd_worker.core.store.marker import canonical_parameters
     from esd_worker.core.store.opener import open_store
     from tests.support.indexed import IndexedJobSimulator
     from tests.support.kubesim import KubeSim
@@ -154,8 +208,7 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
 
     def worker(job: dict[str, Any], index: int, attempt: int) -> str:
         for row in read_model_list(f"{shard_url(job)}/{index}.csv").rows:
-            marker = Marker(model=row.ref, model_key=row.key, parameters=params)
-            store.put_bytes(marker_key(row.key), marker.to_json())
+            store.put_bytes(marker_key(row.key), done_marker(row, params).to_json())
         return "succeed"
 
     with KubeSim(validate=False, keep_history=False, event_window=5000) as sim:
@@ -199,6 +252,8 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
     from controller.backends.kubernetes.common.settings import ClusterSettings, sweep_instance
     from controller.backends.kubernetes.sharded.backend import ShardedBackend
     from controller.backends.kubernetes.sharded.plan import default_classes
+    from controller.results import summary  # noqa: F401 (loaded now: the end's code is
+    from controller.run import runs  # noqa: F401     the code as this run started)
     from controller.run.plan import ListPlan
     from controller.run.recorder import Recorder
     from esd_worker.core.command.settings import AnalysisSettings
@@ -240,7 +295,7 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
                 settings, kube, spec=spec, store=store, size=sizes, poll_s=args.poll,
                 job_settings=settings.job_settings(
                     run_id=RUN_ID, instance=sweep_instance(store.url), gpus_per_job=1,
-                    worker_args=spec.flags()),
+                    worker=spec.invocation()),
                 classes=default_classes(device="cuda", gpus_per_job=1, large_bytes=30 * GB))
             planned = time.perf_counter()
             peak_planned = peak_rss_mib()
@@ -248,6 +303,9 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
             _watch(child, stop_file, backend)
             outcomes = backend.run(Work(), recorder)
             requests = kube.requests
+            ran = time.perf_counter()
+            peak_ran = peak_rss_mib()
+            end = controller_end(store, plan, backend, recorder, started)
         wall = time.perf_counter() - started
         cpu = time.process_time() - cpu0
         peak = peak_rss_mib()  # before the clean-up below, which is not the controller's
@@ -266,11 +324,13 @@ def phase_run(args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
         "failed_outcomes_returned": len(outcomes),
         "objects_created_by_controller": created, "server_counts": counts,
         "controller_requests": requests,
-        "requests_per_s": round(requests / wall, 3),
+        "requests_per_s": round(requests / (ran - started), 3),
         "polls": counts.get("list jobs", 0),
         "wall_s": round(wall, 1), "plan_s": round(planned - started, 1),
+        "run_s": round(ran - planned, 1), "end": end,
         "cpu_s": round(cpu, 1), "peak_rss_mib": round(peak),
-        "peak_rss_after_plan_mib": round(peak_planned), "rss_before_mib": round(rss0),
+        "peak_rss_after_plan_mib": round(peak_planned),
+        "peak_rss_after_run_mib": round(peak_ran), "rss_before_mib": round(rss0),
         "jobs": backend.report()["kubernetes"]["jobs"],
     }
 

@@ -1,8 +1,10 @@
 """A set of model keys that a store of millions fits in memory: their 64-bit hashes in one
-sorted array (KeySet), gathered in sorted, de-duplicated chunks (Hashes).
+sorted array (KeySet), gathered in sorted, de-duplicated chunks (Hashes), or growing as a
+stream is read (SeenKeys).
 
-Used by the resume plan (controller.run.plan) and the sharded backend's count of what is done;
-knows nothing of stores or lists, only of hashable keys.
+Used by the resume plan (controller.run.plan), the sharded backend's count of what is done
+and summary.csv's first row of each key; knows nothing of stores or lists, only of hashable
+keys.
 """
 
 from __future__ import annotations
@@ -64,3 +66,34 @@ class Hashes:
         # bisect on an array.array reads C longs straight; on a numpy array each probe
         # would build a numpy scalar (~10 times slower per lookup).
         return array("q", self.unique().tobytes())
+
+
+class SeenKeys:
+    """Keys met so far, to keep the first of each in a stream of millions: 8 bytes a key
+    (one sorted array of hashes, as KeySet, and a set of the last RECENT added, merged into
+    it as it fills), not a set of strings. A false "seen" (two keys with one hash) is as
+    unlikely as KeySet's false "present"."""
+
+    RECENT = 1 << 14  # hashes held in a set (~1 MB) before they go into the sorted array
+
+    def __init__(self) -> None:
+        self._sorted = array("q")
+        self._recent: set[int] = set()
+
+    def add(self, key: object) -> bool:
+        """Note `key`; False when it was met before."""
+        h = hash(key)
+        if h in self._recent:
+            return False
+        i = bisect_left(self._sorted, h)
+        if i < len(self._sorted) and self._sorted[i] == h:
+            return False
+        self._recent.add(h)
+        if len(self._recent) >= self.RECENT:
+            recent = np.sort(np.fromiter(self._recent, dtype=np.int64, count=len(self._recent)))
+            # One pass over the sorted array (np.insert), not a sort of all of it.
+            held = np.frombuffer(self._sorted, dtype=np.int64)
+            merged = np.insert(held, np.searchsorted(held, recent), recent)
+            self._sorted = array("q", merged.tobytes())
+            self._recent = set()
+        return True

@@ -10,20 +10,22 @@ are fetched. Does not own the run report
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
-import io
+import itertools
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from controller.keyset import KeySet, SeenKeys
 from controller.results.reader import ModelResult
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
     SUMMARY_KEY,
-    list_markers,
+    iter_markers,
     model_file_key,
     read_markers,
     summary_key,
@@ -31,6 +33,7 @@ from esd_worker.core.store.layout import (
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.results import (
     SUMMARY_FIELDS,
+    csv_parts,
     layers_from_csv,
     summarize_layers,
     table_to_csv,
@@ -179,6 +182,9 @@ def summary_to_csv(rows: Sequence[Mapping[str, Any]]) -> bytes:
 # Up to this many models to look up, their markers are fetched directly (a missing one is
 # not done); beyond, one listing of the store first says which exist (S3: 1000 keys a request).
 DIRECT_LOOKUPS = 10_000
+# Listed models whose markers are read (concurrently) and turned into rows at a time: what
+# write_summary holds, whatever the list's length (~6 kB a marker, its row, a CSV part).
+CHUNK_MODELS = 1024
 
 
 def write_summary(
@@ -188,66 +194,118 @@ def write_summary(
     threads: int = 16,
     parameters: Mapping[str, Any] | None = None,
     known: KnownMarkers | None = None,
+    direct_lookups: int = DIRECT_LOOKUPS,
+    chunk: int = CHUNK_MODELS,
 ) -> int:
     """Write summary.csv for the done models of `models`, in list order; returns the row count.
 
     A model counts when its marker exists (and, when `parameters` is given, holds those
     parameters). known: markers the caller read and found done (with those parameters),
-    not read again; the others are read concurrently, found by one listing when many.
+    not read again; the others are read concurrently, `chunk` at a time, found by one
+    listing when more than `direct_lookups`. Streams: rows are written as their markers
+    are read (Store.put_parts), so memory does not grow with the list beyond 8 bytes a
+    model (the first row of each key wins: controller.keyset.SeenKeys) and the rows held
+    to decide on the listing (up to `direct_lookups` not in `known`).
     """
     known = KnownMarkers() if known is None else known
-    listed: list[ModelRow] = []
-    seen: set[str] = set()
-    for model in models:  # the first row of a key wins
-        if model.key not in seen:
-            seen.add(model.key)
-            listed.append(model)
-    unknown = [m.key for m in listed if m.key not in known]
-    if len(unknown) > DIRECT_LOOKUPS:
-        present = list_markers(store)
-        unknown = [key for key in unknown if key in present]
-    markers = read_markers(store, unknown, threads=threads)
+    listed = _first_of_each_key(models)
+    head: list[ModelRow] = []
+    unknown = 0
+    for model in listed:  # whether to list the store: count the lookups, up to the limit
+        head.append(model)
+        unknown += model.key not in known
+        if unknown > direct_lookups:
+            break
+    present = KeySet(iter_markers(store)) if unknown > direct_lookups else None
     # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
     expected = None if parameters is None else canonical_parameters(parameters)
-    done: list[tuple[ModelRow, Marker]] = []
-    for model in listed:
-        marker = markers.get(model.key)
-        if marker is not None and (expected is None or marker.parameters == expected):
-            done.append((model, marker))
+    rows = _Rows(store, known, expected, present, threads=threads, chunk=chunk)
+    store.put_parts(summary_key(), csv_parts(
+        SUMMARY_COLUMNS, rows.of(itertools.chain(head, listed)),
+        lambda value, _column: _cell(value)))
+    return rows.count
 
-    def one(item: tuple[ModelRow, Marker]) -> dict[str, Any]:
-        return summary_row(item[0], item[1], store)
 
-    fresh: dict[str, dict[str, Any]] = {}
-    if done:
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(done)))) as pool:
-            fresh = {item[0].key: row for item, row in zip(done, pool.map(one, done),
-                                                          strict=True)}
-    rows = []
-    for model in listed:
-        part = known.get(model.key)
-        if part is not None:
-            rows.append(_with_row(model, part))
-        elif model.key in fresh:
-            rows.append(fresh[model.key])
-    store.put_bytes(summary_key(), summary_to_csv(rows))
-    return len(rows)
+def _first_of_each_key(models: Iterable[ModelRow]) -> Iterator[ModelRow]:
+    seen = SeenKeys()
+    return (model for model in models if seen.add(model.key))
+
+
+class _Rows:
+    """summary.csv's rows of listed models, their markers read a chunk at a time."""
+
+    def __init__(self, store: Store, known: KnownMarkers, expected: Mapping[str, Any] | None,
+                 present: KeySet | None, *, threads: int, chunk: int) -> None:
+        self.store, self.known, self.expected = store, known, expected
+        self.present, self.threads, self.chunk = present, threads, chunk
+        self.count = 0
+
+    def of(self, models: Iterable[ModelRow]) -> Iterator[dict[str, Any]]:
+        models = iter(models)
+        while chunk := list(itertools.islice(models, self.chunk)):
+            for row in self._chunk(chunk):
+                self.count += 1
+                yield row
+
+    def _chunk(self, chunk: Sequence[ModelRow]) -> Iterator[dict[str, Any]]:
+        present = self.present
+        unknown = [m.key for m in chunk if m.key not in self.known
+                   and (present is None or m.key in present)]
+        markers = read_markers(self.store, unknown, threads=self.threads)
+        done: list[tuple[ModelRow, Marker]] = []
+        for model in chunk:
+            marker = markers.get(model.key)
+            if marker is not None and (self.expected is None
+                                       or marker.parameters == self.expected):
+                done.append((model, marker))
+        fresh = dict(zip((m.key for m, _ in done), self._summary_rows(done), strict=True))
+        for model in chunk:
+            part = self.known.get(model.key)
+            if part is not None:
+                yield _with_row(model, part)
+            elif model.key in fresh:
+                yield fresh[model.key]
+
+    def _summary_rows(self, done: Sequence[tuple[ModelRow, Marker]]) -> list[dict[str, Any]]:
+        """summary_row of each; concurrently when some marker has no summary (older markers:
+        their layer table is read from the store)."""
+        if all(marker.summary is not None for _, marker in done):
+            return [summary_row(model, marker, self.store) for model, marker in done]
+        with ThreadPoolExecutor(max_workers=max(1, min(self.threads, len(done)))) as pool:
+            return list(pool.map(lambda item: summary_row(item[0], item[1], self.store), done))
 
 
 def format_summary_table(store: Store, limit: int = 20) -> str:
-    """The first rows of summary.csv as an aligned text table, for people at a terminal."""
-    data = store.get_bytes(SUMMARY_KEY)
-    if not data:
+    """The first rows of summary.csv as an aligned text table, for people at a terminal.
+
+    Reads the file as a stream: its first `limit` rows are kept, the others only counted
+    (a summary of millions of rows is hundreds of MB)."""
+    parts = store.get_parts(SUMMARY_KEY)
+    reader = csv.DictReader(_lines(parts or iter(())))
+    head = list(itertools.islice(reader, limit))
+    if reader.fieldnames is None:
         return f"(no {SUMMARY_KEY} yet)"
-    rows = list(csv.DictReader(io.StringIO(data.decode("utf-8"))))
+    more = sum(1 for _ in reader)
     cols = list(TABLE_COLUMNS)
-    table = [cols] + [[_short(r.get(c, "")) for c in cols] for r in rows[:limit]]
+    table = [cols] + [[_short(r.get(c, "")) for c in cols] for r in head]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
              for line in table]
-    if len(rows) > limit:
-        lines.append(f"... {len(rows) - limit} more in {SUMMARY_KEY}")
+    if more:
+        lines.append(f"... {more} more in {SUMMARY_KEY}")
     return "\n".join(lines)
+
+
+def _lines(parts: Iterable[bytes]) -> Iterator[str]:
+    """The lines (ends kept) of UTF-8 text that comes in parts cut anywhere."""
+    held = ""
+    for text in codecs.iterdecode(parts, "utf-8"):
+        held += text
+        *whole, held = held.split("\n")
+        for line in whole:
+            yield line + "\n"
+    if held:
+        yield held
 
 
 def _short(value: str) -> str:

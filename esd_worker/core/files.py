@@ -16,6 +16,7 @@ import contextlib
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 
 # A temporary name is `.<name>.<random>.tmp` (esd_worker.core.store.stores skips such names when it
 # lists
@@ -90,11 +91,14 @@ def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o600, *,
     return fd
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -> None:
-    """Write `data` to `path` whole: into a temporary file beside it, flushed to disk, then
+def write_atomic(path: str | os.PathLike[str], data: bytes | Iterable[bytes],
+                 mode: int = 0o666) -> None:
+    """Write `data` (bytes, or parts written as they come: a file larger than memory) to
+    `path` whole: into a temporary file beside it, flushed to disk, then
     renamed over `path`, so that a reader finds the old file or the new one, never part of
     one, and a crash leaves at most a `.<name>.<random>.tmp`. OSError when it cannot be
-    written (the temporary file is removed; the folder must exist).
+    written (the temporary file is removed; the folder must exist); an error raised by the
+    parts' iterator removes it too and comes out as it was.
 
     mode is given at creation, so the umask clears bits as for any file a tool creates.
     The temporary name is random and created exclusively, never through a symlink
@@ -120,7 +124,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, mode: int = 0o666) -
         raise FileExistsError(f"no free temporary name beside {os.fspath(path)}")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for part in (data,) if isinstance(data, bytes | bytearray | memoryview) else data:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from esd_worker.core.errors import (
 )
 from esd_worker.core.store.opener import open_store, parse_s3_url
 from esd_worker.core.store.stores import (
+    READ_PART,
     LocalStore,
     Store,
     local_store_error,
@@ -50,6 +51,52 @@ def test_put_get_exists_delete_round_trip(store: LocalStore) -> None:
     store.delete("m/result.json")
     assert not store.exists("m/result.json")
     store.delete("m/result.json")  # a missing key is not an error
+
+
+PARTS = [b"", b"a,b\n", b"\xc3", b"\xa9\n" * 1000, b"", bytes(range(256)) * 5000]
+
+
+def test_parts_round_trip(store: LocalStore) -> None:
+    """put_parts writes the parts joined (empty ones too, a character cut between two);
+    get_parts reads them back in parts of at most READ_PART bytes; None when missing."""
+    assert store.get_parts("summary.csv") is None
+    store.put_parts("summary.csv", iter(PARTS))
+    assert store.get_bytes("summary.csv") == b"".join(PARTS)
+    parts = store.get_parts("summary.csv")
+    assert parts is not None
+    read = list(parts)
+    assert b"".join(read) == b"".join(PARTS)
+    assert max(map(len, read)) <= READ_PART < len(b"".join(PARTS))
+
+
+def test_put_parts_writes_nothing_when_its_parts_fail(store: LocalStore) -> None:
+    """A writer whose rows fail half way (a store read, say) leaves the old value whole and
+    no temporary file: put_parts is as atomic as put_bytes."""
+    store.put_parts("summary.csv", [b"old\n"])
+
+    def failing() -> Iterator[bytes]:
+        yield b"new\n" * 1000
+        raise StoreError("a marker read failed")
+
+    with pytest.raises(StoreError, match="marker read failed"):
+        store.put_parts("summary.csv", failing())
+    assert store.get_bytes("summary.csv") == b"old\n"
+    assert sorted(p.name for p in store.root.iterdir()) == ["summary.csv"]
+
+
+class JoiningStore(LocalStore):
+    """A store with only the abstract methods' behaviour for parts: Store's defaults."""
+
+    put_parts = Store.put_parts
+    get_parts = Store.get_parts
+
+
+def test_parts_default_to_whole_values(tmp_path: Path) -> None:
+    store = JoiningStore(tmp_path / "results")
+    assert store.get_parts("k") is None
+    store.put_parts("k", iter(PARTS))
+    parts = store.get_parts("k")
+    assert parts is not None and list(parts) == [b"".join(PARTS)]
 
 
 def test_put_is_atomic_for_readers(store: LocalStore) -> None:

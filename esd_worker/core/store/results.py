@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,12 +47,28 @@ def table_to_csv(
 ) -> bytes:
     """UTF-8 CSV: a header of `columns`, then one line per row; cell(value, column) writes
     each value (None for a missing one). The one writer of the project's CSV tables."""
+    return b"".join(csv_parts(columns, rows, cell))
+
+
+def csv_parts(
+    columns: Sequence[str],
+    rows: Iterable[Mapping[str, Any]],
+    cell: Callable[[Any, str], str],
+    *,
+    part_chars: int = 2**18,
+) -> Iterator[bytes]:
+    """table_to_csv's bytes in parts of about `part_chars` characters, each made as the rows
+    come: a table of millions of rows is never held (Store.put_parts writes it so)."""
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(columns)
     for row in rows:
         writer.writerow([cell(row.get(col), col) for col in columns])
-    return buf.getvalue().encode("utf-8")
+        if buf.tell() >= part_chars:
+            yield buf.getvalue().encode("utf-8")
+            buf.seek(0)
+            buf.truncate()
+    yield buf.getvalue().encode("utf-8")
 
 
 def layers_to_csv(rows: Iterable[Mapping[str, Any]]) -> bytes:

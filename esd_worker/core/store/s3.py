@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple, NoReturn
@@ -34,7 +34,7 @@ from botocore.utils import parse_timestamp
 
 from esd_worker.core.errors import StoreError, StorePermanentError, WorkerError
 from esd_worker.core.redact import without_userinfo
-from esd_worker.core.store.stores import Store, normalize_key
+from esd_worker.core.store.stores import READ_PART, Store, normalize_key
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,29 @@ def make_client() -> Any:
         raise StorePermanentError(f"cannot set up the S3 client: {type(e).__name__}: {e}") from e
 
 
+class PartsReader:
+    """A file-like reader of an iterable of byte strings, for boto3's upload_fileobj: read(n)
+    returns exactly n bytes until the last read (s3transfer cuts a part at each read, and
+    a part shorter than 5 MiB but the last is refused)."""
+
+    def __init__(self, parts: Iterable[bytes]) -> None:
+        self._parts = iter(parts)
+        self._held = bytearray()
+        self._ended = False
+
+    def read(self, size: int = -1) -> bytes:
+        while not self._ended and (size < 0 or len(self._held) < size):
+            part = next(self._parts, None)
+            if part is None:
+                self._ended = True
+            else:
+                self._held += part
+        size = len(self._held) if size < 0 else size
+        out = bytes(self._held[:size])
+        del self._held[:size]
+        return out
+
+
 class S3Store(Store):
     """Objects under s3://bucket/prefix; each key is `<prefix>/<key>` in the bucket.
 
@@ -180,6 +203,17 @@ class S3Store(Store):
         except _BOTO_ERRORS as e:
             self._fail(e, f"write {name}")
 
+    def put_parts(self, key: str, parts: Iterable[bytes]) -> None:
+        # One managed transfer reading the parts as they come: a PUT below the threshold,
+        # else a multipart upload (atomic when completed) holding at most s3transfer's
+        # max_in_memory_upload_chunks (10) parts of MULTIPART_THRESHOLD bytes: 80 MiB.
+        name = self._object_key(key)
+        try:
+            self._client.upload_fileobj(PartsReader(parts), self.bucket, name,
+                                        Config=self._transfer)
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"write {name}")
+
     def get_bytes(self, key: str) -> bytes | None:
         got = self._get(key)
         return None if got is None else got[0]
@@ -198,6 +232,27 @@ class S3Store(Store):
             self._fail(e, f"read {name}")
         self._bucket_seen = True
         return data, response
+
+    def get_parts(self, key: str) -> Iterator[bytes] | None:
+        name = self._object_key(key)
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=name)["Body"]
+        except ClientError as e:
+            if _error_code(e) == "NoSuchKey":
+                return None
+            self._fail(e, f"read {name}")
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"read {name}")
+        self._bucket_seen = True
+        return self._read_parts(body, name)
+
+    def _read_parts(self, body: Any, name: str) -> Iterator[bytes]:
+        try:
+            yield from body.iter_chunks(READ_PART)
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"read {name}")
+        finally:
+            body.close()
 
     def exists(self, key: str) -> bool:
         name = self._object_key(key)

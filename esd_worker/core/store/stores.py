@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from esd_worker.core.errors import StoreError, StorePathError, WorkerError
 from esd_worker.core.files import write_atomic
@@ -30,6 +31,9 @@ _PERMANENT_ERRNOS = frozenset({
     errno.EEXIST,  # mkdir(exist_ok=True) where a file holds the folder's name
     errno.ENAMETOOLONG, errno.ELOOP,
 })
+
+
+READ_PART = 2**20  # bytes a part of Store.get_parts holds at most
 
 
 def normalize_key(key: str) -> str:
@@ -61,6 +65,19 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
         """The value, or None when the key does not exist."""
+
+    def put_parts(self, key: str, parts: Iterable[bytes]) -> None:
+        """Write the parts joined, as put_bytes does (atomically), holding a bounded share of
+        them at a time where the store can (LocalStore, S3Store): a file of millions of
+        rows is written as it is made. This default joins them first."""
+        self.put_bytes(key, b"".join(parts))
+
+    def get_parts(self, key: str) -> Iterator[bytes] | None:
+        """The value in parts of at most READ_PART bytes where the store can (the start of
+        a large value is read without reading it all), or None when the key does not exist.
+        This default is get_bytes' value in one part."""
+        data = self.get_bytes(key)
+        return None if data is None else iter((data,))
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -122,6 +139,14 @@ class LocalStore(Store):
         except OSError as e:
             raise local_store_error(f"write {path}", e) from e
 
+    def put_parts(self, key: str, parts: Iterable[bytes]) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, parts, 0o666)  # as put_bytes: each part written as it comes
+        except OSError as e:
+            raise local_store_error(f"write {path}", e) from e
+
     def get_bytes(self, key: str) -> bytes | None:
         path = self._path(key)
         try:
@@ -130,6 +155,25 @@ class LocalStore(Store):
             return None
         except OSError as e:
             raise local_store_error(f"read {path}", e) from e
+
+    def get_parts(self, key: str) -> Iterator[bytes] | None:
+        path = self._path(key)
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise local_store_error(f"read {path}", e) from e
+        return self._read_parts(f, path)
+
+    @staticmethod
+    def _read_parts(f: BinaryIO, path: Path) -> Iterator[bytes]:
+        with f:
+            try:
+                while part := f.read(READ_PART):
+                    yield part
+            except OSError as e:
+                raise local_store_error(f"read {path}", e) from e
 
     def exists(self, key: str) -> bool:
         path = self._path(key)

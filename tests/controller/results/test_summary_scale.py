@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 
-from controller.results.summary import KnownMarkers, write_summary
+from controller.results.summary import (
+    CHUNK_MODELS,
+    DIRECT_LOOKUPS,
+    KnownMarkers,
+    write_summary,
+)
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import marker_key, read_marker
@@ -116,17 +121,20 @@ def known_from(store: Store, rows: list[ModelRow], every: int) -> KnownMarkers:
 # --- the same bytes -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("known_every", [0, 3], ids=["all-read", "plan-known"])
+@pytest.mark.parametrize(("known_every", "chunk"), [(0, CHUNK_MODELS), (3, CHUNK_MODELS), (0, 7),
+                                                    (3, 7)],
+                         ids=["all-read", "plan-known", "chunks-of-7", "plan-known-7"])
 def test_summary_csv_bytes_as_the_in_memory_writer_wrote_them(
-        tmp_path: Path, known_every: int) -> None:
+        tmp_path: Path, known_every: int, chunk: int) -> None:
     """300 rows of every kind (done, old markers with and without their table, other
     parameters, corrupt, missing, duplicates): summary.csv is byte for byte the file the
     in-memory writer made of this store, whether the plan's known markers are used or not
-    (they give the same rows by construction)."""
+    (they give the same rows by construction), read in one chunk or in chunks of 7 (a
+    duplicate's first row in another chunk)."""
     store = LocalStore(tmp_path / "results")
     rows = synthetic_store(store, 300)
     known = known_from(store, rows, known_every) if known_every else None
-    count = write_summary(store, iter(rows), parameters=PARAMS, known=known)
+    count = write_summary(store, iter(rows), parameters=PARAMS, known=known, chunk=chunk)
     data = store.get_bytes("summary.csv")
     assert data is not None
     assert data == GOLDEN.read_bytes(), hashlib.sha256(data).hexdigest()
@@ -136,10 +144,13 @@ def test_summary_csv_bytes_as_the_in_memory_writer_wrote_them(
 # --- memory that does not grow with the store -----------------------------------------------
 
 MARKERS = 20_000
-# The streaming writer holds a chunk of markers, its rows and 8 bytes per listed key (the
-# duplicates' check): ~0.2 MB of keys for 20k, a few MB in all. The in-memory writer held
-# every marker and row and the whole CSV: ~90 MB traced for these 20k (kB a marker).
-PEAK_BOUND = 12 * 2**20
+FEW = 5_000
+# The streaming writer holds a chunk of markers (CHUNK_MODELS: ~6 MB parsed), a CSV part and
+# 8 bytes per listed key (the duplicates' check): a few MB whatever the count. The in-memory
+# writer held every marker and row and the whole CSV: 120 MiB traced for these 20k, growing
+# by ~6 kB a marker.
+PEAK_BOUND = 16 * 2**20
+GROWTH_BOUND = 200  # bytes a marker, from FEW to MARKERS
 
 
 def fast_done_store(root: Path, n: int) -> list[ModelRow]:
@@ -160,19 +171,41 @@ def fast_done_store(root: Path, n: int) -> list[ModelRow]:
     return rows
 
 
-def test_write_summary_memory_does_not_grow_with_markers(tmp_path: Path) -> None:
-    """20,000 done models: write_summary's peak traced memory stays under PEAK_BOUND (a
-    few hundred bytes a marker at most), through the listing path that a list of more
-    than DIRECT_LOOKUPS models takes, and summary.csv has every row."""
-    rows = fast_done_store(tmp_path / "results", MARKERS)
-    store = LocalStore(tmp_path / "results")
+def traced_peak(store: Store, rows: list[ModelRow], direct_lookups: int) -> tuple[int, int]:
+    """(rows written, peak bytes traced) of one write_summary over `rows`."""
     tracemalloc.start()
     try:
-        count = write_summary(store, iter(rows), parameters=PARAMS, threads=4)
+        count = write_summary(store, iter(rows), parameters=PARAMS, threads=4,
+                              direct_lookups=direct_lookups)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert count == MARKERS
+    return count, peak
+
+
+@pytest.mark.parametrize("direct_lookups", [DIRECT_LOOKUPS, 0], ids=["lookups", "listing"])
+def test_write_summary_memory_does_not_grow_with_markers(
+        tmp_path: Path, direct_lookups: int) -> None:
+    """A store of 20,000 done models, summarised for its first 5,000 listed then for all:
+    write_summary's peak traced memory grows by less than GROWTH_BOUND bytes a marker
+    between the two and stays under PEAK_BOUND (the in-memory writer: ~6 kB a marker),
+    whether markers are looked up or found by a listing; summary.csv has every row."""
+    rows = fast_done_store(tmp_path / "results", MARKERS)
+    store = LocalStore(tmp_path / "results")
+    few, few_peak = traced_peak(store, rows[:FEW], direct_lookups)
+    count, peak = traced_peak(store, rows, direct_lookups)
+    assert (few, count) == (FEW, MARKERS)
     data = store.get_bytes("summary.csv")
     assert data is not None and data.count(b"\n") == MARKERS + 1
+    growth = (peak - few_peak) / (MARKERS - FEW)
+    assert growth < GROWTH_BOUND, f"{growth:.0f} B a marker ({few_peak} → {peak} B)"
     assert peak < PEAK_BOUND, f"peak {peak / 2**20:.1f} MiB for {MARKERS} markers"
+
+
+def test_listing_or_lookups_write_the_same_summary(tmp_path: Path) -> None:
+    """The golden store again, its markers found by one listing (direct_lookups=0) rather
+    than looked up one by one: the same bytes."""
+    store = LocalStore(tmp_path / "results")
+    rows = synthetic_store(store, 300)
+    write_summary(store, iter(rows), parameters=PARAMS, direct_lookups=0)
+    assert store.get_bytes("summary.csv") == GOLDEN.read_bytes()
