@@ -1,7 +1,8 @@
 """What one `esd-sweep run` did: its id and `runs/<run_id>.json` (counts, failures, timings).
 
 Owns the run id and the run report's encoding; the sweep decides what goes in it. The
-report is for people and CI; nothing reads it back to decide what to run.
+report is for people and CI; nothing reads it back to decide what to run (`esd-sweep
+status` only quotes the latest report's bad nodes: `last_bad_nodes`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 from esd_worker.core.redact import redact, redact_data
-from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
+from esd_worker.core.store.layout import RUNS_PREFIX, SUMMARY_KEY, run_report_key
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import Store
 
@@ -124,3 +125,21 @@ def run_report(
         "pid": os.getpid(),
         **extra,
     }
+
+
+def last_bad_nodes(store: Store) -> dict[str, Any] | None:
+    """The nodes whose GPUs the latest run found broken ({"run_id", "nodes": [...]}, from its
+    report's kubernetes.bad_nodes), None when it names none. Run ids start with their UTC
+    time, so the latest report's key sorts last; a report that cannot be read names none."""
+    keys = [k for k in store.list_keys(RUNS_PREFIX) if k.endswith(".json")]
+    if not keys:
+        return None
+    latest = max(keys)
+    try:
+        report = json.loads(store.get_bytes(latest) or b"{}")
+        nodes = [str(bad["node"]) for bad in report["kubernetes"]["bad_nodes"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not nodes:
+        return None
+    return {"run_id": latest.removeprefix(RUNS_PREFIX).removesuffix(".json"), "nodes": nodes}

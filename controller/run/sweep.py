@@ -35,7 +35,7 @@ from controller.results.summary import KnownMarkers, write_summary
 from controller.run.commands import read_commands
 from controller.run.plan import ListPlan
 from controller.run.recorder import Recorder
-from controller.run.runs import new_run_id, run_report, write_run_report
+from controller.run.runs import last_bad_nodes, new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.core.errors import StorePathError, UsageError
 from esd_worker.core.models.modellist import (
@@ -243,7 +243,7 @@ def models_status(settings: SweepSettings, *,
                              on_problem=on_problem).counts
     finally:
         source.close()
-    return {
+    status: dict[str, Any] = {
         "models": counts.models,
         "bad_rows": counts.bad_rows,
         "done": counts.done,
@@ -252,6 +252,10 @@ def models_status(settings: SweepSettings, *,
         "damaged": counts.damaged,
         "failed_permanent": counts.skipped_failed,
     }
+    bad_nodes = last_bad_nodes(store)
+    if bad_nodes is not None:  # the latest run met broken GPUs: quarantine them
+        status["bad_nodes"] = bad_nodes
+    return status
 
 
 def _counts(plan: ListPlan) -> dict[str, int]:

@@ -65,14 +65,17 @@ def test_exit_status_report_and_status_come_from_the_store(
     assert main(["status", "--model-list", str(models), "--output-dir", str(out)]) == 0
     status = json.loads(capsys.readouterr().out)
     assert (status["done"], status["todo"], status["failed_permanent"]) == (9, 0, 1)
+    assert "bad_nodes" not in status  # no broken GPU met: nothing to quarantine
 
 
 def test_a_broken_gpu_node_is_named_in_the_report_and_costs_no_model(
     sim: KubeSim, kubeconfig: Path, out: Path, store: Store, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """One of 3 nodes fails every pod with exit 6: the run still exits 0 (every model
     done, none charged), and the --report JSON and the run report in the store name the
-    node under kubernetes.bad_nodes, with its count and the worker's last line."""
+    node under kubernetes.bad_nodes, with its count and the worker's last line; `status`
+    afterwards names it too."""
     models = write_list(tmp_path / "models.csv", [f"org/ok-{i}" for i in range(24)])
     worker = ShardWorker(store, broken_nodes=frozenset({"gpu-node-1"}))
     report_file = tmp_path / "report.json"
@@ -89,6 +92,10 @@ def test_a_broken_gpu_node_is_named_in_the_report_and_costs_no_model(
     stored = json.loads(store.get_bytes(run_report_key(report["run_id"])) or b"{}")
     assert stored["kubernetes"]["bad_nodes"] == [bad]
     assert not list_failure_keys(store)
+    capsys.readouterr()
+    assert main(["status", "--model-list", str(models), "--output-dir", str(out)]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["bad_nodes"] == {"run_id": report["run_id"], "nodes": ["gpu-node-1"]}
 
 
 def test_a_controller_killed_mid_run_and_started_again_runs_every_model_once(

@@ -151,8 +151,9 @@ def test_a_big_models_job_asks_for_its_gpus_and_prefers_a_node_with_room_for_the
 def test_big_models_get_a_class_of_their_own_whose_pods_count_their_gpus(
         store: Store) -> None:
     """write_shards: the two 405B models go to gpu-x4, sized from the biggest of them (64Gi,
-    one 810 GB checkpoint on disk and the headroom); the budget of 16 GPUs gives that class 3 pods' worth of
-    bytes but it has 2 shards: 2 pods, 8 GPUs; the small models' class gets its pod."""
+    one 810 GB checkpoint on disk and the headroom); the budget of 16 GPUs gives that class
+    3 pods' worth of bytes but it has 2 shards: 2 pods, 8 GPUs; the small models' class gets
+    its pod."""
     models = [row(f"small-{i}", SMALL) for i in range(10)] + [row("huge-a", HUGE),
                                                                  row("huge-b", HUGE)]
     counts = gpu_counts()
