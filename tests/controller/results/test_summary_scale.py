@@ -143,12 +143,12 @@ def test_summary_csv_bytes_as_the_in_memory_writer_wrote_them(
 
 # --- memory that does not grow with the store -----------------------------------------------
 
-MARKERS = 20_000
-FEW = 5_000
+MARKERS = 8_000
+FEW = 2_000
 # The streaming writer holds a chunk of markers (CHUNK_MODELS: ~6 MB parsed), a CSV part and
 # 8 bytes per listed key (the duplicates' check): a few MB whatever the count. The in-memory
-# writer held every marker and row and the whole CSV: 120 MiB traced for these 20k, growing
-# by ~6 kB a marker.
+# writer held every marker and row and the whole CSV: 120 MiB traced for 20k, growing by
+# ~6 kB a marker (48 MiB for these 8k).
 PEAK_BOUND = 16 * 2**20
 GROWTH_BOUND = 200  # bytes a marker, from FEW to MARKERS
 
@@ -186,7 +186,7 @@ def traced_peak(store: Store, rows: list[ModelRow], direct_lookups: int) -> tupl
 @pytest.mark.parametrize("direct_lookups", [DIRECT_LOOKUPS, 0], ids=["lookups", "listing"])
 def test_write_summary_memory_does_not_grow_with_markers(
         tmp_path: Path, direct_lookups: int) -> None:
-    """A store of 20,000 done models, summarised for its first 5,000 listed then for all:
+    """A store of 8,000 done models, summarised for its first 2,000 listed then for all:
     write_summary's peak traced memory grows by less than GROWTH_BOUND bytes a marker
     between the two and stays under PEAK_BOUND (the in-memory writer: ~6 kB a marker),
     whether markers are looked up or found by a listing; summary.csv has every row."""
