@@ -20,6 +20,8 @@ from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
 
+LISTED_FAILURES = 10_000  # failure records a run keeps for its report; the rest are counted
+
 
 @dataclass
 class Recorder:
@@ -27,8 +29,10 @@ class Recorder:
 
     done / cancelled: task keys in the order they ended (done: of outcomes the recorder
     confirmed; done_recorded counts the ones a sharded run's store vouched for, which are
-    not listed: millions of keys); failed: key → the record written
-    (kept for custom commands too, which get no record in the store); durations: key →
+    not listed: millions of keys); failed: key → the record written, for the first
+    `listed_failures` failed models (kept for custom commands too, which get no record in
+    the store), failed_count: every failed model (a sweep of millions may fail hundreds of
+    thousands: the controller must not hold them all); durations: key →
     seconds of the last attempt; waits: seconds each task waited for a slot.
     writing: whether outcomes still go to the store (`stop_writing`: the output's lease was
     lost, and another sweep's records must not be overwritten); they are tallied either way.
@@ -43,6 +47,8 @@ class Recorder:
     waits: list[float] = field(default_factory=list)
     done_recorded: int = 0
     writing: bool = True
+    failed_count: int = 0
+    listed_failures: int = LISTED_FAILURES
 
     def stop_writing(self) -> None:
         """From now on tally outcomes without touching the store (safe from any thread)."""
@@ -54,7 +60,16 @@ class Recorder:
 
     @property
     def attempted(self) -> int:
-        return self.done_count + len(self.failed)
+        return self.done_count + self.failed_count
+
+    def _keep(self, key: str, record: FailureRecord) -> None:
+        """Count the failed model; list its record while fewer than listed_failures are. (A
+        model ends once per run: the backends give one final outcome per task.)"""
+        if key not in self.failed:
+            self.failed_count += 1
+            if len(self.failed) >= self.listed_failures:
+                return
+        self.failed[key] = record
 
     def __call__(self, outcome: Outcome) -> None:
         task = outcome.task
@@ -81,7 +96,7 @@ class Recorder:
                      outcome.duration_s, outcome.where)
             return
         record = self._record(outcome, error, retryable)
-        self.failed[key] = record
+        self._keep(key, record)
         self.durations[key] = round(outcome.duration_s, 3)
         if model and self.writing:
             write_failure(self.store, record)
@@ -110,6 +125,6 @@ class Recorder:
         if outcome.status == "done":
             self.done_recorded += 1
             return
-        self.failed[key] = self._record(outcome, outcome.error, outcome.retryable)
+        self._keep(key, self._record(outcome, outcome.error, outcome.retryable))
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s", outcome.task.label,
                   key, outcome.attempts, outcome.where, outcome.error)

@@ -28,7 +28,9 @@ class Tally(Protocol):
     @property
     def done_count(self) -> int: ...
     @property
-    def failed(self) -> Mapping[str, FailureRecord]: ...
+    def failed(self) -> Mapping[str, FailureRecord]: ...  # the first ones (all are counted)
+    @property
+    def failed_count(self) -> int: ...
     @property
     def cancelled(self) -> Sequence[str]: ...
     @property
@@ -93,9 +95,9 @@ def run_report(
     extra = dict(backend_report)
     device, gpus, running = extra.pop("device", "cpu"), extra.pop("gpus", []), extra.pop(
         "running", None)
-    attempted = tally.done_count + len(tally.failed)
+    attempted = tally.done_count + tally.failed_count
     all_counts = {**counts, "attempted": attempted, "done": tally.done_count,
-                  "failed": len(tally.failed), "cancelled": len(tally.cancelled)}
+                  "failed": tally.failed_count, "cancelled": len(tally.cancelled)}
     if running is not None:
         all_counts["running"] = running
     return {
@@ -117,6 +119,9 @@ def run_report(
                   "retryable": r.retryable, "attempts": r.attempts}
             for key, r in tally.failed.items()
         },
+        # The first failures only (controller.run.recorder.LISTED_FAILURES): each has its
+        # record in _failures/.
+        "failures_not_listed": tally.failed_count - len(tally.failed),
         "summary": SUMMARY_KEY if summary_rows else None,
         "summary_rows": summary_rows,
         "total_runtime_s": round(runtime_s, 3),

@@ -115,7 +115,7 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Ten
     result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
                      summary_rows=summary_rows, interrupted=interrupted, tenure=tenure)
     log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
-             started.run_id, recorder.done_count, len(recorder.failed), len(recorder.cancelled),
+             started.run_id, recorder.done_count, recorder.failed_count, len(recorder.cancelled),
              counts.done, run_report_key(started.run_id),
              f", {SUMMARY_KEY} ({summary_rows} models)" if summary_rows else "")
     return result
@@ -346,7 +346,7 @@ def _finish(
         code = EXIT_INFRA
     elif interrupted:
         code = EXIT_INTERRUPTED
-    elif recorder.failed or counts["bad_rows"]:
+    elif recorder.failed_count or counts["bad_rows"]:
         code = EXIT_SOME_FAILED
     else:
         code = EXIT_ALL_DONE

@@ -12,6 +12,7 @@ import pytest
 
 from controller.backends.base import Outcome, Task
 from controller.run.recorder import Recorder
+from controller.run.runs import run_report
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import marker_key
 from esd_worker.core.store.marker import Marker
@@ -108,3 +109,24 @@ def test_an_outcome_the_store_holds_is_tallied_and_nothing_is_written(
     assert recorder.done == [] and recorder.waits == [] and recorder.durations == {}
     assert recorder.done_count == (status == "done")
     assert list(recorder.failed) == ([ROW.key] if status == "failed" else [])
+
+
+def test_a_run_of_many_failures_lists_the_first_and_counts_them_all(store: LocalStore) -> None:
+    """A sweep of millions may fail hundreds of thousands: every failed model gets its record
+    in the store and is counted, but the recorder (and the run report) keeps the first
+    listed_failures records only, so the controller's memory does not grow with them."""
+    recorder = Recorder(store, "20261123T070501Z-abcdef", listed_failures=3)
+    rows = [ModelRow(f"org/m-{i}", None, "", None) for i in range(7)]
+    for row in rows:
+        recorder(make_outcome(Task.for_model(row), "failed"))
+    recorder(make_outcome(Task.for_model(rows[1]), "failed", recorded=True))  # listed: once
+    assert list(recorder.failed) == [r.key for r in rows[:3]]
+    assert recorder.failed_count == 7 and recorder.attempted == 7
+    assert len(read_failures(store)) == 7
+    report = run_report(run_id=recorder.run_id, started_at="t0", finished_at="t1",
+                        output=store.url, mode="esd", backend="local", backend_report={},
+                        parameters={}, counts={}, tally=recorder, summary_rows=0,
+                        runtime_s=1.0, interrupted=False)
+    assert report["counts"]["failed"] == 7 and report["success_rate"] == 0.0
+    assert list(report["failures"]) == [r.key for r in rows[:3]]
+    assert report["failures_not_listed"] == 4

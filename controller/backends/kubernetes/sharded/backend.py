@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RETURNED_FAILURES = 10_000  # store_outcomes' list: the first failures, all reported
+
 
 class ShardedBackend:
     """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
@@ -353,7 +355,9 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
     run whose shard held it) gets the diagnosis of the index's last pod; one with neither
     is a retryable NoOutcome. too_big: the models the plan sharded nowhere (key -> error),
     each a permanent failure. A shard given up after broken GPUs (exit 6) is tallied,
-    never written as a model's record."""
+    never written as a model's record. Every outcome goes to on_outcome; the list returned
+    holds the first RETURNED_FAILURES failed ones only (a sweep of millions may fail
+    hundreds of thousands)."""
     too_big = too_big or {}
     attached = attached or _Attached()
     done = KeySet(iter_markers(store))
@@ -382,7 +386,7 @@ def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailure
             outcome = _outcome(task, "failed", where=where, retryable=True, error=(
                 "NoOutcome: the shard's pod ended without a result or a failure record "
                 "for this model (the next run tries it again)"))
-        if outcome.status != "done":
+        if outcome.status != "done" and len(outcomes) < RETURNED_FAILURES:
             outcomes.append(outcome)
         on_outcome(outcome)
     return outcomes
