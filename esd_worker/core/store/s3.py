@@ -220,23 +220,26 @@ class S3Store(Store):
 
     def _get(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
         """The value of key and the GetObject reply, or None when the key does not exist."""
-        name = self._object_key(key)
+        got = self._get_object(key)
+        if got is None:
+            return None
+        name, response = got
         try:
-            response = self._client.get_object(Bucket=self.bucket, Key=name)
             data = bytes(response["Body"].read())
-        except ClientError as e:
-            if _error_code(e) == "NoSuchKey":
-                return None
-            self._fail(e, f"read {name}")
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
-        self._bucket_seen = True
         return data, response
 
     def get_parts(self, key: str) -> Iterator[bytes] | None:
+        got = self._get_object(key)
+        return None if got is None else self._read_parts(got[1]["Body"], got[0])
+
+    def _get_object(self, key: str) -> tuple[str, dict[str, Any]] | None:
+        """(the object's name, the GetObject reply, its body unread), or None when the key
+        does not exist; the store error for any other refusal."""
         name = self._object_key(key)
         try:
-            body = self._client.get_object(Bucket=self.bucket, Key=name)["Body"]
+            response = self._client.get_object(Bucket=self.bucket, Key=name)
         except ClientError as e:
             if _error_code(e) == "NoSuchKey":
                 return None
@@ -244,7 +247,7 @@ class S3Store(Store):
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
         self._bucket_seen = True
-        return self._read_parts(body, name)
+        return name, response
 
     def _read_parts(self, body: Any, name: str) -> Iterator[bytes]:
         try:
