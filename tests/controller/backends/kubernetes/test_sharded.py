@@ -225,17 +225,24 @@ def test_an_api_server_that_drops_backoff_limit_per_index_is_refused(store: Stor
         assert gated.objects("jobs", NS) == []  # created, found wanting, deleted
 
 
-def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
-    kube: KubeClient, store: Store, sim: KubeSim,
-) -> None:
-    models = rows([f"ok-{i}" for i in range(10)]) + rows(["huge"], size=80 * GB)
-    backend = backend_for(kube, store)
+def dry_run_small_and_large(backend: ShardedBackend, models: Sequence[ModelRow],
+                            ) -> tuple[str, list[dict[str, Any]]]:
+    """The dry run's text and its documents read back as YAML 1.2: two Jobs, gpu-small's
+    then gpu-large's."""
     out = io.StringIO()
     assert backend.dry_run([Task.for_model(r) for r in models], out) == 2
     text = out.getvalue()
     docs = list(YAML(typ="safe", pure=True).load_all(text))
     assert [d["metadata"]["labels"]["esd-sweep/shard-class"] for d in docs] == [
         "gpu-small", "gpu-large"]
+    return text, docs
+
+
+def test_dry_run_prints_yaml_12_jobs_and_writes_no_shard(
+    kube: KubeClient, store: Store, sim: KubeSim,
+) -> None:
+    models = rows([f"ok-{i}" for i in range(10)]) + rows(["huge"], size=80 * GB)
+    _, docs = dry_run_small_and_large(backend_for(kube, store), models)
     # Each class's pods ask for what its biggest model needs (1 GB models fit a 16 GiB
     # node), the cache volume is bounded by the disk request, and a shard pod, which runs
     # many models, has no deadline.
@@ -276,12 +283,7 @@ def test_a_lora_on_a_large_base_is_classed_with_it_and_a_model_too_big_is_named(
     models = [*rows([f"ok-{i}" for i in range(4)]), lora, *rows(["giant"], size=500 * GB)]
     bases = {"meta-llama/Llama-3.1-70B": 141 * GB}
     backend = backend_for(kube, store, base_size=lambda source: bases[source])
-    out = io.StringIO()
-    assert backend.dry_run([Task.for_model(r) for r in models], out) == 2
-    text = out.getvalue()
-    docs = list(YAML(typ="safe", pure=True).load_all(text))
-    assert [d["metadata"]["labels"]["esd-sweep/shard-class"] for d in docs] == [
-        "gpu-small", "gpu-large"]
+    text, _ = dry_run_small_and_large(backend, models)
     assert "# class gpu-large: 1 model(s)" in text
     (line,) = [ln for ln in text.splitlines() if "org/giant" in ln]
     assert line.startswith("# ModelTooLarge: org/giant needs 500.0 GB")
