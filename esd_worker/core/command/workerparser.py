@@ -42,8 +42,8 @@ fix, after --max-retries more rounds; --shards exits 0 then, the retryable recor
 outcome); 5 out of GPU memory; 6 the device or its node is broken (nothing recorded against
 any model: run it elsewhere); 128+N the batch's worker died of signal N with no model in
 progress (a crash, hang or leak under a model costs that model's retries: a new worker goes
-on). --self-check: 0 the spectrum matched float64 LAPACK, 2 the device
-cannot be used (--device cuda without CUDA), 3 wrong numbers or a device error. --shards
+on). --self-check: 0 the spectrum matched float64 LAPACK, 6 the device
+cannot be used (--device cuda without CUDA, a CUDA error), 3 wrong numbers. --shards
 takes shard N of URL, URL/N.csv, N from --shard-index or {SHARD_INDEX_ENV}."""
 
 
