@@ -3,8 +3,9 @@
 Per-model statistics come from the marker's summary (written by the worker) or, for markers
 without one, from esd_worker.core.store.results.summarize_layers over the model's layer table; this
 module computes no statistics of its own. A run rebuilds summary.csv without reading again
-the markers its plan already read (`KnownMarkers`): only the markers of models analysed since
-are fetched. Does not own the run report
+the markers its plan already read (`KnownMarkers`), and takes the other models' rows from the
+results tables (controller.results.tables), a bucket of the list at a time: only the markers
+of models no table holds yet are fetched. Does not own the run report
 (runs/<run_id>.json: controller.run.runs) nor where summary.csv lies (esd_worker.core.store.layout).
 """
 
@@ -20,8 +21,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from controller.keyset import KeySet, SeenKeys
 from controller.results.reader import ModelResult
+from controller.results.tables import Tables
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
     SUMMARY_KEY,
@@ -39,6 +44,7 @@ from esd_worker.core.store.results import (
     table_to_csv,
 )
 from esd_worker.core.store.stores import Store
+from esd_worker.core.store.tables import MODELS_TABLE, marker_part, parameters_text
 
 # The statistics a marker's summary holds (and summarize_layers returns), defined by the worker.
 STAT_COLUMNS: tuple[str, ...] = SUMMARY_FIELDS
@@ -60,16 +66,6 @@ TABLE_COLUMNS: tuple[str, ...] = (
 )
 
 
-def _device_text(device: Mapping[str, Any] | None) -> str | None:
-    """The marker's device object as text, e.g. `cuda (NVIDIA H100 80GB HBM3)`, `cpu (x86_64)`."""
-    if device is None:
-        return None
-    kind, name = device.get("type"), device.get("name")
-    if kind and name:
-        return f"{kind} ({name})"
-    return str(kind or name) if (kind or name) else None
-
-
 def _stats(row: ModelRow, marker: Marker, store: Store) -> Mapping[str, Any]:
     if marker.summary is not None:
         return marker.summary
@@ -86,22 +82,7 @@ def summary_row(row: ModelRow, marker: Marker, store: Store) -> dict[str, Any]:
     (empty when neither is there). Identity columns come from the model list, falling back
     to the marker.
     """
-    return _with_row(row, _marker_part(marker, _stats(row, marker, store)))
-
-
-def _marker_part(marker: Marker, stats: Mapping[str, Any]) -> dict[str, Any]:
-    """What a summary row takes from the marker (the rest comes from the model list)."""
-    base = marker.base_model
-    return {
-        "model_key": marker.model_key,
-        "relation": marker.relation or "",
-        "base_model": base.model if base is not None else None,
-        **{col: stats.get(col) for col in STAT_COLUMNS},
-        "device": _device_text(marker.device),
-        # As stored, not Marker.total_s: an int stays an int in the CSV.
-        "total_s": marker.timings.get("total_s"),
-        "finished_at": marker.finished_at,
-    }
+    return _with_row(row, marker_part(marker, _stats(row, marker, store)))
 
 
 def _with_row(row: ModelRow, part: Mapping[str, Any]) -> dict[str, Any]:
@@ -129,7 +110,7 @@ class KnownMarkers:
 
     def add(self, marker: Marker) -> None:
         if marker.summary is not None:
-            part = _marker_part(marker, marker.summary)
+            part = marker_part(marker, marker.summary)
             self._parts[marker.model_key] = json.dumps(part, separators=(",", ":")).encode()
 
     def get(self, key: str) -> dict[str, Any] | None:
@@ -185,6 +166,9 @@ DIRECT_LOOKUPS = 10_000
 # Listed models whose markers are read (concurrently) and turned into rows at a time: what
 # write_summary holds, whatever the list's length (~6 kB a marker, its row, a CSV part).
 CHUNK_MODELS = 1024
+# With tables, rows are matched to the models table a bucket at a time: one pass over its
+# (model_key, parameters, summary_part) columns a bucket, ~1 kB held a model of the bucket.
+BUCKET_MODELS = 250_000
 
 
 def write_summary(
@@ -196,30 +180,35 @@ def write_summary(
     known: KnownMarkers | None = None,
     direct_lookups: int = DIRECT_LOOKUPS,
     chunk: int = CHUNK_MODELS,
+    bucket: int = BUCKET_MODELS,
 ) -> int:
     """Write summary.csv for the done models of `models`, in list order; returns the row count.
 
     A model counts when its marker exists (and, when `parameters` is given, holds those
     parameters). known: markers the caller read and found done (with those parameters),
-    not read again; the others are read concurrently, `chunk` at a time, found by one
-    listing when more than `direct_lookups`. Streams: rows are written as their markers
-    are read (Store.put_parts), so memory does not grow with the list beyond 8 bytes a
-    model (the first row of each key wins: controller.keyset.SeenKeys) and the rows held
-    to decide on the listing (up to `direct_lookups` not in `known`).
+    not read again. The others come from the results tables (controller.results.tables:
+    each model's row there holds its summary part), `bucket` models of the list at a time;
+    what no table holds from its marker, read concurrently `chunk` at a time, found by one
+    listing when more than `direct_lookups`. Streams: rows are written as they are found
+    (Store.put_parts), so memory does not grow with the list beyond 8 bytes a model (the
+    first row of each key wins: controller.keyset.SeenKeys), a bucket's rows and parts, and
+    the rows held to decide on the listing (up to `direct_lookups` not found elsewhere).
     """
     known = KnownMarkers() if known is None else known
+    # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
+    expected = None if parameters is None else canonical_parameters(parameters)
+    tables = _TableParts.of(store, expected, threads=threads)
     listed = _first_of_each_key(models)
     head: list[ModelRow] = []
     unknown = 0
     for model in listed:  # whether to list the store: count the lookups, up to the limit
         head.append(model)
-        unknown += model.key not in known
+        unknown += model.key not in known and (tables is None or model.key not in tables)
         if unknown > direct_lookups:
             break
     present = KeySet(iter_markers(store)) if unknown > direct_lookups else None
-    # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
-    expected = None if parameters is None else canonical_parameters(parameters)
-    rows = _Rows(store, known, expected, present, threads=threads, chunk=chunk)
+    rows = _Rows(store, known, expected, present, tables, threads=threads, chunk=chunk,
+                 bucket=bucket if tables is not None else chunk)
     store.put_parts(summary_key(), csv_parts(
         SUMMARY_COLUMNS, rows.of(itertools.chain(head, listed)),
         lambda value, _column: _cell(value)))
@@ -231,25 +220,70 @@ def _first_of_each_key(models: Iterable[ModelRow]) -> Iterator[ModelRow]:
     return (model for model in models if seen.add(model.key))
 
 
+class _TableParts:
+    """The summary parts the models table holds (the newest row of each model, with the
+    expected parameters), found for a bucket of keys in one pass over three columns."""
+
+    def __init__(self, tables: Tables, expected: Mapping[str, Any] | None) -> None:
+        self.tables = tables
+        self.expected = None if expected is None else parameters_text(expected)
+        self.keys = tables.newest().keys
+
+    @classmethod
+    def of(cls, store: Store, expected: Mapping[str, Any] | None, *,
+           threads: int) -> _TableParts | None:
+        """None when the store has no tables (written before them, or not compacted)."""
+        tables = Tables(store, threads=threads)
+        return cls(tables, expected) if tables.parts(MODELS_TABLE) else None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def parts(self, keys: Sequence[str]) -> dict[str, str]:
+        """model_key → its summary part (JSON) of those of `keys` the tables hold."""
+        if not keys:
+            return {}
+        wanted = pa.array(sorted(set(keys)), type=pa.string())
+        found: dict[str, str] = {}
+        for batch in self.tables.models(["model_key", "parameters", "summary_part"],
+                                        fallback=False):
+            mask = pc.is_in(batch.column(0), value_set=wanted)
+            if self.expected is not None:
+                mask = pc.and_(mask, pc.equal(batch.column(1), self.expected))
+            hit = batch.filter(mask)
+            found.update(zip(hit.column(0).to_pylist(), hit.column(2).to_pylist(),
+                             strict=True))
+        return found
+
+
 class _Rows:
-    """summary.csv's rows of listed models, their markers read a chunk at a time."""
+    """summary.csv's rows of listed models: from what the caller read, the tables, or their
+    markers, read a chunk at a time."""
 
     def __init__(self, store: Store, known: KnownMarkers, expected: Mapping[str, Any] | None,
-                 present: KeySet | None, *, threads: int, chunk: int) -> None:
+                 present: KeySet | None, tables: _TableParts | None, *, threads: int,
+                 chunk: int, bucket: int) -> None:
         self.store, self.known, self.expected = store, known, expected
-        self.present, self.threads, self.chunk = present, threads, chunk
+        self.present, self.tables = present, tables
+        self.threads, self.chunk, self.bucket = threads, chunk, max(bucket, chunk)
         self.count = 0
 
     def of(self, models: Iterable[ModelRow]) -> Iterator[dict[str, Any]]:
         models = iter(models)
-        while chunk := list(itertools.islice(models, self.chunk)):
-            for row in self._chunk(chunk):
-                self.count += 1
-                yield row
+        while bucket := list(itertools.islice(models, self.bucket)):
+            tabled: dict[str, str] = {}
+            if self.tables is not None:
+                tabled = self.tables.parts([m.key for m in bucket if m.key not in self.known
+                                            and m.key in self.tables])
+            for start in range(0, len(bucket), self.chunk):
+                for row in self._chunk(bucket[start:start + self.chunk], tabled):
+                    self.count += 1
+                    yield row
 
-    def _chunk(self, chunk: Sequence[ModelRow]) -> Iterator[dict[str, Any]]:
+    def _chunk(self, chunk: Sequence[ModelRow],
+               tabled: Mapping[str, str]) -> Iterator[dict[str, Any]]:
         present = self.present
-        unknown = [m.key for m in chunk if m.key not in self.known
+        unknown = [m.key for m in chunk if m.key not in self.known and m.key not in tabled
                    and (present is None or m.key in present)]
         markers = read_markers(self.store, unknown, threads=self.threads)
         done: list[tuple[ModelRow, Marker]] = []
@@ -263,6 +297,8 @@ class _Rows:
             part = self.known.get(model.key)
             if part is not None:
                 yield _with_row(model, part)
+            elif model.key in tabled:
+                yield _with_row(model, json.loads(tabled[model.key]))
             elif model.key in fresh:
                 yield fresh[model.key]
 

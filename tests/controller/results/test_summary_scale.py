@@ -3,6 +3,7 @@ made to stream), and memory that does not grow with the number of markers (issue
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import tracemalloc
@@ -13,17 +14,20 @@ from typing import Any
 import pytest
 
 from controller.results.summary import (
+    BUCKET_MODELS,
     CHUNK_MODELS,
     DIRECT_LOOKUPS,
     KnownMarkers,
     write_summary,
 )
+from controller.results.tables import read_done_models
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import marker_key, read_marker
 from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import SUMMARY_FIELDS, layers_to_csv
 from esd_worker.core.store.stores import LocalStore, Store
+from esd_worker.core.store.tables import DoneModel, write_parts
 
 PARAMS = AnalysisSettings().as_dict()
 # summary.csv of synthetic_store(300) as write_summary wrote it before it streamed
@@ -213,3 +217,42 @@ def test_listing_or_lookups_write_the_same_summary(tmp_path: Path) -> None:
     rows = synthetic_store(store, 300)
     write_summary(store, iter(rows), parameters=PARAMS, direct_lookups=0)
     assert store.get_bytes("summary.csv") == GOLDEN.read_bytes()
+
+
+@pytest.mark.parametrize(("tabled_every", "bucket"), [(1, BUCKET_MODELS), (2, BUCKET_MODELS),
+                                                      (1, 5), (3, 5)],
+                         ids=["all-tabled", "half-tabled", "buckets-of-5", "third-buckets-of-5"])
+def test_summary_from_the_tables_is_the_same_file(
+        tmp_path: Path, tabled_every: int, bucket: int) -> None:
+    """The golden store with its models also in the results tables (every model, or every
+    `tabled_every`-th: the rest from their markers), a part per 40 models and one model
+    in two parts (its older row with other numbers): summary.csv is byte for byte the
+    golden file, read from the tables in one bucket or in buckets of 5; the markers of the
+    tabled models are not read."""
+    store = LocalStore(tmp_path / "results")
+    rows = synthetic_store(store, 300)
+    keys = list(dict.fromkeys(row.key for row in rows))[::tabled_every]
+    done = read_done_models(store, keys)
+    dated = next(d for d in done if d.marker.finished_at)  # the newest row: finished_at's
+    stale = dataclasses.replace(dated.marker, finished_at="2000-01-01T00:00:00+00:00",
+                                summary={**(dated.marker.summary or {}), "alpha_mean": -1.0})
+    write_parts(store, [DoneModel(stale, dated.layers)])
+    for start in range(0, len(done), 40):
+        write_parts(store, done[start:start + 40])
+    tabled = {d.marker.model_key for d in done}
+    read = CountingStore(store)
+    write_summary(read, iter(rows), parameters=PARAMS, bucket=bucket)
+    assert store.get_bytes("summary.csv") == GOLDEN.read_bytes()
+    assert not {marker_key(k) for k in tabled} & set(read.got)
+
+
+class CountingStore(LocalStore):
+    """A LocalStore over another's folder that notes every key read."""
+
+    def __init__(self, store: LocalStore) -> None:
+        super().__init__(store.root)
+        self.got: list[str] = []
+
+    def get_bytes(self, key: str) -> bytes | None:
+        self.got.append(key)
+        return super().get_bytes(key)
