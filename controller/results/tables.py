@@ -9,8 +9,8 @@ Why pyarrow and not DuckDB: pyarrow is already the project's (the worker writes 
 with it), reads a part's row groups a batch at a time and prunes columns; the parts are
 fetched through the project's Store, the one door to a local folder or S3 (credentials,
 retries, redaction), where DuckDB would need its own S3 credentials and an httpfs
-extension it downloads at run time. Memory: one part's bytes plus a batch, and 16 bytes a
-model for the newest-row check (32 MB at 2M models).
+extension it downloads at run time. Memory: a few parts' bytes plus a batch, and 12 bytes a
+model for the newest-row check (its key's hash and its part: 24 MB at 2M models).
 
 Parts are opened with ParquetFile and read with use_threads=False: pyarrow 26's threaded
 read_table aborts the interpreter at exit now and then ("terminate called without an
@@ -126,48 +126,53 @@ class Tables:
     # -- the newest row of each model --------------------------------------------------------
 
     def newest(self) -> _Newest:
-        """One pass over the models parts' model_key and finished_at columns."""
+        """Which row of each model counts. One pass over the models parts' model_key column
+        (8 bytes a row held: its hash); only when some model sits in more than one part, a
+        second pass over the parts that hold those models reads their finished_at."""
         if self._newest is not None:
             return self._newest
         hashes: list[np.ndarray] = []
-        order: list[np.ndarray] = []  # finished_at's rank, then the part's
-        where: list[tuple[str, np.ndarray]] = []
-        for rank, (part, batch) in enumerate(self._batches(MODELS_TABLE,
-                                                           ["model_key", "finished_at"])):
-            keys = batch.column(0).to_pylist()
-            hashes.append(np.fromiter((hash(k) for k in keys), dtype=np.int64,
-                                      count=len(keys)))
-            finished = batch.column(1).fill_null("").to_pylist()
-            order.append(np.array([(f, rank) for f in finished],
-                                  dtype=[("f", object), ("r", np.int64)]))
-            where.append((part.part_id, np.asarray(keys, dtype=object)))
+        part_of: list[np.ndarray] = []  # the index in parts() of each row's part
+        index = {p.part_id + "/" + p.arch: i for i, p in enumerate(self.parts(MODELS_TABLE))}
+        for part, batch in self._batches(MODELS_TABLE, ["model_key"]):
+            hashes.append(_hashes(batch.column(0).to_pylist()))
+            part_of.append(np.full(batch.num_rows, index[part.part_id + "/" + part.arch],
+                                   dtype=np.int32))
         newest = _Newest()
-        if not hashes:
-            self._newest = newest
-            return newest
-        h = np.concatenate(hashes)
-        unique = np.unique(h)
-        newest.rows = len(h)
-        newest.keys = KeySet.of_hashes(array("q", unique.tobytes()))
-        if len(unique) != len(h):  # some model in more than one part
-            self._mark_losers(newest, h, order, where)
+        if hashes:
+            h = np.concatenate(hashes)
+            unique, counts = np.unique(h, return_counts=True)
+            newest.rows = len(h)
+            newest.keys = KeySet.of_hashes(array("q", unique.tobytes()))
+            repeated = unique[counts > 1]
+            if len(repeated):  # some model in more than one part
+                parts = np.unique(np.concatenate(part_of)[np.isin(h, repeated)])
+                newest.losers = self._losers(repeated, [self.parts(MODELS_TABLE)[i]
+                                                        for i in parts])
         self._newest = newest
         return newest
 
-    @staticmethod
-    def _mark_losers(newest: _Newest, h: np.ndarray, order: list[np.ndarray],
-                     where: list[tuple[str, np.ndarray]]) -> None:
-        finished = np.concatenate([o["f"] for o in order]).astype(str)
-        rank = np.concatenate([o["r"] for o in order])
-        # Sort by hash, then finished_at, then rank: the last of each hash is the newest.
-        idx = np.lexsort((rank, finished, h))
-        last = np.ones(len(idx), dtype=bool)
-        last[:-1] = h[idx][1:] != h[idx][:-1]
-        part_of = np.concatenate([np.full(len(k), i) for i, (_, k) in enumerate(where)])
-        row_of = np.concatenate([np.arange(len(k)) for _, k in where])
-        for i in idx[~last]:
-            part_id, keys = where[part_of[i]]
-            newest.losers.setdefault(part_id, set()).add(str(keys[row_of[i]]))
+    def _losers(self, repeated: np.ndarray, parts: Sequence[PartKey]) -> dict[str, set[str]]:
+        """part_id → the keys whose row in that part is not their newest: rows are ranked
+        by finished_at (ISO text sorts as time), then by part (ids sort by when written)."""
+        best: dict[str, tuple[str, int, str]] = {}  # key → (finished_at, rank, part_id)
+        rows: list[tuple[str, str, int, str]] = []
+        for rank, (part, file) in enumerate(self._files(parts)):
+            for batch in file.iter_batches(batch_size=BATCH_ROWS, use_threads=False,
+                                           columns=["model_key", "finished_at"]):
+                keys = batch.column(0).to_pylist()
+                hit = np.isin(_hashes(keys), repeated)
+                finished = batch.column(1).to_pylist()
+                for i in np.flatnonzero(hit):
+                    rows.append((keys[i], finished[i] or "", rank, part.part_id))
+        for key, finished, rank, part_id in rows:
+            if key not in best or (finished, rank) > best[key][:2]:
+                best[key] = (finished, rank, part_id)
+        losers: dict[str, set[str]] = {}
+        for key, finished, rank, part_id in rows:
+            if best[key] != (finished, rank, part_id):
+                losers.setdefault(part_id, set()).add(key)
+        return losers
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -219,6 +224,10 @@ class Tables:
 
 def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     return table if columns is None else table.select(list(columns))
+
+
+def _hashes(keys: Sequence[str]) -> np.ndarray:
+    return np.fromiter((hash(k) for k in keys), dtype=np.int64, count=len(keys))
 
 
 def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
