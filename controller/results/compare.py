@@ -2,12 +2,15 @@
 
 Owns how models are paired (same model_key, explicit A_KEY:B_KEY pairs, or each adapter with
 its base), how layers are matched (by name) and the differences CSV. Reads stores through
-controller.results.reader; computes no metric of its own, only b − a.
+controller.results.tables (the results tables: layers read only for the paired models) or,
+for refit tables and stores without results tables, controller.results.reader; computes no
+metric of its own, only b − a.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,13 +24,17 @@ from controller.results.reader import (
     find_base_key,
     load_results,
     models_by_ref,
+    no_table_error,
     number,
     open_results,
 )
+from controller.results.tables import Tables, layer_rows, model_shells
 from esd_worker.core.command.flags import add_flag
 from esd_worker.core.files import write_atomic
 from esd_worker.core.powerlaw import METRIC_COLUMNS
 from esd_worker.core.store.results import table_to_csv
+from esd_worker.core.store.stores import Store
+from esd_worker.core.store.tables import MODELS_TABLE
 
 DEFAULT_METRICS: tuple[str, ...] = (
     "alpha",
@@ -197,13 +204,13 @@ def compare_results(settings: CompareSettings) -> Comparison:
     keys_a = [ka for ka, _ in settings.pairs] or None
     keys_b = [kb for _, kb in settings.pairs] or None
     store_a = open_results(settings.a)
-    a = load_results(store_a, tag=settings.tag_a, keys=keys_a)
+    a = _load(store_a, settings.tag_a, keys_a)
     if settings.same_table and not settings.pairs:
         b = a
     else:
         store_b = store_a if settings.b in (None, settings.a) else open_results(settings.b)
-        b = load_results(store_b, tag=settings.tag_b, keys=keys_b)
-    pairs = pair_models(a, b, settings)
+        b = _load(store_b, settings.tag_b, keys_b)
+    pairs = _with_rows(pair_models(a.results, b.results, settings), a, b)
     rows = [row for ra, rb in pairs for row in compare_layers(ra, rb, settings.metrics)]
     if settings.out is not None:
         try:
@@ -213,6 +220,47 @@ def compare_results(settings: CompareSettings) -> Comparison:
         except OSError as e:
             raise ResultsError(f"cannot write {settings.out}: {e.strerror or e}") from e
     return Comparison(tuple(pairs), tuple(rows), settings.metrics)
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One side's models; `tables` set when they are shells whose layers are in its tables."""
+
+    results: list[ModelResult]
+    tables: Tables | None = None
+
+
+def _load(store: Store, tag: str | None, keys: Sequence[str] | None) -> _Side:
+    """A refit's tables (a tag) and stores without results tables: every model's files, as
+    read_model_markers and iter_results do. Otherwise the models rows of the results tables
+    (controller.results.tables), whose layers are read only for the models paired."""
+    tables = Tables(store)
+    if tag is not None or not tables.parts(MODELS_TABLE):
+        return _Side(load_results(store, tag=tag, keys=keys))
+    shells = model_shells(tables, keys)
+    missing = sorted(set(keys or ()) - {r.key for r in shells})
+    if missing:
+        raise ResultsError(f"no result for model key(s) {', '.join(missing)} in {store.url}")
+    if not shells:
+        raise no_table_error(store, tag)
+    return _Side(shells, tables)
+
+
+def _with_rows(pairs: Sequence[tuple[ModelResult, ModelResult]], a: _Side,
+               b: _Side) -> list[tuple[ModelResult, ModelResult]]:
+    """The pairs with the layer rows of shells read from their side's tables."""
+    rows: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    for index, side in enumerate((a, b)):
+        if side.tables is not None:
+            keys = {pair[index].key for pair in pairs}
+            rows[index] = layer_rows(side.tables, keys)
+
+    def filled(index: int, result: ModelResult) -> ModelResult:
+        if index not in rows:
+            return result
+        return dataclasses.replace(result, rows=rows[index].get(result.key, []))
+
+    return [(filled(0, ra), filled(1, rb)) for ra, rb in pairs]
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -23,8 +23,9 @@ import io
 import itertools
 import logging
 from array import array
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from controller.keyset import KeySet
+from controller.results.reader import ModelResult
 from esd_worker.core.store.layout import (
     fetch_all,
     iter_markers,
@@ -39,7 +41,7 @@ from esd_worker.core.store.layout import (
     model_file_key,
     parse_marker,
 )
-from esd_worker.core.store.marker import Marker
+from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import layers_from_csv
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import (
@@ -248,5 +250,37 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
             for m, data in zip(markers, blobs, strict=True) if data is not None]
 
 
-def count_rows(batches: Iterable[pa.RecordBatch]) -> int:
-    return sum(b.num_rows for b in batches)
+# What a ModelResult shell needs of a models row: who the model is, and its base.
+SHELL_COLUMNS = ("model_key", "model", "model_id", "revision", "relation", "base_model")
+
+
+def model_shells(tables: Tables, keys: Collection[str] | None = None) -> list[ModelResult]:
+    """A ModelResult without rows for each model of the tables (or of `keys`), sorted by key:
+    what pairing models needs (ids, relation, base) at ~1 kB a model, not its layers."""
+    wanted = None if keys is None else pa.array(sorted(set(keys)), type=pa.string())
+    shells: list[ModelResult] = []
+    for batch in tables.models(SHELL_COLUMNS):
+        if wanted is not None:
+            batch = batch.filter(pc.is_in(batch.column(0), value_set=wanted))
+        for row in batch.to_pylist():
+            base = row["base_model"]
+            marker = Marker(model=row["model"] or row["model_key"], model_key=row["model_key"],
+                            model_id=row["model_id"], revision=row["revision"],
+                            relation=row["relation"] or "",
+                            base_model=BaseModelRef(base) if base else None)
+            shells.append(ModelResult(row["model_key"], marker, []))
+    shells.sort(key=lambda r: r.key)
+    return shells
+
+
+def layer_rows(tables: Tables, keys: Collection[str]) -> dict[str, list[dict[str, Any]]]:
+    """model_key → its layer rows (LAYER_COLUMNS, in layer order) for `keys`: one pass over
+    the layers table, filtered as it is read."""
+    wanted = pa.array(sorted(set(keys)), type=pa.string())
+    found: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for batch in tables.layers():
+        hit = batch.filter(pc.is_in(batch.column("model_key"), value_set=wanted))
+        for row in hit.to_pylist():
+            found.setdefault(row["model_key"], []).append((row["layer_index"], row))
+    return {key: [row for _, row in sorted(rows, key=lambda item: item[0])]
+            for key, rows in found.items()}

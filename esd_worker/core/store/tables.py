@@ -218,7 +218,8 @@ class DoneModel:
             "model": marker.model,
             "model_id": marker.model_id,
             "revision": marker.revision,
-            "relation": marker.relation or "",
+            # As people read it: an adapter without a listed relation is an "adapter".
+            "relation": marker.relation or ("adapter" if marker.adapter is not None else ""),
             "base_model": part["base_model"],
             "architecture": marker.architecture,
             "family": family_of(marker.architecture),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import math
 import shutil
@@ -19,8 +20,11 @@ from controller.errors import ResultsError
 from controller.results import compare
 from controller.results.compare import CompareSettings, compare_results, diff_columns, parse_pair
 from controller.results.refit import RefitSettings, refit_store
+from controller.results.tables import read_done_models
 from esd_worker.core.powerlaw import layer_metrics
 from esd_worker.core.store.results import eigs_from_npz, layers_from_csv
+from esd_worker.core.store.stores import LocalStore
+from esd_worker.core.store.tables import write_parts
 from tests.support.results import copy_example, example_results, keys_by_relation
 
 NORMS = ("spectral_norm", "log_spectral_norm", "stable_rank", "entropy", "log_norm")
@@ -215,3 +219,34 @@ def test_out_never_writes_through_a_planted_link(example: Path, tmp_path: Path) 
     assert victim.read_bytes() == b"the victim's own file\n"
     assert not out.is_symlink()
     assert list(_rows(out)[0]) == list(diff_columns(compare.DEFAULT_METRICS))
+
+
+def _with_tables(root: Path, tabled: bool) -> Path:
+    """The store with its results tables (every model in a part) or without any."""
+    shutil.rmtree(root / "_tables", ignore_errors=True)
+    if tabled:
+        store = LocalStore(root)
+        write_parts(store, read_done_models(store, sorted(keys_by_relation(root).values())))
+    return root
+
+
+@pytest.mark.parametrize("how", ["adapters", "locations", "pair"])
+def test_the_tables_give_the_same_differences(example: Path, tmp_path: Path, how: str) -> None:
+    """The same comparison read from the results tables (model rows, then the layers of the
+    paired models only) and from every model's files: the same pairs and the same CSV."""
+    keys = keys_by_relation(example)
+    out: dict[bool, bytes] = {}
+    for tabled in (False, True):
+        a = _with_tables(shutil.copytree(example, tmp_path / f"a-{tabled}"), tabled)
+        b = _with_tables(shutil.copytree(example, tmp_path / f"b-{tabled}"), tabled)
+        settings = {
+            "adapters": CompareSettings(a=str(a)),
+            "locations": CompareSettings(a=str(a), b=str(b)),
+            "pair": CompareSettings(a=str(a), b=str(b),
+                                    pairs=((keys["base"], keys["adapter"]),)),
+        }[how]
+        path = tmp_path / f"{how}-{tabled}.csv"
+        result = compare_results(dataclasses.replace(settings, out=path))
+        assert result.pairs and result.rows
+        out[tabled] = path.read_bytes()
+    assert out[True] == out[False]
