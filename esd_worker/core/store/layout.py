@@ -56,6 +56,8 @@ SUMMARY_KEY = "summary.csv"
 RUNS_PREFIX = "runs/"
 REFITS_PREFIX = "refits/"
 REPORT_PREFIX = "report/"
+# The results tables' parts (their keys below it: esd_worker.core.store.tables).
+TABLES_PREFIX = "_tables/"
 # The sweep writing this output now (controller.output.lease): top level, so that no listing of
 # model folders (`<model_key>/result.json`) or of _failures/ takes it for one.
 LEASE_KEY = "_lease.json"

@@ -30,11 +30,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from esd_worker.core.store.layout import TABLES_PREFIX
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.results import LAYER_COLUMNS, SUMMARY_FIELDS, summarize_layers
 from esd_worker.core.store.stores import Store
 
-TABLES_PREFIX = "_tables/"
 MODELS_TABLE = "models"
 LAYERS_TABLE = "layers"
 TABLES = (MODELS_TABLE, LAYERS_TABLE)
