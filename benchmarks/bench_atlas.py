@@ -15,8 +15,10 @@ Phases (each in a fresh process, so that peak RSS is the phase's own):
   (tests.support.kubesim.KubeSim + tests.support.indexed.IndexedJobSimulator, validation
   off): --gpus GPUs (the pods' parallelism), every pod "analyses" its shard by writing each
   model's marker (with a summary, as a worker's) into the store (a directory on disk,
-  --store-dir), so the controller's end is real: the backend's (one marker listing, an
-  outcome per model), then the sweep's (controller_end: summary.csv from every marker, the
+  --store-dir) and, as a worker does, their models rows as results-tables parts (every
+  PART_MODELS models; no layer rows: the simulated models have none), so the controller's
+  end is real: the backend's (one marker listing, an outcome per model), then the sweep's
+  (controller_end: summary.csv from the results tables, the
   run report, the CLI's first rows of summary.csv). Reported: objects created (from the
   server's counts), the controller's API requests (KubeClient.requests) and their rate
   over the run (to the backend's return), peak RSS (after the plan, the run, the summary
@@ -55,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 MB, GB = 10**6, 10**9
 NS = "bench"
 RUN_ID = "20261123T070501Z-be4c11"
+PART_MODELS = 256  # models a simulated pod writes into one results-tables part (its models row)
 
 
 def write_list(path: Path, rows: int, seed: int = 13) -> int:
@@ -167,6 +170,7 @@ def controller_end(store: Any, plan: Any, backend: Any, recorder: Any,
     from controller.results.summary import KnownMarkers, format_summary_table, write_summary
     from controller.run.runs import run_report, write_run_report
     from esd_worker.core.command.settings import AnalysisSettings
+    from esd_worker.core.store.tables import MODELS_TABLE, table_prefix
 
     params = AnalysisSettings().as_dict()
     t0 = time.perf_counter()
@@ -186,7 +190,8 @@ def controller_end(store: Any, plan: Any, backend: Any, recorder: Any,
     t2 = time.perf_counter()
     table = format_summary_table(store)
     t3 = time.perf_counter()
-    return {"summary_rows": rows,
+    parts = sum(1 for _ in store.list_keys(table_prefix(MODELS_TABLE)))
+    return {"summary_rows": rows, "table_parts": parts,
             "summary_mib": round(store.root.joinpath("summary.csv").stat().st_size / 2**20),
             "summary_s": round(t1 - t0, 1), "report_s": round(t2 - t1, 1),
             "table_s": round(t3 - t2, 1), "peak_rss_after_summary_mib": round(peak_summary),
@@ -199,6 +204,7 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     from esd_worker.core.store.layout import marker_key
     from esd_worker.core.store.marker import canonical_parameters
     from esd_worker.core.store.opener import open_store
+    from esd_worker.core.store.tables import DoneModel, write_parts
     from tests.support.indexed import IndexedJobSimulator
     from tests.support.kubesim import KubeSim
     from tests.support.shardworker import shard_url
@@ -207,8 +213,16 @@ def _cluster(url_file: str, store_dir: str, stop_file: str) -> None:
     store = open_store(store_dir)
 
     def worker(job: dict[str, Any], index: int, attempt: int) -> str:
+        done = []
         for row in read_model_list(f"{shard_url(job)}/{index}.csv").rows:
-            store.put_bytes(marker_key(row.key), done_marker(row, params).to_json())
+            marker = done_marker(row, params)
+            store.put_bytes(marker_key(row.key), marker.to_json())
+            done.append(DoneModel(marker, []))
+            if len(done) >= PART_MODELS:  # as a worker's TableWriter: a part every so many
+                write_parts(store, done)
+                done = []
+        if done:
+            write_parts(store, done)
         return "succeed"
 
     with KubeSim(validate=False, keep_history=False, event_window=5000) as sim:

@@ -21,12 +21,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from controller.keyset import KeySet, SeenKeys
 from controller.results.reader import ModelResult
-from controller.results.tables import Tables
+from controller.results.tables import Tables, rows_of
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
     SUMMARY_KEY,
@@ -243,15 +242,14 @@ class _TableParts:
         """model_key → its summary part (JSON) of those of `keys` the tables hold."""
         if not keys:
             return {}
-        wanted = pa.array(sorted(set(keys)), type=pa.string())
+        wanted = set(keys)
         found: dict[str, str] = {}
         for batch in self.tables.models(["model_key", "parameters", "summary_part"],
                                         fallback=False):
-            mask = pc.is_in(batch.column(0), value_set=wanted)
+            rows = rows_of(batch, wanted)
             if self.expected is not None:
-                mask = pc.and_(mask, pc.equal(batch.column(1), self.expected))
-            hit = batch.filter(mask)
-            found.update(zip(hit.column(0).to_pylist(), hit.column(2).to_pylist(),
+                rows = rows.filter(pc.equal(rows.column(1), self.expected))
+            found.update(zip(rows.column(0).to_pylist(), rows.column(2).to_pylist(),
                              strict=True))
         return found
 

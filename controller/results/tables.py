@@ -250,6 +250,16 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
             for m, data in zip(markers, blobs, strict=True) if data is not None]
 
 
+def rows_of(batch: pa.RecordBatch, keys: Collection[str],
+            column: str = "model_key") -> pa.RecordBatch:
+    """The rows of `batch` whose `column` is one of `keys` (a set, for big ones). Not
+    pc.is_in: it builds its hash table of `keys` anew for every batch (measured: 43 s of 52
+    for summary.csv of 200,000 models in 1,565 parts)."""
+    names = batch.column(column).to_pylist()
+    return batch.take(pa.array([i for i, key in enumerate(names) if key in keys],
+                               type=pa.int64()))
+
+
 # What a ModelResult shell needs of a models row: who the model is, and its base.
 SHELL_COLUMNS = ("model_key", "model", "model_id", "revision", "relation", "base_model")
 
@@ -257,11 +267,11 @@ SHELL_COLUMNS = ("model_key", "model", "model_id", "revision", "relation", "base
 def model_shells(tables: Tables, keys: Collection[str] | None = None) -> list[ModelResult]:
     """A ModelResult without rows for each model of the tables (or of `keys`), sorted by key:
     what pairing models needs (ids, relation, base) at ~1 kB a model, not its layers."""
-    wanted = None if keys is None else pa.array(sorted(set(keys)), type=pa.string())
+    wanted = None if keys is None else set(keys)
     shells: list[ModelResult] = []
     for batch in tables.models(SHELL_COLUMNS):
         if wanted is not None:
-            batch = batch.filter(pc.is_in(batch.column(0), value_set=wanted))
+            batch = rows_of(batch, wanted)
         for row in batch.to_pylist():
             base = row["base_model"]
             marker = Marker(model=row["model"] or row["model_key"], model_key=row["model_key"],
@@ -276,11 +286,10 @@ def model_shells(tables: Tables, keys: Collection[str] | None = None) -> list[Mo
 def layer_rows(tables: Tables, keys: Collection[str]) -> dict[str, list[dict[str, Any]]]:
     """model_key → its layer rows (LAYER_COLUMNS, in layer order) for `keys`: one pass over
     the layers table, filtered as it is read."""
-    wanted = pa.array(sorted(set(keys)), type=pa.string())
+    wanted = set(keys)
     found: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for batch in tables.layers():
-        hit = batch.filter(pc.is_in(batch.column("model_key"), value_set=wanted))
-        for row in hit.to_pylist():
+        for row in rows_of(batch, wanted).to_pylist():
             found.setdefault(row["model_key"], []).append((row["layer_index"], row))
     return {key: [row for _, row in sorted(rows, key=lambda item: item[0])]
             for key, rows in found.items()}
