@@ -1,125 +1,151 @@
-"""The report's page, index.html, and the names of the files in a report folder it links to.
+"""The report's index page and the names of the files in a report folder it links to.
 
-Owns the page (what it covers, a table of models with their summary numbers and plot links,
-then the plots) and the report folder's file names. Holds no data of its own: the numbers are
-summary.csv's rows, the plots are controller.results.plots'. Plain HTML, relative links, no
-JavaScript.
+Owns the page: what it covers (store, counts, fit settings), the distributions of the
+headline metrics by family / relation / size (a PNG and a quantile table each), the layer
+alpha by family, top / bottom / outlier lists linking to per-model pages, the failures by
+cause, and how to open the full tables. Its size is fixed by groups and N, not by models.
+Holds no data of its own (overview.py, failures.py compute it). Plain HTML, relative
+links, no JavaScript.
 """
 
 from __future__ import annotations
 
 import html
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import datetime, timezone
-from typing import Any
 
-from controller.results.reader import ModelResult, number, short_name, table_name
-from esd_worker.core.store.layout import SUMMARY_KEY
+from controller.results.aggregates import ALPHA_BAND, QUANTILES, GroupedHistograms
+from controller.results.failures import FailureGroups
+from controller.results.overview import GROUPINGS, HEADLINE, Overview
+from esd_worker.core.store.layout import SUMMARY_KEY, TABLES_PREFIX
 
 INDEX_NAME = "index.html"
-SUMMARY_NAME = SUMMARY_KEY  # the report's own summary.csv: of the table reported on
-PARQUET_NAME = "layers.parquet"
-RELATION_PLOT = "alpha_by_relation.png"
-MODELS_FOLDER = "models/"  # models/<model_key>/ holds one model's plots
+MODELS_FOLDER = "models/"  # models/<model_key>/ holds one model's page and plots
+PAGE_NAME = "index.html"
 ALPHA_PLOT = "alpha.png"
 ESD_PLOT = "esd.png"
 VS_BASE_PLOT = "vs_base.png"
-INDEX_TABLE_MAX = 2000  # rows of the index's model table; summary.csv has every model
+PLOTS_FOLDER = "plots/"
+STYLE = ("<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
+         "table{border-collapse:collapse;font-size:13px;margin-bottom:1em}"
+         "th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}"
+         "th{background:#f0f0f0}td.l{text-align:left}img{max-width:100%;border:1px solid #ddd}"
+         ".note{background:#fff6d5;padding:6px 10px;border:1px solid #e6d28a}</style>")
+
+e = html.escape
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    """A table cell: `digits` decimals (counts, digits=0, as integers); missing or NaN a dash."""
-    f = number(value)
-    if value is None or value == "" or not math.isfinite(f):
+def fmt(value: float | int | None, digits: int = 3) -> str:
+    """A cell: `digits` decimals; missing or NaN a dash."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
-    return str(int(f)) if f.is_integer() and abs(f) < 1e15 and digits == 0 else f"{f:.{digits}f}"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def index_html(
-    results: Sequence[ModelResult],
-    summaries: Sequence[Mapping[str, Any]],
-    bases: Mapping[str, str],
-    plots: Mapping[str, Mapping[str, str]],
-    *,
-    source: str,
-    tag: str | None,
-    max_model_plots: int,
-    layers: int,
-) -> str:
-    """The report page: what it covers, a table of models with their summary numbers and
-    links to their plots, the across-model plot, then each plotted model's images. Links are
-    relative (the report folder can be copied or served as is); no JavaScript."""
-    e = html.escape
-    by_key = {r.key: r for r in results}
+def plot_name(metric: str, grouping: str) -> str:
+    return f"{PLOTS_FOLDER}{metric}_by_{grouping}.png"
+
+
+def model_link(key: str) -> str:
+    return f"{MODELS_FOLDER}{key}/{PAGE_NAME}"
+
+
+def head(title: str) -> list[str]:
+    return ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+            f"<title>{e(title)}</title>", STYLE, "</head><body>"]
+
+
+def _quantile_table(grouped: GroupedHistograms, alpha: bool) -> str:
+    cols = ["group", "count", *(f"p{round(q * 100)}" for q in QUANTILES)]
+    if alpha:
+        cols.append(f"α in [{ALPHA_BAND[0]:g}, {ALPHA_BAND[1]:g}]")
+    out = ["<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"]
+    for name, hist in grouped.ordered():
+        cells = [f'<td class="l">{e(name)}</td>', f"<td>{hist.count}</td>"]
+        cells += [f"<td>{fmt(q)}</td>" for q in hist.quantiles()]
+        if alpha:
+            cells.append(f"<td>{fmt(hist.band_share(), 2)}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    return "".join(out) + "</table>"
+
+
+def _model_list(title: str, rows: list[tuple[str, float]], names: Mapping[str, str],
+                linked: set[str], value: str) -> list[str]:
+    out = [f"<h4>{e(title)}</h4>", f"<table><tr><th>#</th><th>model</th><th>{e(value)}</th></tr>"]
+    for n, (key, v) in enumerate(rows, start=1):
+        name = e(names.get(key, key))
+        cell = f'<a href="{e(model_link(key))}">{name}</a>' if key in linked else name
+        out.append(f'<tr><td>{n}</td><td class="l">{cell}</td><td>{fmt(v)}</td></tr>')
+    return [*out, "</table>"]
+
+
+def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str | None,
+               parts: int, names: Mapping[str, str], linked: set[str],
+               plots: set[str]) -> str:
+    """The index page. names: model_key → model id of the listed models; linked: the keys
+    with a per-model page; plots: the distribution PNGs written (relative paths)."""
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    table = table_name(tag)
+    params, others = view.common_parameters
+    table = f"layers.{tag}.csv (refit, read from per-model files)" if tag else "results tables"
     out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>ESD report: {e(source)}</title>",
-        "<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
-        "table{border-collapse:collapse;font-size:13px}"
-        "th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}"
-        "th{background:#f0f0f0}td.l{text-align:left}img{max-width:100%;border:1px solid #ddd}"
-        ".note{background:#fff6d5;padding:6px 10px;border:1px solid #e6d28a}</style>",
-        "</head><body>",
+        *head(f"ESD report: {source}"),
         "<h1>ESD report</h1>",
-        f"<p>Results: <code>{e(source)}</code>; table <code>{e(table)}</code>; "
-        f"{len(results)} model(s), {layers} layers; generated {e(now)}.</p>",
-        f'<p>Files: <a href="{SUMMARY_NAME}">{SUMMARY_NAME}</a> (one row per model), '
-        f'<a href="{PARQUET_NAME}">{PARQUET_NAME}</a> (one row per layer of every model).</p>',
+        f"<p>Results: <code>{e(source)}</code>; from the {e(table)}; generated {e(now)}.</p>",
+        f"<p>{view.models} models, {view.layers} layers, "
+        f"{sum(1 for f in view.families)} families, {parts} parts.</p>",
+        f"<p>Fit settings: <code>{e(params) or '–'}</code>"
+        + (f"; {others} model(s) use other settings" if others else "") + ".</p>",
+        "<h2>Full tables</h2>",
+        f'<p>Every model: <code>{e(TABLES_PREFIX)}models/</code>, every layer: '
+        f"<code>{e(TABLES_PREFIX)}layers/</code> (hive-partitioned Parquet, by "
+        f"architecture), and <code>{e(SUMMARY_KEY)}</code>, in the results store.</p>",
+        "<pre>import pyarrow.dataset as ds\n"
+        f"models = ds.dataset(\"{e(source.rstrip('/'))}/{e(TABLES_PREFIX)}models\", "
+        "partitioning=\"hive\").to_table().to_pandas()</pre>",
     ]
-    plotted = sum(1 for r in results if r.key in plots)
-    if plotted < len(results):
-        out.append(
-            f'<p class="note">Per-model plots for the first {plotted} of {len(results)} '
-            f"models in the table's order (--max-model-plots {max_model_plots}); every model "
-            f"is in the table, {SUMMARY_NAME} and {PARQUET_NAME}.</p>"
-        )
-    shown = results[:INDEX_TABLE_MAX]
-    shown_keys = {r.key for r in shown}
-    if len(shown) < len(results):
-        out.append(f'<p class="note">The table lists the first {len(shown)} of '
-                   f"{len(results)} models; {SUMMARY_NAME} has them all.</p>")
-    cols = ["#", "model", "relation", "base", "layers", "ok", "α mean", "α median",
-            "α in [2, 6]", "stable rank", "log10 λmax", "log10 ‖W‖²", "plots"]
-    out.append("<h2>Models</h2><table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>")
-    for n, (r, s) in enumerate(zip(shown, summaries, strict=False), start=1):
-        base_key = bases.get(r.key, "")
-        if base_key in shown_keys:
-            base = f'<a href="#row-{e(base_key)}">{e(by_key[base_key].name)}</a>'
-        else:
-            base = e(short_name(r.base_ref)) if r.base_ref else ""
-        name = (f'<a href="#{e(r.key)}" title="{e(r.model_id)}">{e(r.name)}</a>'
-                if r.key in plots else f'<span title="{e(r.model_id)}">{e(r.name)}</span>')
-        links = " ".join(f'<a href="{e(path)}">{e(label)}</a>'
-                         for label, path in plots.get(r.key, {}).items())
-        cells = [
-            str(n),
-            name, e(r.relation), base,
-            _fmt(s.get("layers"), 0), _fmt(s.get("layers_ok"), 0),
-            _fmt(s.get("alpha_mean")), _fmt(s.get("alpha_median")),
-            _fmt(s.get("alpha_in_2_6_share"), 2), _fmt(s.get("stable_rank_mean"), 2),
-            _fmt(s.get("log_spectral_norm_mean")), _fmt(s.get("log_norm_mean")), links,
-        ]
-        left = {1, 2, 3, 12}
-        out.append(f'<tr id="row-{e(r.key)}">' + "".join(
-            f'<td class="l">{c}</td>' if i in left else f"<td>{c}</td>"
-            for i, c in enumerate(cells)) + "</tr>")
-    out.append("</table>")
-    out.append(f'<h2>Across models</h2><p><img src="{RELATION_PLOT}" '
-               'alt="distribution of alpha by relation"></p>')
-    out.append("<h2>Per model</h2>")
-    for r in results:
-        mine = plots.get(r.key)
-        if not mine:
-            continue
-        out.append(f'<h3 id="{e(r.key)}">{e(r.name)} <small>({e(r.relation)}, '
-                   f"<code>{e(r.key)}</code>)</small></h3>")
-        out.append(f"<p><small>{e(r.model_id)}</small></p>")
-        for label, path in mine.items():
-            out.append(f'<p><img src="{e(path)}" alt="{e(label)}: {e(r.name)}" '
-                       'loading="lazy"></p>')
+    out.append("<h2>Distributions</h2>")
+    for metric in HEADLINE:
+        out.append(f"<h3>{e(metric)}</h3>")
+        for grouping in GROUPINGS:
+            path = plot_name(metric, grouping)
+            out.append(f"<h4>by {e(grouping)}</h4>")
+            if path in plots:
+                out.append(f'<p><img src="{e(path)}" alt="{e(metric)} by {e(grouping)}" '
+                           'loading="lazy"></p>')
+            out.append(_quantile_table(view.hists[metric][grouping], metric.startswith("alpha")))
+    out.append("<h3>Layer α (fit ok) by family</h3>")
+    if plot_name("layer_alpha", "family") in plots:
+        out.append(f'<p><img src="{plot_name("layer_alpha", "family")}" '
+                   'alt="layer alpha by family" loading="lazy"></p>')
+    out.append(_quantile_table(view.layer_alpha, True))
+    out.append("<h2>Top, bottom and outliers</h2>")
+    for metric in HEADLINE:
+        out.append(f"<h3>{e(metric)}</h3>")
+        out += _model_list(f"Top {view.top[metric].n}", view.top[metric].rows(), names,
+                           linked, metric)
+        out += _model_list(f"Bottom {view.bottom[metric].n}", view.bottom[metric].rows(),
+                           names, linked, metric)
+        if metric in view.outliers and view.outliers[metric].rows():
+            out += _model_list("Outliers (|robust z| > 5)", view.outliers[metric].rows(),
+                               names, linked, "|z|")
+    out += failures_html(failures)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def failures_html(groups: FailureGroups) -> list[str]:
+    out = [f"<h2>Failures</h2><p>{groups.listed} failure record(s) in the store.</p>"]
+    if groups.not_read:
+        out.append(f'<p class="note">{groups.read + groups.unreadable} records read; the '
+                   f"other {groups.not_read} are counted from the listing only.</p>")
+    if groups.unreadable:
+        out.append(f"<p>{groups.unreadable} record(s) could not be read.</p>")
+    if not groups.counts:
+        return out
+    out.append("<table><tr><th>error</th><th>retryable</th><th>models</th>"
+               "<th>examples</th></tr>")
+    for error, retryable, count, examples in groups.rows():
+        out.append(f'<tr><td class="l">{e(error)}</td><td>{"yes" if retryable else "no"}</td>'
+                   f'<td>{count}</td><td class="l">{e(", ".join(examples))}</td></tr>')
+    return [*out, "</table>"]

@@ -1,4 +1,5 @@
-"""The report's PNG plots: α per layer, the ESD of chosen layers, adapter vs base, α by relation.
+"""The report's PNG plots: α per layer, the ESD of chosen layers, adapter vs base, and a
+metric's distribution by group (from the report's histograms).
 
 Owns how a model's numbers are drawn (matplotlib on the Agg canvas, no pyplot state). Each
 plot function takes ModelResults and returns PNG bytes; where they are written is the
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from controller.results.aggregates import GroupedHistograms
 from controller.results.extras import require
-from controller.results.reader import ModelResult, number, relation_order
+from controller.results.reader import ModelResult, number
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -118,64 +119,28 @@ def plot_alpha(result: ModelResult) -> bytes:
     return _png(fig)
 
 
-@dataclass
-class RelationAlphas:
-    """Layer α (ok fits) and model mean α by relation, gathered one model at a time."""
-
-    layers: dict[str, list[float]] = field(default_factory=dict)
-    means: dict[str, list[float]] = field(default_factory=dict)
-    models: dict[str, int] = field(default_factory=dict)
-
-    def add(self, result: ModelResult) -> None:
-        alphas = [number(row.get("alpha")) for row in result.rows
-                  if row.get("status") == "ok"]
-        alphas = [a for a in alphas if math.isfinite(a)]
-        rel = result.relation
-        self.models[rel] = self.models.get(rel, 0) + 1
-        self.layers.setdefault(rel, []).extend(alphas)
-        if alphas:
-            self.means.setdefault(rel, []).append(float(np.mean(alphas)))
-
-
-def plot_alpha_by_relation(results: Sequence[ModelResult] | RelationAlphas) -> bytes:
-    """Distribution of layer α (ok fits) per relation as box plots, with each model's mean α
-    as a dot beside its box; the 2–6 band shaded; α above ALPHA_CLIP counted, not drawn."""
-    stats = results if isinstance(results, RelationAlphas) else RelationAlphas()
-    if not isinstance(results, RelationAlphas):
-        for r in results:
-            stats.add(r)
-    groups, means, models = stats.layers, stats.means, stats.models
-    order = sorted(groups, key=relation_order)
-    fig = _figure(max(6.0, 1.6 * len(order) + 3.0), 4.6)
+def plot_distribution(grouped: GroupedHistograms, title: str) -> bytes:
+    """One metric's distribution by group as overlaid step histograms (fraction of each
+    group's models per bin, so small groups stay visible); at most 13 groups, largest first."""
+    fig = _figure(7.5, 4.0)
     ax = fig.subplots()
-    _band(ax)
-    top = _alpha_limits(a for rel in order for a in groups[rel])
-    data = [[a for a in groups[rel] if a <= top] for rel in order]
-    positions = list(range(1, len(order) + 1))
-    if any(data):
-        ax.boxplot([d if d else [math.nan] for d in data], positions=positions, widths=0.45,
-                   showfliers=True, flierprops={"markersize": 3, "alpha": 0.5},
-                   medianprops={"color": "tab:orange", "lw": 2})
-    rng = np.random.default_rng(0)  # fixed jitter: the same store gives the same picture
-    for pos, rel in zip(positions, order, strict=True):
-        m = [min(v, top) for v in means.get(rel, [])]
-        if m:
-            x = pos + 0.33 + rng.uniform(-0.06, 0.06, len(m))
-            ax.scatter(x, m, s=18, color="tab:purple", zorder=3,
-                       label="model mean α" if pos == positions[0] else None)
-        over = sum(1 for a in groups[rel] if a > top)
-        if over:
-            ax.annotate(f"+{over} > {top:.0f}", (pos, top), xytext=(0, -12),
-                        textcoords="offset points", ha="center", fontsize=8)
-    ax.plot([], [], color="tab:orange", lw=2, label="median (box: quartiles)")
-    labels = [f"{rel}\n{models[rel]} model(s)\n{len(groups[rel])} layers" for rel in order]
-    ax.set_xticks(positions, labels)
-    ax.set_xlim(0.4, len(order) + 0.8)
-    ax.set_ylim(0, top)
-    ax.set_ylabel("α per layer (fit ok)")
-    ax.set_title("α across models by relation", fontsize=11)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(loc="upper right", fontsize=8)
+    drawn = False
+    for name, hist in grouped.ordered()[:13]:
+        if not hist.count:
+            continue
+        edges = hist.edges
+        share = hist.counts / hist.count
+        ax.stairs(share, edges, lw=2.2 if name == "all" else 1.2,
+                  color="black" if name == "all" else None, label=f"{name} ({hist.count})")
+        drawn = True
+    if grouped.groups and next(iter(grouped.groups.values())).log:
+        ax.set_xscale("log")
+    ax.set_xlabel(grouped.metric)
+    ax.set_ylabel("share of the group per bin")
+    ax.set_title(title, fontsize=11)
+    ax.grid(True, alpha=0.3)
+    if drawn:
+        ax.legend(loc="upper right", fontsize=7, ncol=2)
     return _png(fig)
 
 

@@ -1,11 +1,12 @@
-"""`esd-sweep report`: a results store for people: summary.csv, layers.parquet, plots, index.html.
+"""`esd-sweep report`: a results store for people, at any number of models.
 
-Owns the command (its settings and flags) and the order of the work: read the markers, then
-stream the layer tables a chunk at a time through the summary, the Parquet file and the
-plots, then write the page. Computes no metrics (the numbers are the worker's or a refit's)
-and draws nothing itself: reading is controller.results.reader, rows summary, the Parquet
-file parquet, pictures plots, the page and the folder's file names html. matplotlib and
-pyarrow (the `[report]` extra) are imported only when a report is written.
+Owns the command (its settings and flags) and the order of the work: the overview of all
+models in streaming passes over the results tables (overview.py; for a refit --tag, over
+the per-model files a chunk at a time: taggedtables.py), the failures by cause
+(failures.py), the distribution plots, the pages of the models the index lists (one
+filtered pass over the layers table for their rows: pages.py), then index.html (html.py).
+Memory is bounded by bins, groups and the listed models, not by the store's size.
+matplotlib and pyarrow (the `[report]` extra) are imported only when a report is written.
 """
 
 from __future__ import annotations
@@ -13,56 +14,40 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from controller.errors import ResultsError
 from controller.results.extras import require
-from controller.results.html import (
-    ALPHA_PLOT,
-    ESD_PLOT,
-    INDEX_NAME,
-    MODELS_FOLDER,
-    PARQUET_NAME,
-    RELATION_PLOT,
-    SUMMARY_NAME,
-    VS_BASE_PLOT,
-    index_html,
-)
-from controller.results.parquet import LayersParquet, layers_table
-from controller.results.plots import (
-    DEFAULT_ESD_LAYERS,
-    RelationAlphas,
-    plot_alpha,
-    plot_alpha_by_relation,
-    plot_esd,
-    plot_vs_base,
-)
+from controller.results.failures import group_failures
+from controller.results.html import INDEX_NAME, index_html, plot_name
+from controller.results.overview import GROUPINGS, HEADLINE, Overview, build_overview
+from controller.results.pages import with_rows, write_model_page
+from controller.results.plots import DEFAULT_ESD_LAYERS, plot_distribution
 from controller.results.reader import (
     ModelResult,
     base_keys,
-    iter_results,
     no_table_error,
     open_results,
-    read_eigs,
-    read_model_markers,
     read_refit_record,
-    relation_order,
-    warn_damaged,
 )
-from controller.results.summary import summary_rows, summary_to_csv
+from controller.results.tables import SHELL_COLUMNS, Tables, rows_of
+from controller.results.taggedtables import TaggedTables
 from esd_worker.core.command.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
 from esd_worker.core.store.layout import REPORT_PREFIX, is_tag
-from esd_worker.core.store.marker import DamagedResult
+from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.stores import Store
+from esd_worker.core.store.tables import LAYERS_TABLE, MODELS_TABLE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_PLOTS = 50
+# Every model the index lists (6 metrics x top, bottom, outliers of 20) gets a page.
+DEFAULT_MAX_MODEL_PLOTS = 400
 MAX_ESD_LAYERS = 10**6  # --esd-layers: more than any model has (0: all)
+TOP_N = 20
 
 
 @dataclass(frozen=True)
@@ -71,9 +56,9 @@ class ReportSettings:
 
     results: the results location (directory, file:// or s3://).
     out: where the report goes; None = `<results>/report/`.
-    tag: report on layers.<tag>.csv (a refit) instead of layers.csv.
-    max_model_plots: per-model plots (α, ESD, vs base) for at most this many models, the
-        first in the index's order (default 50); 0 = none.
+    tag: report on layers.<tag>.csv (a refit) instead of the results tables.
+    max_model_plots: pages (with plots) for at most this many of the models the index
+        lists (default 400: all of them); 0 = none, and no links.
     esd_layers: layers per ESD plot, at α quantiles (default 6); 0 = all layers.
     threads: concurrent reads from the store (default 16).
     """
@@ -123,22 +108,6 @@ class _Prefixed:
         self.files.append(key)
 
 
-def _order(results: Sequence[ModelResult], bases: Mapping[str, str]) -> list[ModelResult]:
-    """Index order: base models each followed by their adapters, then the rest, by name."""
-    by_key = {r.key: r for r in results}
-    adapters: dict[str, list[ModelResult]] = {}
-    for r in results:
-        if r.key in bases:
-            adapters.setdefault(bases[r.key], []).append(r)
-    ordered: list[ModelResult] = []
-    for r in sorted(results, key=lambda r: (relation_order(r.relation), r.name, r.key)):
-        if r.key in bases and bases[r.key] in by_key:
-            continue  # placed after its base
-        ordered.append(r)
-        ordered.extend(sorted(adapters.get(r.key, []), key=lambda a: (a.name, a.key)))
-    return ordered
-
-
 def _refit_thresh(store: Store, tag: str | None) -> float | None:
     """The evals_thresh a refit table was fitted with (its record's), for the ESD plots."""
     if not tag:
@@ -150,91 +119,104 @@ def _refit_thresh(store: Store, tag: str | None) -> float | None:
     return None
 
 
-def write_report(settings: ReportSettings) -> Report:
-    """Read the results and write summary.csv, layers.parquet, the plots and index.html.
+def _listed(view: Overview) -> list[str]:
+    """The keys the index lists, in page order (top, bottom, outliers per metric), once."""
+    keys: dict[str, None] = {}
+    for metric in HEADLINE:
+        for lists in (view.top, view.bottom, view.outliers):
+            if metric in lists:
+                keys.update((key, None) for key, _ in lists[metric].rows())
+    return list(keys)
 
-    Markers are read first (they decide the order and the adapters' bases); layer tables
-    then stream through a chunk at a time into the Parquet file, the summary and the
-    across-model statistics, so memory does not grow with every layer of a large store.
-    """
+
+def write_report(settings: ReportSettings) -> Report:
+    """Read the results and write the distribution plots, the listed models' pages and
+    index.html (see the module's docstring for the passes)."""
     settings.validate()
     t0 = time.perf_counter()
     store = open_results(settings.results)
-    markers = read_model_markers(store, threads=settings.threads)
-    # Fail before any work when matplotlib or pyarrow is missing.
-    require("matplotlib")
-    parquet = LayersParquet()
+    require("matplotlib")  # fail before any work when the [report] extra is missing
+    tables: Tables | TaggedTables = (
+        TaggedTables(store, settings.tag, threads=settings.threads) if settings.tag
+        else Tables(store, threads=min(settings.threads, 8)))
+    view = build_overview(tables, n=TOP_N)  # type: ignore[arg-type]
+    if not view.models:
+        if settings.tag:
+            raise no_table_error(store, settings.tag)
+        raise ResultsError(f"no results in {store.url}: no <model_key>/result.json found")
     if settings.out:
         target, where = _Prefixed(open_store(settings.out), ""), settings.out
     else:
         target = _Prefixed(store, REPORT_PREFIX)
         where = store.url.rstrip("/") + "/" + REPORT_PREFIX.rstrip("/")
-    shells = [ModelResult(k, m, []) for k, m in markers.items()]
-    bases = base_keys(shells)
-    wanted_bases = set(bases.values())
-    order = [r.key for r in _order(shells, bases)]
-    thresh = _refit_thresh(store, settings.tag)
-
-    included: list[ModelResult] = []
-    summaries: list[dict[str, Any]] = []
-    relations = RelationAlphas()
-    plots: dict[str, dict[str, str]] = {}
-    seen_bases: dict[str, ModelResult] = {}  # bases of adapters still to plot
-    layers = 0
-    for r in iter_results(store, markers, order, tag=settings.tag, threads=settings.threads):
-        included.append(ModelResult(r.key, r.marker, []))
-        summaries.extend(summary_rows([r], store, recompute=bool(settings.tag)))
-        relations.add(r)
-        table = layers_table([r], bases)
-        layers += table.num_rows
-        parquet.add(table)
-        if len(plots) < settings.max_model_plots:
-            if r.key in wanted_bases:
-                seen_bases[r.key] = r
-            plots[r.key] = _model_plots(store, r, seen_bases.get(bases.get(r.key, "")),
-                                        settings.esd_layers, thresh, target.put)
-    if not included:
-        raise no_table_error(store, settings.tag)
-    target.put(SUMMARY_NAME, summary_to_csv(summaries))
-    target.put(PARQUET_NAME, parquet.finish())
-    target.put(RELATION_PLOT, plot_alpha_by_relation(relations))
-    page = index_html(
-        included, summaries, bases, plots, source=store.url, tag=settings.tag,
-        max_model_plots=settings.max_model_plots, layers=layers,
-    )
+    plots: set[str] = set()
+    for metric in HEADLINE:
+        for grouping in GROUPINGS:
+            path = plot_name(metric, grouping)
+            target.put(path, plot_distribution(view.hists[metric][grouping],
+                                               f"{metric} by {grouping}"))
+            plots.add(path)
+    path = plot_name("layer_alpha", "family")
+    target.put(path, plot_distribution(view.layer_alpha, "layer α (fit ok) by family"))
+    plots.add(path)
+    listed = _listed(view)
+    rows = _model_rows(tables, set(listed))
+    linked = _pages(store, tables, listed[:settings.max_model_plots], rows, settings,
+                    target.put)
+    failures = group_failures(store, threads=settings.threads)
+    parts = (len(tables.parts(MODELS_TABLE)) + len(tables.parts(LAYERS_TABLE))
+             if isinstance(tables, Tables) else 0)
+    names = {key: str(row.get("model_id") or key) for key, row in rows.items()}
+    page = index_html(view, failures, source=store.url, tag=settings.tag, parts=parts,
+                      names=names, linked=linked, plots=plots)
     target.put(INDEX_NAME, page.encode("utf-8"))
-    log.info("report of %d model(s), %d layers, plots for %d, in %s (%.1fs)", len(included),
-             layers, len(plots), where, time.perf_counter() - t0)
-    return Report(where, tuple(target.files), len(included), layers, len(plots))
+    log.info("report of %d model(s), %d layers, pages for %d, in %s (%.1fs)", view.models,
+             view.layers, len(linked), where, time.perf_counter() - t0)
+    return Report(where, tuple(target.files), view.models, view.layers, len(linked))
 
 
-def _model_plots(
-    store: Store,
-    result: ModelResult,
-    base: ModelResult | None,
-    esd_layers: int,
-    evals_thresh: float | None,
-    put: Callable[[str, bytes], None],
-) -> dict[str, str]:
-    """Write one model's plots under models/<key>/; label → path of those written."""
-    mine: dict[str, str] = {}
-    folder = f"{MODELS_FOLDER}{result.key}/"
-    put(folder + ALPHA_PLOT, plot_alpha(result))
-    mine["α per layer"] = folder + ALPHA_PLOT
-    try:
-        eigs = read_eigs(store, result)
-    except DamagedResult as e:  # the table is whole (read_table checked it): plot without
-        warn_damaged(result.key, e)
-        eigs = None
-    esd = plot_esd(result, eigs, count=esd_layers, evals_thresh=evals_thresh) if eigs else None
-    if esd is not None:
-        put(folder + ESD_PLOT, esd)
-        mine["ESD"] = folder + ESD_PLOT
-    vs = plot_vs_base(result, base) if base is not None else None
-    if vs is not None:
-        put(folder + VS_BASE_PLOT, vs)
-        mine["vs base"] = folder + VS_BASE_PLOT
-    return mine
+def _model_rows(tables: Tables | TaggedTables, keys: set[str]) -> dict[str, dict[str, Any]]:
+    """The models rows of `keys` (one pass over the models table)."""
+    found: dict[str, dict[str, Any]] = {}
+    if keys:
+        for batch in tables.models():
+            for row in rows_of(batch, keys).to_pylist():
+                found[row["model_key"]] = row
+    return found
+
+
+def _shell(row: Mapping[str, Any]) -> ModelResult:
+    base = row.get("base_model")
+    marker = Marker(model=row.get("model") or row["model_key"], model_key=row["model_key"],
+                    model_id=row.get("model_id"), revision=row.get("revision"),
+                    relation=row.get("relation") or "",
+                    base_model=BaseModelRef(base) if base else None)
+    return ModelResult(row["model_key"], marker, [])
+
+
+def _pages(store: Store, tables: Tables | TaggedTables, keys: list[str],
+           rows: Mapping[str, Mapping[str, Any]], settings: ReportSettings,
+           put: Any) -> set[str]:
+    """Pages of `keys` (and their adapters' bases among them for vs-base plots); one
+    filtered pass over the layers table for their layer rows."""
+    if not keys:
+        return set()
+    shells = [_shell({k: rows[key].get(k) for k in SHELL_COLUMNS}) for key in keys
+              if key in rows]
+    bases = base_keys(shells)
+    wanted = {s.key for s in shells}
+    layers: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for batch in tables.layers():
+        for row in rows_of(batch, wanted).to_pylist():
+            layers.setdefault(row["model_key"], []).append((row["layer_index"], row))
+    full = {s.key: with_rows(s, [r for _, r in sorted(layers.get(s.key, []),
+                                                         key=lambda item: item[0])])
+            for s in shells}
+    thresh = _refit_thresh(store, settings.tag)
+    for key, result in full.items():
+        write_model_page(store, result, rows[key], full.get(bases.get(key, "")),
+                         esd_layers=settings.esd_layers, evals_thresh=thresh, put=put)
+    return set(full)
 
 
 # --------------------------------------------------------------------------- the command
@@ -249,8 +231,9 @@ def add_report_flags(parser: argparse.ArgumentParser) -> None:
              help="report on the refit tables layers.<TAG>.csv instead of layers.csv")
     add_flag(parser, "--max-model-plots", type=int_in(0, MAX_ROWS),
              default=DEFAULT_MAX_MODEL_PLOTS,
-             metavar="N", help="per-model plots for at most N models (default "
-             f"{DEFAULT_MAX_MODEL_PLOTS}; 0: none); the tables always hold every model")
+             metavar="N",
+             help="pages with plots for at most N of the models the index lists (default "
+             f"{DEFAULT_MAX_MODEL_PLOTS}: all; 0: none); the tables hold every model")
     add_flag(parser, "--esd-layers", type=int_in(0, MAX_ESD_LAYERS),
              default=DEFAULT_ESD_LAYERS, metavar="N",
              help=f"layers per ESD plot, chosen at α quantiles (default {DEFAULT_ESD_LAYERS}; "
@@ -268,7 +251,7 @@ def run_report(args: argparse.Namespace) -> int:
     index = f"{report.where.rstrip('/')}/{INDEX_NAME}"
     if "://" not in report.where:
         index = str(Path(index))
-    print(f"report: {report.models} model(s), {report.layers} layers, per-model plots for "
+    print(f"report: {report.models} model(s), {report.layers} layers, per-model pages for "
           f"{report.plotted_models}; {len(report.files)} files in {report.where}")
     print(f"open {index}")
     return 0

@@ -6,14 +6,11 @@ store in test_report; here, hand-made results (tests.support.results.make_result
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from controller.results import plots
-from controller.results.plots import RelationAlphas
-from esd_worker.core.store.marker import BaseModelRef
+from controller.results.aggregates import GroupedHistograms
 from tests.support.results import make_result, png_size
 
 
@@ -44,18 +41,15 @@ def test_plot_alpha_marks_failed_and_clipped_layers() -> None:
     assert width >= 600 and height >= 400
 
 
-def test_relation_alphas_gather_ok_fits_by_relation() -> None:
-    """Layer α of ok fits only (NaN and fit_failed left out); one mean per model with any:
-    base (2 + 4) / 2 = 3; the adapter's relation comes from its marker's adapter field."""
-    stats = RelationAlphas()
-    stats.add(make_result([2.0, 4.0, math.nan], ["ok", "ok", "fit_failed"], relation="base"))
-    stats.add(make_result([math.nan], ["fit_failed"], adapter={"r": 8},
-                          base_model=BaseModelRef("org/m")))
-    assert stats.layers == {"base": [2.0, 4.0], "adapter": []}
-    assert stats.means == {"base": [3.0]}
-    assert stats.models == {"base": 1, "adapter": 1}
-    width, height = png_size(plots.plot_alpha_by_relation(stats))
-    assert width >= 600 and height >= 400
+@pytest.mark.parametrize("metric", ["alpha_mean", "stable_rank_mean"])
+def test_plot_distribution_draws_each_group(metric: str) -> None:
+    """A metric by group (linear or log bins) is a real PNG of the figure's size (750 x 400);
+    an empty grouping still draws its axes."""
+    grouped = GroupedHistograms(metric, bins=50)
+    grouped.add(np.array([3.0, 4.0, 5.0, 30.0]), np.array(["a", "a", "b", "b"], dtype=object))
+    width, height = png_size(plots.plot_distribution(grouped, metric))
+    assert (width, height) == (750, 400)
+    assert png_size(plots.plot_distribution(GroupedHistograms(metric), metric)) == (750, 400)
 
 
 @pytest.mark.parametrize(

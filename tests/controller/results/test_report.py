@@ -1,17 +1,17 @@
-"""`esd-sweep report`: summary.csv, layers.parquet, PNG plots and index.html from a results store.
+"""`esd-sweep report`: distribution plots, per-model pages and index.html from a results store.
 
 The example store is made by the real worker (in this process, CPU) on three models: a tiny
 GPT-2 (relation base), a LoRA adapter on it (adapter; adapter_config.json names the GPT-2
 directory as its base) and the real all-MiniLM-L6-v2 (finetune: it is a fine-tune of
 MiniLM-L6-H384). tests.support.results.example_results builds it once per session; the other
 results tests use it too, each on a copy of its own. The parts have tests of their own:
-test_reader, test_summary, test_parquet, test_plots, test_html.
+test_reader, test_aggregates, test_overview, test_plots, test_html. The example store has
+no results tables: the report reads its models through the tables' per-model fallback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,13 +23,10 @@ from controller.results.html import (
     ALPHA_PLOT,
     ESD_PLOT,
     INDEX_NAME,
-    PARQUET_NAME,
-    RELATION_PLOT,
-    SUMMARY_NAME,
+    PAGE_NAME,
     VS_BASE_PLOT,
 )
 from controller.results.report import ReportSettings, write_report
-from esd_worker.core.store.results import LAYER_COLUMNS, layers_from_csv
 from tests.support.results import (
     Links,
     copy_example,
@@ -54,13 +51,15 @@ def written(example: Path) -> Path:
 
 
 def test_report_writes_every_file(written: Path, example: Path) -> None:
-    """Tables and the across-model plot once; α and ESD plots for every model (all three have
+    """The index and the 19 distribution plots (6 metrics x 3 groupings + layer α); a page
+    with α and ESD plots for every listed model (all three: each is in some top 20; all have
     eigs.npz); the adapter-vs-base plot only for the adapter, whose base is in the store."""
     keys = keys_by_relation(example)
-    for name in (SUMMARY_NAME, PARQUET_NAME, INDEX_NAME, RELATION_PLOT):
-        assert (written / name).is_file(), name
+    assert (written / INDEX_NAME).is_file()
+    assert len(list((written / "plots").glob("*.png"))) == 19
     for relation, key in keys.items():
         folder = written / "models" / key
+        assert (folder / PAGE_NAME).is_file()
         assert (folder / ALPHA_PLOT).is_file()
         assert (folder / ESD_PLOT).is_file()
         assert (folder / VS_BASE_PLOT).is_file() == (relation == "adapter")
@@ -72,11 +71,10 @@ def _pngs(root: Path) -> list[Path]:
 
 def test_plots_are_real_non_empty_pngs(written: Path) -> None:
     """Every plot is a PNG with a plausible size: at least 400 × 300 pixels at 100 dpi (the
-    smallest figure is 6 × 4.6 inches) and more than 10 kB (an empty 600 × 460 canvas is
-    ~3 kB: axes, labels and points make the rest). 3 models: 3 α + 3 ESD + 1 vs base +
-    the across-model plot = 8 files."""
+    smallest figure is 7.5 × 4 inches) and more than 10 kB (an empty canvas is ~3 kB: axes,
+    labels and lines make the rest). 19 distributions + 3 α + 3 ESD + 1 vs base = 26."""
     pngs = _pngs(written)
-    assert len(pngs) == 8, pngs
+    assert len(pngs) == 26, pngs
     for path in pngs:
         data = path.read_bytes()
         width, height = png_size(data)
@@ -93,87 +91,41 @@ def test_esd_plot_is_a_grid_of_the_chosen_layers(written: Path, example: Path) -
     assert 1200 <= width <= 1400 and 650 <= height <= 800, (width, height)
 
 
-def test_index_references_existing_files(written: Path, example: Path) -> None:
-    """Every link and image of index.html is relative and exists in the report folder; every
-    in-page anchor has its target; every model is in the table; every plot is shown."""
-    page = (written / INDEX_NAME).read_text()
+def _links(page: Path) -> Links:
     links = Links()
-    links.feed(page)
-    files = [r for r in links.refs if not r.startswith("#")]
-    anchors = [r[1:] for r in links.refs if r.startswith("#")]
-    assert files and anchors
-    for ref in files:
-        assert "://" not in ref and not ref.startswith("/"), ref
-        assert (written / ref).is_file(), ref
-    assert set(anchors) <= links.ids
-    for key in keys_by_relation(example).values():
-        assert key in links.ids
-    shown = {ref for ref in files if ref.endswith(".png")}
-    assert shown == {p.relative_to(written).as_posix() for p in _pngs(written)}
+    links.feed(page.read_text())
+    return links
 
 
-def test_parquet_has_every_layer_of_every_model(written: Path, example: Path) -> None:
-    """One row per layers.csv row of each model (in that order), the layer table's columns
-    plus model_key, model, relation, base_key, layer_index; numbers equal to the CSV's cells
-    (floats written with repr read back exactly); the adapter's base_key is the GPT-2's."""
-    pq = pytest.importorskip("pyarrow.parquet")
-    table = pq.read_table(written / PARQUET_NAME)
-    keys = keys_by_relation(example)
-    expected_rows = {k: layers_from_csv((example / k / "layers.csv").read_bytes())
-                     for k in keys.values()}
-    assert table.num_rows == sum(len(rows) for rows in expected_rows.values())
-    assert table.column_names == [
-        "model_key", "model", "relation", "base_key", "layer_index", *LAYER_COLUMNS
-    ]
-    assert str(table.schema.field("alpha").type) == "double"
-    assert str(table.schema.field("M").type) == "int64"
-    data = table.to_pylist()
-    for key, rows in expected_rows.items():
-        mine = [r for r in data if r["model_key"] == key]
-        assert [r["layer"] for r in mine] == [r["layer"] for r in rows]
-        assert [r["layer_index"] for r in mine] == list(range(len(rows)))
-        for got, want in zip(mine, rows, strict=True):
-            assert got["alpha"] == float(want["alpha"])
-            assert got["spectral_norm"] == float(want["spectral_norm"])
-            assert got["M"] == int(want["M"])
-            assert got["status"] == want["status"]
-    adapter_rows = [r for r in data if r["model_key"] == keys["adapter"]]
-    assert {r["base_key"] for r in adapter_rows} == {keys["base"]}
-    assert {r["relation"] for r in adapter_rows} == {"adapter"}
-    assert {r["base_key"] for r in data if r["model_key"] != keys["adapter"]} == {None}
-
-
-def test_summary_csv_has_the_markers_numbers(written: Path, example: Path) -> None:
-    """report/summary.csv holds one row per model with the statistics the worker stored in
-    its marker's summary (controller.results.summary's columns and encoding)."""
-    import csv
-
-    rows = list(csv.DictReader((written / SUMMARY_NAME).open()))
-    assert len(rows) == 3
-    for row in rows:
-        marker = json.loads((example / row["model_key"] / "result.json").read_text())
-        assert float(row["alpha_mean"]) == marker["summary"]["alpha_mean"]
-        assert int(row["layers"]) == marker["summary"]["layers"]
-        assert row["relation"] == marker["relation"]
+def test_index_references_existing_files(written: Path, example: Path) -> None:
+    """Every link and image of index.html and of the model pages is relative and exists;
+    every model of the store has a page linked from the index; the index shows the 19
+    distribution plots, the pages their model's plots."""
+    links = _links(written / INDEX_NAME)
+    for ref in links.refs:
+        assert "://" not in ref and not ref.startswith("/") and (written / ref).is_file(), ref
+    pages = {f"models/{key}/{PAGE_NAME}" for key in keys_by_relation(example).values()}
+    assert pages <= set(links.refs)
+    assert len({r for r in links.refs if r.endswith(".png")}) == 19
+    for page in pages:
+        folder = (written / page).parent
+        for ref in _links(written / page).refs:
+            assert (folder / ref).resolve().is_file(), (page, ref)
+    text = (written / INDEX_NAME).read_text()
+    assert "3 models," in text and "_tables/models/" in text and "summary.csv" in text
 
 
 def test_max_model_plots_caps_per_model_plots_and_says_so(example: Path, tmp_path: Path) -> None:
-    """With --max-model-plots 1 only the first model of the index (the base GPT-2: base
-    models come first) gets per-model plots; the index says how many of how many; the
-    tables still hold all three models. --out writes to another directory."""
+    """With --max-model-plots 1 only the first model the index lists (the top alpha_mean)
+    gets a page, and only it is linked; --out writes to another directory."""
     out = tmp_path / "site"
     result = write_report(ReportSettings(results=str(example), out=str(out),
                                          max_model_plots=1, esd_layers=2))
     assert result.plotted_models == 1 and result.models == 3
-    assert [p.name for p in (out / "models").iterdir()] == [keys_by_relation(example)["base"]]
-    page = (out / INDEX_NAME).read_text()
-    assert "Per-model plots for the first 1 of 3 models" in page
-    assert "--max-model-plots 1" in page
-    assert len((out / SUMMARY_NAME).read_text().splitlines()) == 1 + 3
-    links = Links()
-    links.feed(page)
-    assert {r[1:] for r in links.refs if r.startswith("#")} <= links.ids
-    assert all((out / r).is_file() for r in links.refs if not r.startswith("#"))
+    assert len(list((out / "models").iterdir())) == 1
+    links = _links(out / INDEX_NAME)
+    assert len({r for r in links.refs if r.startswith("models/")}) == 1
+    assert all((out / r).is_file() for r in links.refs)
 
 
 def test_missing_location_is_one_line_usage_error(tmp_path: Path) -> None:

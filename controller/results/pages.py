@@ -1,0 +1,84 @@
+"""The report's per-model pages (models/<model_key>/index.html) and their plots, made only
+for the models the index links to.
+
+Owns: which plots a model gets (α per layer, ESD when eigs.npz is there, vs base for an
+adapter whose base is also selected) and its page of summary numbers. The layer rows
+come from one filtered pass over the layers table (tables.layer_rows), not a read per
+model; the eigenvalues from <key>/eigs.npz. Not owned: drawing (plots.py), the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from controller.results.html import (
+    ALPHA_PLOT,
+    ESD_PLOT,
+    MODELS_FOLDER,
+    PAGE_NAME,
+    VS_BASE_PLOT,
+    e,
+    fmt,
+    head,
+)
+from controller.results.plots import plot_alpha, plot_esd, plot_vs_base
+from controller.results.reader import ModelResult, read_eigs, warn_damaged
+from esd_worker.core.store.marker import DamagedResult
+from esd_worker.core.store.stores import Store
+
+# The summary numbers shown on a model's page, from its models row.
+PAGE_FIELDS = ("model_id", "revision", "relation", "base_model", "architecture", "family",
+               "num_params", "layers", "layers_ok", "alpha_mean", "alpha_median",
+               "alpha_weighted_mean", "stable_rank_mean", "log_spectral_norm_mean",
+               "entropy_mean", "device", "total_s", "finished_at", "parameters")
+
+
+def with_rows(shell: ModelResult, rows: list[dict[str, Any]]) -> ModelResult:
+    """A shell (no rows) with its layer rows, as the plots read them (strings)."""
+    text = [{k: ("" if v is None else str(v)) for k, v in row.items()} for row in rows]
+    return replace(shell, rows=text)
+
+
+def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, str]) -> str:
+    """A model's page: its summary numbers, then its plots (paths relative to the page)."""
+    out = [
+        *head(f"ESD: {result.model_id}"),
+        '<p><a href="../../index.html">← report</a></p>',
+        f"<h1>{e(result.name)}</h1><p><code>{e(result.key)}</code></p>",
+        "<table>",
+    ]
+    for name in PAGE_FIELDS:
+        value = row.get(name)
+        cell = fmt(value) if isinstance(value, float) else e("" if value is None else str(value))
+        out.append(f'<tr><th>{e(name)}</th><td class="l">{cell}</td></tr>')
+    out.append("</table>")
+    for label, path in plots.items():
+        out.append(f'<h2>{e(label)}</h2><p><img src="{e(path)}" alt="{e(label)}"></p>')
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def write_model_page(store: Store, result: ModelResult, row: Mapping[str, Any],
+                     base: ModelResult | None, *, esd_layers: int,
+                     evals_thresh: float | None, put: Callable[[str, bytes], None]) -> None:
+    """Draw one model's plots and write its page under models/<key>/."""
+    folder = f"{MODELS_FOLDER}{result.key}/"
+    plots: dict[str, str] = {}
+    put(folder + ALPHA_PLOT, plot_alpha(result))
+    plots["α per layer"] = ALPHA_PLOT
+    try:
+        eigs = read_eigs(store, result)
+    except DamagedResult as err:  # the rows are whole: plot without the spectra
+        warn_damaged(result.key, err)
+        eigs = None
+    esd = plot_esd(result, eigs, count=esd_layers, evals_thresh=evals_thresh) if eigs else None
+    if esd is not None:
+        put(folder + ESD_PLOT, esd)
+        plots["ESD"] = ESD_PLOT
+    vs = plot_vs_base(result, base) if base is not None else None
+    if vs is not None:
+        put(folder + VS_BASE_PLOT, vs)
+        plots["vs base"] = VS_BASE_PLOT
+    put(folder + PAGE_NAME, model_page(result, row, plots).encode("utf-8"))
