@@ -24,6 +24,7 @@ from controller.gpu.exporter import add_exporter_flags, run_exporter
 from controller.gpu.gpurule import add_gpu_rule_flags, gpu_rule_from_args
 from controller.gpu.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, MAX_CHECKS, GpuSettings
 from controller.output.lease import add_wait_lock_flag
+from controller.results.compact import add_compact_flags, run_compact
 from controller.results.compare import add_compare_flags, run_compare
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
@@ -213,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_refit_flags(refit)
     _add_common(refit)
+
+    compact = sub.add_parser(
+        "compact", help="the results tables: add the models no part holds, merge small parts"
+    )
+    add_compact_flags(compact)
+    _add_common(compact)
 
     compare = sub.add_parser(
         "compare", help="per-layer differences between two results (or adapter vs base)"
@@ -412,7 +419,8 @@ def _dispatch(args: argparse.Namespace) -> tuple[int, str]:
     """Run the subcommand: (exit status, one-line error message or "")."""
     handlers = {
         "run": _run, "status": _status, "report": run_report, "refit": run_refit,
-        "compare": run_compare, "gpu-exporter": run_exporter, "doctor": run_doctor,
+        "compact": run_compact, "compare": run_compare, "gpu-exporter": run_exporter,
+        "doctor": run_doctor,
     }
     try:
         return handlers[args.command](args), ""
