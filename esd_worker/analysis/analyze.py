@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 ADAPTER_RELATIONS = frozenset({"adapter", "lora", "peft"})
 # progress(layers done so far, the model's bytes on disk or None: unchanged)
 Progress = Callable[[int, "int | None"], None]
+# done(the marker written, the layer rows of layers.csv): a batch's results-tables writer
+Done = Callable[[Marker, Sequence[dict[str, Any]]], None]
 
 
 def select_device(requested: str) -> torch.device:
@@ -290,6 +292,7 @@ def analyse_model(
     model_key: str | None = None,
     resolve: Callable[[str], ResolvedModel] = resolve_model,
     progress: Progress | None = None,
+    done: Done | None = None,
 ) -> Marker:
     """Analyse settings.model and write layers.csv, eigs.npz and result.json (last) to the store.
 
@@ -297,10 +300,11 @@ def analyse_model(
     caller that has downloaded them already hands in its own. progress: called as
     progress(layers done, bytes on disk) once the files are there (0 layers; the model's
     bytes with its base's) and after each layer (bytes None: unchanged): a long-lived
-    worker's heartbeat. Returns the marker written (result.json).
+    worker's heartbeat. done: called with the marker and the layer rows once the marker is
+    written. Returns the marker written (result.json).
     """
     return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve,
-                              progress=progress)
+                              progress=progress, done=done)
 
 
 def analyse_model_with(
@@ -313,6 +317,7 @@ def analyse_model_with(
     devices: Sequence[torch.device] | None = None,
     capacity: Capacity = device_capacity,
     progress: Progress | None = None,
+    done: Done | None = None,
 ) -> Marker:
     """analyse_model, with the speculation switch (esd_worker.analysis.speculate): auto decides by
     the
@@ -451,6 +456,8 @@ def analyse_model_with(
         "model=%s key=%s done: %d layers %s in %.2fs",
         settings.model, key, len(job.rows), dict(statuses), marker.total_s,
     )
+    if done is not None:  # the rows at hand: nobody reads layers.csv back for the tables
+        done(marker, job.rows)
     return marker
 
 

@@ -3,10 +3,10 @@ the batch loop.
 
 Owns the process side of a long-lived worker: which shard of a sharded run a pod takes
 (`locate_shard`), the protocol stream (stdout kept for protocol lines only: stray prints go
-to stderr), the batch's exit code, and the one-line summary. Imports torch only once the
-store has been checked (esd_worker.cli). Does not own the shard keys (esd_worker.core.store.layout)
-nor
-how the controller splits a run into shards.
+to stderr), the batch's exit code, the one-line summary, and the results-tables writer's
+life (esd_worker.serve.tablewriter: written as the batch goes, and when it ends or stops).
+Imports torch only once the store has been checked (esd_worker.cli). Does not own the shard
+keys (esd_worker.core.store.layout) nor how the controller splits a run into shards.
 
 Exit codes of a batch (the codes themselves are esd_worker.core.errors'):
 
@@ -58,7 +58,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,7 @@ from esd_worker.core.errors import (
 )
 from esd_worker.core.protocol import Request, event_line
 from esd_worker.core.redact import redact
+from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.stores import Store
 from esd_worker.serve.batch import Batch, BatchSettings, Heartbeat, ProcessPoisoned, node_label
 from esd_worker.serve.inbox import Inbox, requests_from_list
@@ -169,9 +170,19 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
     if args.serve:  # after the check: a worker on a broken node answers no request
         inbox.read_from(sys.stdin)
 
+    # The finished models' table rows, written as parts as the batch goes and when it ends
+    # or stops (a SIGTERM, a drain, a poisoned process: the `finally` below).
+    from esd_worker.core.store.tables import DoneModel  # pyarrow: only a batch needs it
+    from esd_worker.serve.tablewriter import TableWriter
+
+    tables = TableWriter(store).start()
+
+    def add_to_tables(marker: Marker, rows: Sequence[dict[str, Any]]) -> None:
+        tables.add(DoneModel(marker, rows))
+
     def analyse(settings: WorkerSettings, target: Store, key: str) -> Any:
         return analyse_model(settings, store=target, model_key=key, resolve=prefetcher.resolve,
-                             progress=heartbeat)
+                             progress=heartbeat, done=add_to_tables)
 
     batch = Batch(
         # A shard's pod retry must not retry what failed for good in this run: that record is
@@ -190,7 +201,13 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
                   "fresh one takes the next models", e.exit_code)
         return e.exit_code
     finally:
-        prefetcher.close()
+        try:  # first: a stop's grace period (the supervisor's, a pod's) is for this
+            tables.close()
+        finally:
+            prefetcher.close()
+        if tables.parts_written:
+            log.info("results tables: %d model(s) written in %d part(s)", tables.models_written,
+                     tables.parts_written)
     log.info("batch: %d done, %d failed, %d skipped in %.1fs", tally.done, tally.failed,
              tally.skipped, time.perf_counter() - started)
     return batch_exit_code(batch.exit_code, sharded=shard is not None)

@@ -20,6 +20,7 @@ from esd_worker.core.protocol import MODEL_BEGIN, MODEL_END, Request
 from esd_worker.core.store.layout import attempt_key, failure_key, marker_key
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import LocalStore
+from tests.esd_worker.test_table_writer import assert_tables_match_the_files
 from tests.support.builders import worker_command
 from tests.support.s3server import S3Server, serve_s3
 
@@ -69,6 +70,9 @@ def test_a_model_list_in_one_process_and_the_same_command_again(
     assert record.stderr_tail[-1].startswith("esd-worker: error: model not found")
     assert all(store.exists(marker_key(r.key)) for r in (rows[0], rows[2]))
     assert not any(store.list_keys("_attempts/"))
+    # The done models' results-tables parts, written when the batch ended.
+    assert "results tables: 2 model(s) written in 2 part(s)" in first.stderr
+    assert_tables_match_the_files(store, [rows[0].key, rows[2].key])
 
     again = run_models(model_list, tmp_path, "--skip-failed")
     assert again.returncode == 0, again.stderr
