@@ -188,28 +188,19 @@ def write_summary(
     not read again. The others come from the results tables (controller.results.tables:
     each model's row there holds its summary part), `bucket` models of the list at a time;
     what no table holds from its marker, read concurrently `chunk` at a time, found by one
-    listing when more than `direct_lookups`. Streams: rows are written as they are found
-    (Store.put_parts), so memory does not grow with the list beyond 8 bytes a model (the
-    first row of each key wins: controller.keyset.SeenKeys), a bucket's rows and parts, and
-    the rows held to decide on the listing (up to `direct_lookups` not found elsewhere).
+    listing once more than `direct_lookups` were looked for. Streams: rows are written as
+    they are found (Store.put_parts), so memory does not grow with the list beyond 8 bytes a
+    model (the first row of each key wins: controller.keyset.SeenKeys) and a bucket's rows
+    and parts.
     """
     known = KnownMarkers() if known is None else known
     # Compared as stored, canonicalised once (not per marker: lists of 10^5 models).
     expected = None if parameters is None else canonical_parameters(parameters)
     tables = _TableParts.of(store, expected, threads=threads)
-    listed = _first_of_each_key(models)
-    head: list[ModelRow] = []
-    unknown = 0
-    for model in listed:  # whether to list the store: count the lookups, up to the limit
-        head.append(model)
-        unknown += model.key not in known and (tables is None or model.key not in tables)
-        if unknown > direct_lookups:
-            break
-    present = KeySet(iter_markers(store)) if unknown > direct_lookups else None
-    rows = _Rows(store, known, expected, present, tables, threads=threads, chunk=chunk,
-                 bucket=bucket if tables is not None else chunk)
+    rows = _Rows(store, known, expected, tables, threads=threads, chunk=chunk,
+                 bucket=bucket if tables is not None else chunk, direct_lookups=direct_lookups)
     store.put_parts(summary_key(), csv_parts(
-        SUMMARY_COLUMNS, rows.of(itertools.chain(head, listed)),
+        SUMMARY_COLUMNS, rows.of(_first_of_each_key(models)),
         lambda value, _column: _cell(value)))
     return rows.count
 
@@ -259,10 +250,11 @@ class _Rows:
     markers, read a chunk at a time."""
 
     def __init__(self, store: Store, known: KnownMarkers, expected: Mapping[str, Any] | None,
-                 present: KeySet | None, tables: _TableParts | None, *, threads: int,
-                 chunk: int, bucket: int) -> None:
+                 tables: _TableParts | None, *, threads: int, chunk: int, bucket: int,
+                 direct_lookups: int) -> None:
         self.store, self.known, self.expected = store, known, expected
-        self.present, self.tables = present, tables
+        self.present: KeySet | None = None
+        self.tables, self.direct_lookups, self.lookups = tables, direct_lookups, 0
         self.threads, self.chunk, self.bucket = threads, chunk, max(bucket, chunk)
         self.count = 0
 
@@ -280,9 +272,13 @@ class _Rows:
 
     def _chunk(self, chunk: Sequence[ModelRow],
                tabled: Mapping[str, str]) -> Iterator[dict[str, Any]]:
-        present = self.present
-        unknown = [m.key for m in chunk if m.key not in self.known and m.key not in tabled
-                   and (present is None or m.key in present)]
+        unknown = [m.key for m in chunk if m.key not in self.known and m.key not in tabled]
+        if self.present is None and self.lookups + len(unknown) > self.direct_lookups:
+            # Past direct_lookups markers to look for, one listing says which exist.
+            self.present = KeySet(iter_markers(self.store))
+        if self.present is not None:
+            unknown = [key for key in unknown if key in self.present]
+        self.lookups += len(unknown)
         markers = read_markers(self.store, unknown, threads=self.threads)
         done: list[tuple[ModelRow, Marker]] = []
         for model in chunk:
