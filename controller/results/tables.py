@@ -23,7 +23,7 @@ import io
 import itertools
 import logging
 from array import array
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,16 +33,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from controller.keyset import KeySet
-from controller.results.reader import ModelResult
+from controller.results.reader import ModelResult, read_table, warn_damaged
 from esd_worker.core.store.layout import (
     fetch_all,
     iter_markers,
+    load_marker,
     marker_key,
     model_file_key,
-    parse_marker,
 )
-from esd_worker.core.store.marker import BaseModelRef, Marker
-from esd_worker.core.store.results import layers_from_csv
+from esd_worker.core.store.marker import BaseModelRef, DamagedResult, Marker, MarkerError
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import (
     LAYER_SCHEMA,
@@ -86,6 +85,12 @@ class Tables:
         self.archs = None if archs is None else frozenset(archs)
         self._parts: dict[str, list[PartKey]] | None = None
         self._newest: _Newest | None = None
+        self._warned: set[str] = set()  # damaged models met by the fallback: one line each
+
+    def _damaged(self, key: str, e: DamagedResult) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_damaged(key, e)
 
     # -- parts -----------------------------------------------------------------------------
 
@@ -220,7 +225,7 @@ class Tables:
         missing = self.missing_keys()
         while chunk := list(itertools.islice(missing, FALLBACK_CHUNK)):
             done = read_done_models(self.store, chunk, threads=self.threads,
-                                    archs=self.archs)
+                                    archs=self.archs, on_damaged=self._damaged)
             yield from part_tables(done).values()
 
 
@@ -233,21 +238,38 @@ def _hashes(keys: Sequence[str]) -> np.ndarray:
 
 
 def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
-                     archs: Collection[str] | None = None) -> list[DoneModel]:
-    """The DoneModels of `keys` from their per-model files (marker, layers.csv); a key whose
-    marker is gone or unreadable, or whose table is missing, is left out (the marker is the
-    truth: without a readable one the model is not done)."""
+                     archs: Collection[str] | None = None,
+                     on_damaged: Callable[[str, DamagedResult], None] = warn_damaged,
+                     ) -> list[DoneModel]:
+    """The DoneModels of `keys` from their per-model files (marker, layers.csv), checked as
+    every reader of those files checks them (a marker this version reads; a table whole as
+    its marker seals it: controller.results.reader.read_table). A damaged model is left out
+    and handed to on_damaged (default: its one line, warn_damaged); a marker gone since the
+    listing, or without its table, is left out quietly (not done: the plan runs it again)."""
     markers: list[Marker] = []
     for key, data in zip(keys, fetch_all(store, [marker_key(k) for k in keys],
                                          threads=threads), strict=True):
-        marker = parse_marker(key, data)
-        if marker is not None and (archs is None
-                                   or arch_partition(marker.architecture) in archs):
+        if data is None:
+            continue
+        try:
+            marker = load_marker(key, data)
+        except MarkerError as e:
+            on_damaged(key, DamagedResult(f"{marker_key(key)} is not a marker this "
+                                          f"version reads: {e}"))
+            continue
+        if archs is None or arch_partition(marker.architecture) in archs:
             markers.append(marker)
     blobs = fetch_all(store, [model_file_key(m.model_key, m.layers_name) for m in markers],
                       threads=threads)
-    return [DoneModel(m, layers_from_csv(data))
-            for m, data in zip(markers, blobs, strict=True) if data is not None]
+    done: list[DoneModel] = []
+    for marker, data in zip(markers, blobs, strict=True):
+        if data is None:
+            continue
+        try:
+            done.append(DoneModel(marker, read_table(marker, marker.layers_name, data)))
+        except DamagedResult as e:
+            on_damaged(marker.model_key, e)
+    return done
 
 
 def rows_of(batch: pa.RecordBatch, keys: Collection[str],
