@@ -16,6 +16,7 @@ import pytest
 
 from controller.results.reader import ModelResult
 from esd_worker.core.store.marker import Marker
+from esd_worker.core.store.stores import LocalStore
 
 EXAMPLE_DONE = ".example-complete"
 
@@ -106,3 +107,16 @@ class Links(html.parser.HTMLParser):
                 self.refs.append(value)
             if name == "id" and value:
                 self.ids.add(value)
+
+
+class CountingStore(LocalStore):
+    """A LocalStore that notes every key it is asked for (`got`): to check what a reader
+    did not read."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.got: list[str] = []
+
+    def get_bytes(self, key: str) -> bytes | None:
+        self.got.append(key)
+        return super().get_bytes(key)

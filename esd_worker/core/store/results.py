@@ -109,7 +109,7 @@ SUMMARY_FIELDS: tuple[str, ...] = (
 )
 
 
-def _number(value: Any) -> float:
+def number(value: Any) -> float:
     """A layers.csv cell or a row value as float; empty, None or unparsable → NaN."""
     if value is None or isinstance(value, bool):
         return math.nan
@@ -140,7 +140,7 @@ def summarize_layers(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """
     rows = list(rows)
     ok = [row for row in rows if str(row.get("status", "")).strip() == "ok"]
-    alphas = _finite(_number(row.get("alpha")) for row in ok)
+    alphas = _finite(number(row.get("alpha")) for row in ok)
     summary: dict[str, Any] = {"layers": len(rows), "layers_ok": len(ok)}
     summary["alpha_mean"] = _mean(alphas)
     summary["alpha_median"] = float(np.median(alphas)) if alphas else None
@@ -149,7 +149,7 @@ def summarize_layers(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         sum(1 for a in alphas if 2.0 <= a <= 6.0) / len(ok) if ok else None
     )
     for col in _NORM_MEANS:
-        summary[f"{col}_mean"] = _mean(_finite(_number(row.get(col)) for row in rows))
+        summary[f"{col}_mean"] = _mean(_finite(number(row.get(col)) for row in rows))
     for col in _ALPHA_MEANS:
-        summary[f"{col}_mean"] = _mean(_finite(_number(row.get(col)) for row in ok))
+        summary[f"{col}_mean"] = _mean(_finite(number(row.get(col)) for row in ok))
     return {field: summary[field] for field in SUMMARY_FIELDS}

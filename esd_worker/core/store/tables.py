@@ -32,7 +32,12 @@ import pyarrow.parquet as pq
 
 from esd_worker.core.store.layout import TABLES_PREFIX
 from esd_worker.core.store.marker import Marker, canonical_parameters
-from esd_worker.core.store.results import LAYER_COLUMNS, SUMMARY_FIELDS, summarize_layers
+from esd_worker.core.store.results import (
+    LAYER_COLUMNS,
+    SUMMARY_FIELDS,
+    number,
+    summarize_layers,
+)
 from esd_worker.core.store.stores import Store
 
 MODELS_TABLE = "models"
@@ -169,22 +174,13 @@ def parameters_text(parameters: Mapping[str, Any]) -> str:
     return json.dumps(canonical_parameters(parameters), sort_keys=True, separators=(",", ":"))
 
 
-def _number(value: Any) -> float:
-    if value is None or isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
-
-
 def _int(value: Any) -> int | None:
-    f = _number(value)
+    f = number(value)
     return int(f) if math.isfinite(f) else None
 
 
 def _float(value: Any) -> float | None:
-    f = _number(value)
+    f = number(value)
     return None if value is None or value == "" else f
 
 
@@ -193,7 +189,7 @@ def _layer_cell(column: str, value: Any) -> Any:
         return None if value is None or value == "" else str(value)
     if column in _INT_LAYER_COLUMNS:
         return _int(value)
-    return _number(value)
+    return number(value)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import layers_from_csv, layers_to_csv
 from esd_worker.core.store.stores import LocalStore, Store
+from tests.support.results import CountingStore
 
 PARAMS = AnalysisSettings().as_dict()
 
@@ -313,14 +314,6 @@ def test_format_summary_table_cells(cell: str, text: str) -> None:
 # --- a run's summary: markers the plan read are not read again -------------------------------
 
 
-class CountingStore(LocalStore):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.gets: list[str] = []
-
-    def get_bytes(self, key: str) -> bytes | None:
-        self.gets.append(key)
-        return super().get_bytes(key)
 
 
 def test_a_run_summary_reads_only_the_markers_its_plan_did_not(tmp_path: Path) -> None:
@@ -338,10 +331,10 @@ def test_a_run_summary_reads_only_the_markers_its_plan_did_not(tmp_path: Path) -
     plan = ListPlan(lambda: [a, b, c], store, PARAMS, on_done=known.add).scan()
     assert plan.counts.done == 2 and plan.counts.todo == 1 and a.key in known
     put_model(store, b)  # analysed during the run
-    store.gets.clear()
+    store.got.clear()
     assert write_summary(store, plan.rows(), parameters=PARAMS, known=known) == 3
     incremental = read_summary(store)
-    assert sorted(store.gets) == sorted([f"{b.key}/result.json", f"{c.key}/result.json",
+    assert sorted(store.got) == sorted([f"{b.key}/result.json", f"{c.key}/result.json",
                                          f"{c.key}/layers.csv", "summary.csv"])
     assert write_summary(store, [a, b, c], parameters=PARAMS) == 3
     assert incremental == read_summary(store)

@@ -28,6 +28,7 @@ from esd_worker.core.store.marker import BaseModelRef, Marker
 from esd_worker.core.store.results import SUMMARY_FIELDS, layers_to_csv
 from esd_worker.core.store.stores import LocalStore, Store
 from esd_worker.core.store.tables import DoneModel, write_parts
+from tests.support.results import CountingStore
 
 PARAMS = AnalysisSettings().as_dict()
 # summary.csv of synthetic_store(300) as write_summary wrote it before it streamed
@@ -240,19 +241,9 @@ def test_summary_from_the_tables_is_the_same_file(
     for start in range(0, len(done), 40):
         write_parts(store, done[start:start + 40])
     tabled = {d.marker.model_key for d in done}
-    read = CountingStore(store)
+    read = CountingStore(store.root)
     write_summary(read, iter(rows), parameters=PARAMS, bucket=bucket)
     assert store.get_bytes("summary.csv") == GOLDEN.read_bytes()
     assert not {marker_key(k) for k in tabled} & set(read.got)
 
 
-class CountingStore(LocalStore):
-    """A LocalStore over another's folder that notes every key read."""
-
-    def __init__(self, store: LocalStore) -> None:
-        super().__init__(store.root)
-        self.got: list[str] = []
-
-    def get_bytes(self, key: str) -> bytes | None:
-        self.got.append(key)
-        return super().get_bytes(key)

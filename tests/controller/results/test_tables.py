@@ -29,6 +29,7 @@ from esd_worker.core.store.tables import (
     write_part,
     write_parts,
 )
+from tests.support.results import CountingStore
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 
@@ -50,14 +51,6 @@ def rows(batches: Iterator[pa.RecordBatch]) -> list[dict[str, object]]:
     return [row for batch in batches for row in batch.to_pylist()]
 
 
-class CountingStore(LocalStore):
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.got: list[str] = []
-
-    def get_bytes(self, key: str) -> bytes | None:
-        self.got.append(key)
-        return super().get_bytes(key)
 
 
 def test_each_model_once_its_newest_row_and_that_rows_layers(tmp_path: Path) -> None:
