@@ -234,10 +234,18 @@ def malformed_copy(master: Path, tmp_path: Path, how: str, change: Any) -> tuple
     return store, key
 
 
+# The report reads a marker as refit and compare do (load_marker, then the sealed table), so
+# it is run for one case of each kind of damage (a name, a key, a number, the bytes), not for
+# all 27: each report draws ~20 plots (3-4 s).
+REPORT_CASES = frozenset({"table-out-of-the-store", "key-of-another-folder", "nan",
+                          "not-utf8", "seal-of-a-path"})
+
+
 @pytest.mark.parametrize(("how", "change"), MARKER_CASES.values(), ids=MARKER_CASES.keys())
 def test_a_malformed_marker_leaves_its_model_out_of_report_refit_and_compare(
     master: Path, tmp_path: Path, how: str, change: Any,
     capsys: pytest.CaptureFixture[str], restore_logging: None,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Each command exits 0 for the other two models, names the malformed one on one line
     (what to delete to have it analysed again) and never follows the marker's names."""
@@ -246,11 +254,12 @@ def test_a_malformed_marker_leaves_its_model_out_of_report_refit_and_compare(
     store, key = malformed_copy(master, tmp_path, how, change)
     others = [k for r, k in keys_by_relation(master).items() if r != "base"]
 
-    assert main(["report", "--output-dir", str(store), "--max-model-plots", "0"]) == 0
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err and len(warnings_naming(err, key)) == 1, err
-    assert f"delete {key}/result.json" in warnings_naming(err, key)[0]
-    assert f"report: {len(others)} model(s)" in out
+    if request.node.callspec.id in REPORT_CASES:
+        assert main(["report", "--output-dir", str(store), "--max-model-plots", "0"]) == 0
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and len(warnings_naming(err, key)) == 1, err
+        assert f"delete {key}/result.json" in warnings_naming(err, key)[0]
+        assert f"report: {len(others)} model(s)" in out
 
     assert main(["refit", "--output-dir", str(store), "--tag", "again"]) == 0
     err = capsys.readouterr().err
