@@ -1,4 +1,4 @@
-"""The optional `[report]` extra: matplotlib and pyarrow, imported only when a report is written.
+"""The optional `[report]` extra: matplotlib, imported only when a report is written.
 
 Owns the one error that says how to install them. refit and compare never call this, so they
 work without the extra; nothing here draws or writes.

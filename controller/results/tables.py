@@ -189,7 +189,7 @@ class Tables:
         yield from self._rows(MODELS_TABLE, columns, MODEL_SCHEMA)
         if fallback:
             for models, _ in self._fallback():
-                yield from _select(models, columns).to_batches(BATCH_ROWS)
+                yield from select_columns(models, columns).to_batches(BATCH_ROWS)
 
     def layers(self, columns: Sequence[str] | None = None, *,
                fallback: bool = True) -> Iterator[pa.RecordBatch]:
@@ -197,7 +197,7 @@ class Tables:
         yield from self._rows(LAYERS_TABLE, columns, LAYER_SCHEMA)
         if fallback:
             for _, layers in self._fallback():
-                yield from _select(layers, columns).to_batches(BATCH_ROWS)
+                yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
 
     def _rows(self, table: str, columns: Sequence[str] | None,
               schema: pa.Schema) -> Iterator[pa.RecordBatch]:
@@ -229,7 +229,7 @@ class Tables:
             yield from part_tables(done).values()
 
 
-def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
+def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     return table if columns is None else table.select(list(columns))
 
 
@@ -240,12 +240,13 @@ def _hashes(keys: Sequence[str]) -> np.ndarray:
 def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
                      archs: Collection[str] | None = None,
                      on_damaged: Callable[[str, DamagedResult], None] = warn_damaged,
-                     ) -> list[DoneModel]:
+                     table: str | None = None) -> list[DoneModel]:
     """The DoneModels of `keys` from their per-model files (marker, layers.csv), checked as
     every reader of those files checks them (a marker this version reads; a table whole as
     its marker seals it: controller.results.reader.read_table). A damaged model is left out
     and handed to on_damaged (default: its one line, warn_damaged); a marker gone since the
-    listing, or without its table, is left out quietly (not done: the plan runs it again)."""
+    listing, or without its table, is left out quietly (not done: the plan runs it again).
+    table: another layer table of the model's folder (a refit's layers.<TAG>.csv)."""
     markers: list[Marker] = []
     for key, data in zip(keys, fetch_all(store, [marker_key(k) for k in keys],
                                          threads=threads), strict=True):
@@ -259,14 +260,16 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
             continue
         if archs is None or arch_partition(marker.architecture) in archs:
             markers.append(marker)
-    blobs = fetch_all(store, [model_file_key(m.model_key, m.layers_name) for m in markers],
+    names = [table or m.layers_name for m in markers]
+    blobs = fetch_all(store, [model_file_key(m.model_key, name)
+                              for m, name in zip(markers, names, strict=True)],
                       threads=threads)
     done: list[DoneModel] = []
-    for marker, data in zip(markers, blobs, strict=True):
+    for marker, name, data in zip(markers, names, blobs, strict=True):
         if data is None:
             continue
         try:
-            done.append(DoneModel(marker, read_table(marker, marker.layers_name, data)))
+            done.append(DoneModel(marker, read_table(marker, name, data)))
         except DamagedResult as e:
             on_damaged(marker.model_key, e)
     return done

@@ -16,15 +16,9 @@ from dataclasses import replace
 
 import pyarrow as pa
 
-from controller.results.reader import read_table, table_name, warn_damaged
-from esd_worker.core.store.layout import (
-    fetch_all,
-    iter_markers,
-    marker_key,
-    model_file_key,
-    parse_marker,
-)
-from esd_worker.core.store.marker import DamagedResult, Marker
+from controller.results.reader import table_name
+from controller.results.tables import read_done_models, select_columns
+from esd_worker.core.store.layout import iter_markers
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import DoneModel, part_tables
 
@@ -39,37 +33,17 @@ class TaggedTables:
 
     def models(self, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
         for models, _ in self._chunks():
-            yield from _select(models, columns).to_batches()
+            yield from select_columns(models, columns).to_batches()
 
     def layers(self, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
         for _, layers in self._chunks():
-            yield from _select(layers, columns).to_batches()
+            yield from select_columns(layers, columns).to_batches()
 
     def _chunks(self) -> Iterator[tuple[pa.Table, pa.Table]]:
         keys = iter_markers(self.store)
         name = table_name(self.tag)
         while chunk := list(itertools.islice(keys, CHUNK)):
-            markers: list[Marker] = []
-            for key, data in zip(chunk, fetch_all(self.store, [marker_key(k) for k in chunk],
-                                                  threads=self.threads), strict=True):
-                marker = parse_marker(key, data)
-                if marker is not None:
-                    markers.append(marker)
-            blobs = fetch_all(self.store, [model_file_key(m.model_key, name) for m in markers],
-                              threads=self.threads)
-            done: list[DoneModel] = []
-            for marker, blob in zip(markers, blobs, strict=True):
-                if blob is None:
-                    continue
-                try:
-                    rows = read_table(marker, name, blob)
-                except DamagedResult as e:
-                    warn_damaged(marker.model_key, e)
-                    continue
-                # The marker's summary is of layers.csv: recompute it from the refit's rows.
-                done.append(DoneModel(replace(marker, summary=None), rows))
-            yield from part_tables(done).values()
-
-
-def _select(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
-    return table if columns is None else table.select(list(columns))
+            done = read_done_models(self.store, chunk, threads=self.threads, table=name)
+            # The marker's summary is of layers.csv: recompute it from the refit's rows.
+            yield from part_tables([DoneModel(replace(d.marker, summary=None), d.layers)
+                                    for d in done]).values()
