@@ -94,22 +94,30 @@ class Prefetcher:
         self._wake.set()  # a model is starting: what comes after it may be fetched now
         with self._lock:
             self._current.add(ref)
-            entry = self._entries.get(ref)
-        if entry is not None:
-            if self.sized is not None and entry.size and not entry.result.done():
+            ahead = self._entries.get(ref)
+        if ahead is not None:
+            if self.sized is not None and ahead.size and not ahead.result.done():
                 # Still downloading ahead: its size now, not after the rest of the download.
-                self.sized(0, entry.size + self._current_bytes(ref))
+                self.sized(0, ahead.size + self._current_bytes(ref))
             try:
-                return entry.result.result()
+                return ahead.result.result()
             except TransientError as e:  # it may have been the network then: try again now
                 log.info("prefetch of %s failed (%s); fetching again", ref, e)
-                self._let_go(entry, evict=False)
+                with self._lock:
+                    if self._entries.get(ref) is ahead:
+                        del self._entries[ref]
+                self._let_go(ahead, evict=False)
         if is_local_path(ref):
             return resolve_model(ref)
         # Held from now on (its size once known), so the read-ahead leaves it room.
         entry = _Entry(ref, split_model_ref(ref)[0], None)
         with self._lock:
-            self._entries[ref] = entry
+            # The read-ahead may have registered it since (a base an upcoming adapter names):
+            # one entry per reference, or a second lock on the repo would outlive the entry
+            # that holds it and keep the repo from ever being evicted.
+            ahead = self._entries.setdefault(ref, entry)
+        if ahead is not entry:
+            return self.resolve(ref)
         try:
             entry.hold = self._hold(entry.model_id)
             files = model_files(ref, cache_dir=self.cache_dir)
@@ -195,7 +203,8 @@ class Prefetcher:
                 continue  # the model just taken comes first: its size is not known yet
             for request in self.inbox.upcoming(self.depth):
                 # all() stops at the first ref that must wait for room in the budget.
-                if self._stop.is_set() or not all(self._fetch(r) for r in request.refs):
+                if self._stop.is_set() or not all(self._fetch(r, request)
+                                                  for r in request.refs):
                     break
                 self._fetch_adapter_base(request)
 
@@ -214,8 +223,9 @@ class Prefetcher:
             # Its base is known once the analysis resolves it (it joins _current).
             return not any(r != current.model for r in self._current)
 
-    def _fetch(self, ref: str) -> bool:
-        """Fetch ref ahead; False when it must wait for room in the budget."""
+    def _fetch(self, ref: str, request: Request) -> bool:
+        """Fetch ref (which `request` needs) ahead; False when it must wait for room in the
+        budget."""
         with self._lock:
             if ref in self._entries:
                 return True
@@ -228,7 +238,8 @@ class Prefetcher:
             entry = _Entry(ref, split_model_ref(ref)[0], 0)
             entry.result.set_exception(e)
             with self._lock:
-                self._entries[ref] = entry
+                if self._ahead(request):
+                    self._entries.setdefault(ref, entry)
             return True
         if self.limit is not None and files.total_bytes > self.limit:
             entry = _Entry(ref, files.model_id, 0)  # its turn raises this, nothing fetched
@@ -237,9 +248,12 @@ class Prefetcher:
             except PermanentModelError as e:
                 entry.result.set_exception(e)
             with self._lock:
-                self._entries.setdefault(ref, entry)
+                if self._ahead(request):
+                    self._entries.setdefault(ref, entry)
             return True
         with self._lock:
+            if ref in self._entries or not self._ahead(request):
+                return True  # its turn came while it was sized: the main thread fetches it
             sizes = [e.size for e in self._entries.values()]
             held = sum(size or 0 for size in sizes)
             if None in sizes or (self.budget is not None and held
@@ -263,6 +277,12 @@ class Prefetcher:
         except Exception as e:
             entry.result.set_exception(e)
 
+    def _ahead(self, request: Request) -> bool:
+        """Whether `request` is still queued (under self._lock). Sizing is an HTTP call: the
+        main thread may have taken the request meanwhile, fetched it itself, analysed it and
+        evicted its repo; an entry made now would download it again for no one."""
+        return any(queued is request for queued in self.inbox.upcoming(self.depth))
+
     def _fetch_adapter_base(self, request: Request) -> None:
         """An adapter whose base is not given: its adapter_config.json names it."""
         if request.base_model:
@@ -277,7 +297,7 @@ class Prefetcher:
         except (OSError, ValueError, AttributeError):
             return
         if isinstance(base, str) and base:
-            self._fetch(base)
+            self._fetch(base, request)
 
 
 def _is_adapter(files: ModelFiles) -> bool:

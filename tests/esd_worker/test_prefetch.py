@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +189,49 @@ def test_a_repo_another_worker_holds_is_not_evicted_under_it(
     assert other.release(hold, evict=True) is True
     assert not folder.exists()
 
+
+
+# The real Prefetcher in a process of its own (huggingface_hub reads HF_ENDPOINT at import):
+# the read-ahead thread is sizing the queued model (the hub holds that request) when the main
+# thread takes it, fetches it, is done with it and closes.
+_RACE = """
+import sys
+from pathlib import Path
+from esd_worker.core.protocol import Request
+from esd_worker.serve.inbox import Inbox
+from esd_worker.serve.prefetch import Prefetcher
+
+request = Request(key="k", model=sys.argv[2])
+inbox = Inbox([request], closed=True)
+prefetcher = Prefetcher(inbox, depth=1, cache_dir=Path(sys.argv[1]), own_cache=True)
+sys.stdin.readline()  # the read-ahead is sizing it now
+assert inbox.take() is request
+prefetcher.resolve(request.model)
+prefetcher.finished(request)
+prefetcher.close()
+"""
+
+
+def test_a_model_taken_while_the_read_ahead_sizes_it_is_fetched_once_and_evicted(
+    hub: HubServer, tmp_path: Path
+) -> None:
+    """The read-ahead's sizing call is slow; meanwhile the model's turn comes and the main
+    thread fetches, finishes and evicts it. The read-ahead then leaves it be: no second
+    download, no second lock on the repo, nothing left in the workers' folder."""
+    cache = tmp_path / "cache"
+    slow = hub.delay(MODELS[0], 2.0, on="api")
+    env = hub.env(tmp_path / "hf") | {"PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _RACE, str(cache), MODELS[0]], env=env,
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while slow.times and time.monotonic() < deadline:  # its request reached the hub
+        time.sleep(0.02)
+    assert slow.times == 0, "the read-ahead never sized the model"
+    _, err = proc.communicate("go\n", timeout=60)
+    assert proc.returncode == 0, err
+    assert len([r for r in hub.calls("GET", kind="cdn") if r.repo == MODELS[0]]) == 1
+    assert sorted(p.name for p in cache.iterdir() if p.name.startswith("models--")) == []
+    assert list((cache / ".esd-sweep" / "owned").iterdir()) == []
 
 # -- the budget is a hard bound ------------------------------------------------------------
 

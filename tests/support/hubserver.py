@@ -76,6 +76,7 @@ class Fault:
     on: str | None = None  # None: any request about the repo; "api"; or a file name
     method: str | None = None
     error_code: str | None = None
+    delay_s: float = 0.0  # wait this long first; with status 0, then answer normally
 
     def matches(self, request: Request) -> bool:
         if self.repo != request.repo or self.times == 0:
@@ -168,6 +169,15 @@ class HubServer:
                         "EntryNotFound"}
             error_code = defaults.get(status, "")
         fault = Fault(repo, status, times, retry_after, on, method, error_code or None)
+        with self._lock:
+            self._faults.append(fault)
+        return fault
+
+    def delay(self, repo: str, seconds: float, *, times: int | None = 1,
+              on: str | None = None) -> Fault:
+        """Hold the next `times` matching requests (`on` as for fail) `seconds` before
+        answering them normally: a slow hub, for races between a worker's threads."""
+        fault = Fault(repo, 0, times, on=on, delay_s=seconds)
         with self._lock:
             self._faults.append(fault)
         return fault
@@ -293,7 +303,9 @@ class _Handler(BaseHTTPRequestHandler):
         kind, repo, revision, file, tail = _parse(path)
         seen = self._seen = Request(self.command, path, 0, kind, repo, file, started)
         fault = hub._take_fault(seen) if repo is not None else None
-        if fault is not None:
+        if fault is not None and fault.delay_s:
+            time.sleep(fault.delay_s)
+        if fault is not None and fault.status:
             wait = fault.retry_after
             headers = {"Retry-After": str(wait)} if wait is not None else {}
             self._error(fault.status, fault.error_code, "injected fault", headers)
