@@ -29,7 +29,9 @@ from esd_worker.analysis.layers import CONV2D, LayerMap, LayerSpec, discover_lay
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter, add_lora_
 from esd_worker.analysis.spectra import compute_spectrum, work_dtype
 from esd_worker.analysis.speculate import Speculated, Speculation, candidate_keys, speculation_mode
+from esd_worker.analysis.staging import BufferPool, Reader, Staged, stage, take
 from esd_worker.analysis.streams import (
+    PREFETCH,
     Capacity,
     Streams,
     check_fits,
@@ -121,7 +123,10 @@ class _Analysis:
 
     devices: one analysis stream each (esd_worker.analysis.streams.Streams); read: the checkpoint's
     tensor reader, shared by the streams (it must be thread-safe, as Checkpoint.read is);
-    capacity: usable bytes of a device for one layer (None: no bound checked).
+    reader: the checkpoint itself, to read into the reusable (on a GPU page-locked) host
+    buffers of esd_worker.analysis.staging and copy on a stream of their own (None: `read`,
+    each tensor a buffer of its own, copied by the compute stream); capacity: usable bytes
+    of a device for one layer (None: no bound checked).
     """
 
     def __init__(
@@ -137,6 +142,7 @@ class _Analysis:
         *,
         capacity: Capacity = device_capacity,
         stored_dtype: Callable[[str], torch.dtype | None] | None = None,
+        reader: Reader | None = None,
     ) -> None:
         self.model = model
         self.layer_map = layer_map
@@ -154,21 +160,38 @@ class _Analysis:
         self.speculation = speculation
         self.speculated_layers = 0  # layers whose spectrum came from the speculation
         self.streams: Streams[LayerResult] | None = None
+        self.reader = reader
+        # Each stream holds the layer it analyses and PREFETCH read ahead.
+        self.buffers = None if reader is None else BufferPool(
+            (PREFETCH + 1) * len(self.devices),
+            pinned=any(d.type == "cuda" for d in self.devices))
+        self.copy_streams = {} if reader is None else {
+            d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}
 
     def _speculated(self, spec: LayerSpec) -> Speculated | None:
         if self.speculation is None:
             return None
         return self.speculation.usable(spec, self.adapter, self.analysis)
 
-    def _fetch(self, pool: ThreadPoolExecutor, spec: LayerSpec) -> Future[torch.Tensor]:
-        """The layer's tensor, read ahead by `pool`; for a layer with a usable speculative
-        spectrum a meta tensor of its shape and dtype (all the row needs): no read."""
-        found = self._speculated(spec)
+    def _fetch(self, pool: ThreadPoolExecutor, spec: LayerSpec, device: torch.device
+               ) -> Future[Staged]:
+        """The layer's tensor, read ahead by `pool` and copied to `device` (staging); for a
+        layer with a usable speculative spectrum a meta tensor of its shape and dtype (all
+        the row needs): no read."""
+        found, reader = self._speculated(spec), self.reader
         if found is None:
-            return pool.submit(self.read, spec.key)
-        future: Future[torch.Tensor] = Future()
-        future.set_result(torch.empty(spec.shape, dtype=found.dtype, device="meta"))
+            if reader is None:
+                return pool.submit(lambda: Staged(self.read(spec.key)))
+            return pool.submit(stage, reader, spec.key, device, self.buffers,
+                               self.copy_streams.get(device))
+        future: Future[Staged] = Future()
+        future.set_result(Staged(torch.empty(spec.shape, dtype=found.dtype, device="meta")))
         return future
+
+    def _discard(self, staged: Staged) -> None:
+        """A layer read ahead and never analysed (a stream stopped): free its host buffer."""
+        if staged.buffer is not None and self.buffers is not None:
+            self.buffers.release(staged.buffer)
 
     def _weight(self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device, *,
                 merge: bool) -> torch.Tensor:
@@ -203,11 +226,17 @@ class _Analysis:
             check_fits(name, shape, layer_type, self.analysis.precision, stored, device,
                        capacity, model=self.model.ref)
 
-    def analyse_layer(
-        self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device
-    ) -> LayerResult:
+    def analyse_layer(self, spec: LayerSpec, staged: Staged, device: torch.device
+                      ) -> LayerResult:
         """The layer's row and spectrum, computed on `device` (thread-safe: one call per
-        stream at a time, nothing shared is written)."""
+        stream at a time, nothing shared is written); its host buffer is free again after."""
+        try:
+            return self._layer(spec, take(staged), device)
+        finally:
+            self._discard(staged)
+
+    def _layer(self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device
+               ) -> LayerResult:
         a = self.analysis
         # modules_to_save: the adapter's own full copy, which peft's merge leaves as saved.
         replaced = self.adapter.replaced.get(spec.name)
@@ -274,8 +303,8 @@ class _Analysis:
     def run(self, progress: Callable[[int], None] | None = None) -> None:
         self.check_memory()
         self.streams = Streams(self.layer_map.layers, self.devices, fetch=self._fetch,
-                               analyse=self.analyse_layer, label=self.model.ref,
-                               progress=progress)
+                               analyse=self.analyse_layer, discard=self._discard,
+                               label=self.model.ref, progress=progress)
         results = self.streams.run()
         self.wait_s = self.streams.wait_s
         for spec, result in zip(self.layer_map.layers, results, strict=True):
@@ -390,6 +419,7 @@ def analyse_model_with(
             model, layer_map, ckpt.read, settings.analysis, devices, matched,
             adapter.fan_in_fan_out if adapter else False, speculation,
             capacity=capacity, stored_dtype=lambda name: float_dtype(ckpt.dtype(name)),
+            reader=ckpt,
         )
         try:
             job.run(None if progress is None else lambda done: progress(done, None))

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -41,7 +41,8 @@ PREFETCH = 2  # tensors each stream reads ahead of the one it is analysing
 GIB = 2**30
 
 T = TypeVar("T")
-Fetch = Callable[[ThreadPoolExecutor, LayerSpec], "Future[torch.Tensor]"]
+# fetch(read-ahead pool, layer, the stream's device): the layer's input, read ahead.
+Fetch = Callable[[ThreadPoolExecutor, LayerSpec, torch.device], "Future[Any]"]
 # Usable bytes of a device for one layer, None where no bound is checked (the CPU).
 Capacity = Callable[[torch.device], "int | None"]
 
@@ -178,11 +179,13 @@ class Streams(Generic[T]):
 
     Each stream takes the next layer of the model from one shared counter (dynamic dealing:
     a stream slowed by big layers takes fewer), reads PREFETCH layers ahead with its own
-    reader thread (`fetch`), and analyses on its own device. Stream 0 runs in the calling
-    thread, so one device adds no thread to today's reader. The first exception in any
-    stream sets `stopping`: no stream starts another layer or read, reads not begun are
-    cancelled, and `run` re-raises that exception once every stream has ended. A CUDA
-    out-of-memory error becomes GpuOutOfMemoryError naming the layer, its shape and device.
+    reader thread (`fetch`), and analyses on its own device. What was read ahead and never
+    analysed (a stream stopping) goes to `discard` (a host buffer it holds is freed).
+    Stream 0 runs in the calling thread, so one device adds no thread to today's reader.
+    The first exception in any stream sets `stopping`: no stream starts another layer or
+    read, reads not begun are cancelled, and `run` re-raises that exception once every
+    stream has ended. A CUDA out-of-memory error becomes GpuOutOfMemoryError naming the
+    layer, its shape and device.
     """
 
     def __init__(
@@ -191,7 +194,8 @@ class Streams(Generic[T]):
         devices: Sequence[torch.device],
         *,
         fetch: Fetch,
-        analyse: Callable[[LayerSpec, torch.Tensor, torch.device], T],
+        analyse: Callable[[LayerSpec, Any, torch.device], T],
+        discard: Callable[[Any], None] | None = None,
         label: str = "",
         prefetch: int = PREFETCH,
         progress: Callable[[int], None] | None = None,
@@ -202,6 +206,7 @@ class Streams(Generic[T]):
         self._devices = list(devices)
         self._fetch = fetch
         self._analyse = analyse
+        self._discard = discard
         self._label = label
         self._prefetch = max(1, prefetch)
         self._progress = progress  # told the layers done so far after each (a heartbeat)
@@ -267,28 +272,41 @@ class Streams(Generic[T]):
             self._next += 1
             return self._next - 1
 
-    def _refill(self, pool: ThreadPoolExecutor, ahead: deque[tuple[int, Future[torch.Tensor]]],
-                ) -> None:
+    def _refill(self, pool: ThreadPoolExecutor, ahead: deque[tuple[int, Future[Any]]],
+                device: torch.device) -> None:
         while len(ahead) < self._prefetch:
             claimed = self._claim()
             if claimed is None:
                 return
-            ahead.append((claimed, self._fetch(pool, self._layers[claimed])))
+            ahead.append((claimed, self._fetch(pool, self._layers[claimed], device)))
+
+    def _drop(self, ahead: deque[tuple[int, Future[Any]]]) -> None:
+        """Hand what was read ahead and will not be analysed to `discard`; reads not begun
+        are cancelled, reads under way stay (see _stream)."""
+        for item in list(ahead):
+            future = item[1]
+            if future.cancel() or future.done():
+                ahead.remove(item)
+                if (self._discard is not None and not future.cancelled()
+                        and future.exception() is None):
+                    self._discard(future.result())
 
     def _stream(self, index: int, device: torch.device) -> None:
         waited = 0.0
-        ahead: deque[tuple[int, Future[torch.Tensor]]] = deque()
+        ahead: deque[tuple[int, Future[Any]]] = deque()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"esd-read-{index}")
         try:
-            self._refill(pool, ahead)
+            self._refill(pool, ahead, device)
             while ahead and not self.stopping.is_set():
                 i, future = ahead.popleft()
-                self._refill(pool, ahead)  # PREFETCH ahead while this one is analysed
+                self._refill(pool, ahead, device)  # PREFETCH ahead while this one is analysed
                 t = time.perf_counter()
                 tensor = future.result()
                 waited += time.perf_counter() - t
                 del future
                 if self.stopping.is_set():
+                    if self._discard is not None:
+                        self._discard(tensor)
                     break
                 result = self._one(self._layers[i], tensor, device)
                 del tensor
@@ -296,13 +314,13 @@ class Streams(Generic[T]):
         except BaseException as e:  # stop the others before waiting for this stream's reader
             self._fail(e)
         finally:
-            for _, pending in ahead:
-                pending.cancel()
+            self._drop(ahead)  # first: a read waiting for a buffer these hold can end
             pool.shutdown(wait=True, cancel_futures=True)
+            self._drop(ahead)
             with self._lock:
                 self.wait_s += waited
 
-    def _one(self, spec: LayerSpec, tensor: torch.Tensor, device: torch.device) -> T:
+    def _one(self, spec: LayerSpec, tensor: Any, device: torch.device) -> T:
         try:
             return self._analyse(spec, tensor, device)
         except torch.cuda.OutOfMemoryError as e:

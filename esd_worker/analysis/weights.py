@@ -140,6 +140,33 @@ class Checkpoint:
             raise PermanentModelError(f"corrupt tensor {key!r} in {self.directory}: {e}") from e
         return tensor
 
+    def nbytes(self, key: str) -> int:
+        """The tensor's bytes as stored."""
+        source = self._where[key]
+        if isinstance(source, dict):
+            tensor: torch.Tensor = source[key]
+            return tensor.numel() * tensor.element_size()
+        entry = source.entries[key]
+        return int(entry.end - entry.start)
+
+    def in_memory(self, key: str) -> bool:
+        """Whether the tensor is held already (a .bin checkpoint, loaded or mapped): `read`
+        hands it over, there is nothing to read into a buffer."""
+        return isinstance(self._where[key], dict)
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The tensor read into `out` (a uint8 buffer of at least nbytes(key)), a view of it;
+        for a tensor held in memory (in_memory), a copy into it."""
+        source = self._where[key]
+        if isinstance(source, dict):
+            held: torch.Tensor = source[key]
+            n = held.numel() * held.element_size()
+            return out[:n].view(held.dtype).reshape(held.shape).copy_(held)
+        try:
+            return source.read_into(key, out)
+        except (OSError, ValueError) as e:
+            raise PermanentModelError(f"corrupt tensor {key!r} in {self.directory}: {e}") from e
+
     def iter_tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for key in keys:
             yield key, self.read(key)
@@ -202,21 +229,40 @@ class SafetensorsFile:
                 for name, t in header.tensors.items()}
 
     def read(self, key: str) -> torch.Tensor:
+        entry, dtype = self._readable(key)
+        n = entry.end - entry.start
+        buffer = bytearray(n)
+        self._pread(key, memoryview(buffer), entry.start)
+        if n == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """The tensor read into the front of `out` (a contiguous uint8 CPU tensor, page-locked
+        or not: esd_worker.analysis.staging), as a view of it."""
+        entry, dtype = self._readable(key)
+        n = entry.end - entry.start
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < n:
+            raise ValueError(f"a buffer of {out.numel()} bytes cannot hold {key!r} ({n} bytes)")
+        if n == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        self._pread(key, out.numpy().data[:n], entry.start)
+        return out[:n].view(dtype).reshape(entry.shape)
+
+    def _readable(self, key: str) -> tuple[_Entry, torch.dtype]:
         entry = self.entries[key]
         if entry.dtype is None:
             raise ValueError(f"tensor {key!r} has dtype {entry.dtype_name}, which torch "
                              f"{torch.__version__} cannot hold")
-        n = entry.end - entry.start
-        buffer = bytearray(n)
-        view, done = memoryview(buffer), 0
+        return entry, entry.dtype
+
+    def _pread(self, key: str, view: memoryview, start: int) -> None:
+        done, n = 0, len(view)
         while done < n:
-            got = os.preadv(self._fd, [view[done:]], entry.start + done)
+            got = os.preadv(self._fd, [view[done:]], start + done)
             if got <= 0:
                 raise OSError(f"{self.path.name} ended inside tensor {key!r}")
             done += got
-        if n == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        return torch.frombuffer(buffer, dtype=entry.dtype).reshape(entry.shape)
 
     def close(self) -> None:
         if self._fd >= 0:

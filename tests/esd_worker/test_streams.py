@@ -131,7 +131,8 @@ def fake_layers(count: int) -> list[LayerSpec]:
     return [LayerSpec(f"layer{i}", f"layer{i}.weight", LINEAR, (4, 4)) for i in range(count)]
 
 
-def ready(pool: ThreadPoolExecutor, spec: LayerSpec) -> Future[torch.Tensor]:
+def ready(pool: ThreadPoolExecutor, spec: LayerSpec, device: torch.device
+          ) -> Future[torch.Tensor]:
     return pool.submit(torch.zeros, spec.shape)
 
 
