@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from esd_worker.analysis.layers import LINEAR
-from esd_worker.analysis.spectra import compute_spectrum, gram_eigenvalues
+from esd_worker.analysis.spectra import compute_spectrum, gram_matrices, solve_gram
 from esd_worker.core.powerlaw import layer_metrics
 
 TOP_K = 500  # top-k: the largest min(TOP_K, n/4) eigenvalues
@@ -50,8 +50,8 @@ def _svd64(w: torch.Tensor) -> np.ndarray:
 
 
 def _gram64(w: torch.Tensor) -> np.ndarray:
-    mats = w.to(torch.float64).unsqueeze(0)
-    return np.sort(gram_eigenvalues(mats, solve_dtype=torch.float64).reshape(-1).numpy())
+    g = gram_matrices(w, LINEAR, precision="float64")
+    return np.sort(solve_gram(g.gram, fallback=g.mats).reshape(-1).numpy())
 
 
 def _gram32(w: torch.Tensor) -> np.ndarray:

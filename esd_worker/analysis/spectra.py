@@ -55,30 +55,6 @@ def as_matrices(weight: torch.Tensor, layer_type: str, *, conv_norm: float) -> t
 Eigensolver = Callable[[torch.Tensor], torch.Tensor]
 
 
-def gram_eigenvalues(
-    mats: torch.Tensor, *, solve_dtype: torch.dtype,
-    eigensolver: Eigensolver = torch.linalg.eigvalsh,
-) -> torch.Tensor:
-    """Eigenvalues (>= 0) of the smaller Gram matrix of each matrix in the batch (k, M, N).
-
-    The Gram matrix is formed in `mats`' dtype (the costly matmul) and diagonalised by
-    `eigensolver` in `solve_dtype`, negatives (round-off of λ ≈ 0) clamped to 0. Where the
-    eigensolver raises LinAlgError (no convergence: rare, ill-conditioned) the batch's
-    singular values are taken in float64 instead. `eigensolver` is a parameter so that
-    fallback can be exercised without patching torch.
-    """
-    _, M, N = mats.shape
-    gram = mats.mT @ mats if M >= N else mats @ mats.mT
-    gram = gram.to(solve_dtype)
-    try:
-        return eigensolver(gram).clamp_min_(0.0)
-    except torch.linalg.LinAlgError:
-        log.warning("eigvalsh did not converge on a %dx%d Gram; using float64 svdvals",
-                    gram.shape[-1], gram.shape[-1])
-    del gram
-    return torch.linalg.svdvals(mats.to(torch.float64)).square()
-
-
 def work_dtype(precision: str) -> torch.dtype:
     """The dtype a weight is analysed in for --precision
     (esd_worker.core.command.settings.PRECISIONS):
@@ -89,26 +65,27 @@ def work_dtype(precision: str) -> torch.dtype:
     return torch.float64 if precision == "float64" else torch.float32
 
 
-def compute_spectrum(
+@dataclass(frozen=True)
+class Gram:
+    """A layer's Gram matrices, formed where its weight is (k x n x n, the work dtype), and
+    the shape the spectrum comes from; `mats` are kept for the float64 SVD fallback."""
+
+    gram: torch.Tensor
+    mats: torch.Tensor
+    M: int
+    N: int
+    max_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.gram.numel() * self.gram.element_size()
+
+
+def gram_matrices(
     weight: torch.Tensor, layer_type: str, *, precision: str = "float32", conv_norm: float = 0.5
-) -> Spectrum:
-    """Eigenvalues λ = σ² of the layer's weight, pooled over Conv2d slices.
-
-    Both precisions diagonalise the smaller Gram matrix (WᵀW or WWᵀ) with eigvalsh,
-    negatives clamped to 0, falling back to float64 svdvals where eigvalsh raises
-    LinAlgError (gram_eigenvalues). fp16/bf16 weights are upcast before any linear algebra.
-
-    float32: the Gram matrix is formed in float32. On the GPU it is diagonalised in float32
-    too (docs/metrics.md: top-500 eigenvalues within 1e-6 of float64 SVD, measured on an
-    H100). On the CPU, LAPACK's float32 eigensolver was measured 4.7e-5 off (4096² bf16
-    Gaussian) while float64 eigvalsh of the same float32 Gram is 1e-7 off, so the CPU
-    diagonalises in float64.
-
-    float64: the Gram matrix is formed and diagonalised in float64 on the device. Squaring
-    costs relative accuracy only on eigenvalues far below λ_max (absolute error
-    ~ m·eps64·λ_max); the alphas agree with float64 svdvals to ~1e-12 (docs/metrics.md,
-    benchmarks/bench_precision.py) at ~12x less time on an H100 for a 4096² layer.
-    """
+) -> Gram:
+    """The smaller Gram matrix (WᵀW or WWᵀ) of each of the layer's matrices, in the work
+    dtype on the weight's device (the costly matmul; fp16/bf16 upcast first)."""
     dtype = work_dtype(precision)
     mats = as_matrices(weight.to(dtype), layer_type, conv_norm=conv_norm)
     _, M, N = mats.shape
@@ -116,10 +93,61 @@ def compute_spectrum(
         # Diagonalise the stored (in x out) layout: the Gram matrix, and so every bit of the
         # spectrum, is then that of a Linear layer stored the same way (a square weight would
         # otherwise give WWᵀ for one and WᵀW for the other), which lets
-        # esd_worker.analysis.speculate
-        # compute a 2-D tensor's spectrum before knowing which of the two it is.
+        # esd_worker.analysis.speculate compute a 2-D tensor's spectrum before knowing which
+        # of the two it is.
         mats = mats.mT
-    solve_dtype = torch.float64 if precision == "float64" or mats.device.type == "cpu" else dtype
-    evals = gram_eigenvalues(mats, solve_dtype=solve_dtype)
-    flat = evals.reshape(-1).to("cpu", torch.float64).numpy()
-    return Spectrum(np.sort(flat), int(M), int(N), int(max(M, N)))
+    m, n = mats.shape[-2:]
+    gram = mats.mT @ mats if m >= n else mats @ mats.mT
+    return Gram(gram, mats, int(M), int(N), int(max(M, N)))
+
+
+def solve_gram(gram: torch.Tensor, *, fallback: torch.Tensor | None = None,
+               eigensolver: Eigensolver = torch.linalg.eigvalsh) -> torch.Tensor:
+    """Eigenvalues (>= 0, float64) of a batch of Gram matrices, diagonalised in float64
+    wherever they are (the device, or a host eigensolver: esd_worker.analysis.hostsolve), so
+    that a layer's spectrum does not depend on which side solved it. Where eigvalsh raises
+    LinAlgError (no convergence: rare), the float64 singular values of `fallback` (the
+    layer's matrices) squared, or of the Gram matrices themselves without them.
+    `eigensolver` is a parameter so that the fallback can be exercised without patching
+    torch."""
+    gram64 = gram.to(torch.float64)
+    try:
+        return eigensolver(gram64).clamp_min_(0.0)
+    except torch.linalg.LinAlgError:
+        log.warning("eigvalsh did not converge on a %dx%d Gram; using float64 svdvals",
+                    gram.shape[-1], gram.shape[-1])
+    del gram64
+    if fallback is not None:
+        return torch.linalg.svdvals(fallback.to(torch.float64)).square()
+    return torch.linalg.svdvals(gram.to(torch.float64))
+
+
+def sorted_evals(evals: torch.Tensor) -> np.ndarray:
+    """A batch's eigenvalues pooled, ascending, float64, on the host."""
+    return np.sort(evals.reshape(-1).to("cpu", torch.float64).numpy())
+
+
+def compute_spectrum(
+    weight: torch.Tensor, layer_type: str, *, precision: str = "float32", conv_norm: float = 0.5
+) -> Spectrum:
+    """Eigenvalues λ = σ² of the layer's weight, pooled over Conv2d slices.
+
+    The smaller Gram matrix (WᵀW or WWᵀ) is formed in the work dtype on the weight's device
+    (gram_matrices) and diagonalised in float64 with eigvalsh (solve_gram), negatives
+    clamped to 0, falling back to float64 svdvals where eigvalsh raises LinAlgError.
+
+    float32: the Gram matrix is formed in float32, the costly part; its eigensolver runs in
+    float64 on every device. A float32 eigensolver was measured 4.7e-5 off on the CPU (LAPACK,
+    4096² bf16 Gaussian) against 1e-7 for float64 eigvalsh of the same float32 Gram, and on
+    an H100 it put α up to 1.1e-3 off on a 7B layer whose noise eigenvalues cross
+    evals_thresh (docs/metrics.md); the float64 solve makes the result the same whichever
+    side solved it (the GPU, or a host eigensolver).
+
+    float64: the Gram matrix is formed in float64 too. Squaring costs relative accuracy only
+    on eigenvalues far below λ_max (absolute error ~ m·eps64·λ_max); the alphas agree with
+    float64 svdvals to ~1e-12 (docs/metrics.md, benchmarks/bench_precision.py) at ~12x less
+    time on an H100 for a 4096² layer.
+    """
+    g = gram_matrices(weight, layer_type, precision=precision, conv_norm=conv_norm)
+    evals = solve_gram(g.gram, fallback=g.mats)
+    return Spectrum(sorted_evals(evals), g.M, g.N, g.max_dim)

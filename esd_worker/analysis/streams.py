@@ -231,7 +231,7 @@ class Streams(Generic[T]):
                 thread.start()
             self._guarded(0, self._devices[0])
         except BaseException as e:  # a signal in the calling thread while starting threads
-            self._fail(e)
+            self.fail(e)
         finally:
             try:
                 for thread in threads:
@@ -248,7 +248,14 @@ class Streams(Generic[T]):
             raise RuntimeError(f"layers not analysed: {', '.join(missing[:3])}")
         return [r for r in self._results if r is not None]
 
-    def _fail(self, error: BaseException) -> None:
+    @property
+    def claimed(self) -> int:
+        """Layers some stream has taken so far (the next one a stream takes is this index)."""
+        with self._lock:
+            return self._next
+
+    def fail(self, error: BaseException) -> None:
+        """Stop every stream; run() raises `error` (the first one given)."""
         with self._lock:
             if self._error is None:
                 self._error = error
@@ -263,7 +270,7 @@ class Streams(Generic[T]):
             with _on(device):
                 self._stream(index, device)
         except BaseException as e:  # kept for run(), which re-raises the first
-            self._fail(e)
+            self.fail(e)
 
     def _claim(self) -> int | None:
         with self._lock:
@@ -312,7 +319,7 @@ class Streams(Generic[T]):
                 del tensor
                 self._finish(index, i, result)
         except BaseException as e:  # stop the others before waiting for this stream's reader
-            self._fail(e)
+            self.fail(e)
         finally:
             self._drop(ahead)  # first: a read waiting for a buffer these hold can end
             pool.shutdown(wait=True, cancel_futures=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from esd_worker.analysis.layers import CONV1D, CONV2D, EMBEDDING, LINEAR, MATRIX
-from esd_worker.analysis.spectra import as_matrices, compute_spectrum, gram_eigenvalues, work_dtype
+from esd_worker.analysis.spectra import as_matrices, compute_spectrum, solve_gram, work_dtype
 from esd_worker.analysis.weights import Checkpoint
 from esd_worker.core.powerlaw import layer_metrics
 from tests.support.builders import MINILM_LINEAR_LAYERS, minilm_path
@@ -180,10 +180,11 @@ def test_eigensolver_failure_falls_back_to_float64_svd(
     them in the last bits, so the test tells the two paths apart)."""
     mats = torch.from_numpy(np.random.default_rng(4).standard_normal(shape)).to(dtype)
     expected = torch.linalg.svdvals(mats.double()).square()
-    fallback = gram_eigenvalues(mats, solve_dtype=torch.float64, eigensolver=_failing_eigensolver)
+    grams = mats.mT @ mats if shape[1] >= shape[2] else mats @ mats.mT
+    fallback = solve_gram(grams, fallback=mats, eigensolver=_failing_eigensolver)
     assert fallback.dtype == torch.float64
     assert torch.equal(fallback, expected)
-    gram = gram_eigenvalues(mats, solve_dtype=torch.float64)
+    gram = solve_gram(grams, fallback=mats)
     assert not torch.equal(gram.sort().values, expected.sort().values)
     torch.testing.assert_close(gram.sort().values, expected.sort().values, rtol=1e-5, atol=1e-5)
 

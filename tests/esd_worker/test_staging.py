@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analysis.analyze import _Analysis
 from esd_worker.analysis.layers import discover_layers
+from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.staging import BufferPool, Staged, stage, take
 from esd_worker.analysis.streams import PREFETCH
 from esd_worker.analysis.weights import Checkpoint
@@ -68,7 +68,7 @@ def test_a_read_waits_for_a_free_slot_and_gives_up_at_its_deadline() -> None:
 def test_read_into_gives_the_tensor_read_gives(bf16_llama: Path) -> None:
     with Checkpoint(bf16_llama) as ckpt:
         pool = BufferPool(1, pinned=False)
-        for key in ckpt.keys():
+        for key in ckpt.keys():  # noqa: SIM118 - Checkpoint is not a Mapping
             buffer = pool.acquire(ckpt.nbytes(key))
             got = ckpt.read_into(key, buffer)
             assert got.data_ptr() == buffer.data_ptr() and not ckpt.in_memory(key)
@@ -93,11 +93,11 @@ def test_a_checkpoint_held_in_memory_is_read_as_before(tmp_path: Path) -> None:
 # -- the analysis through the slots ---------------------------------------------------------------
 
 
-def analysis(folder: Path, ckpt: Checkpoint, streams: int, *, staged: bool) -> _Analysis:
+def analysis(folder: Path, ckpt: Checkpoint, streams: int, *, staged: bool) -> LayerAnalysis:
     model = ResolvedModel(ref=str(folder), model_id=str(folder), revision=None,
                           resolved_revision=None, directory=folder, source="local")
     layer_map = discover_layers(folder, ckpt)
-    return _Analysis(model, layer_map, ckpt.read, AnalysisSettings(), [CPU] * streams, None,
+    return LayerAnalysis(model, layer_map, ckpt.read, AnalysisSettings(), [CPU] * streams, None,
                      False, reader=ckpt if staged else None)
 
 

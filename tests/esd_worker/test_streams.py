@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analysis.analyze import _Analysis, analyse_model_with
+from esd_worker.analysis.analyze import analyse_model_with
 from esd_worker.analysis.layers import CONV2D, LINEAR, LayerMap, LayerSpec
+from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.streams import (
     GIB,
     PREFETCH,
@@ -223,7 +224,7 @@ def test_a_failing_read_stops_every_stream(streams: int) -> None:
     read_keys: list[str] = []
     late_reads: list[str] = []
     stuck: list[str] = []
-    job: dict[str, _Analysis] = {}
+    job: dict[str, LayerAnalysis] = {}
 
     def read(key: str) -> torch.Tensor:
         index = int(key.removeprefix("layer").removesuffix(".weight"))
@@ -238,7 +239,7 @@ def test_a_failing_read_stops_every_stream(streams: int) -> None:
         return tensors[key]
 
     model, layer_map = model_of(layers)
-    job["a"] = _Analysis(model, layer_map, read, AnalysisSettings(), [CPU] * streams, None,
+    job["a"] = LayerAnalysis(model, layer_map, read, AnalysisSettings(), [CPU] * streams, None,
                          False)
     with pytest.raises(PermanentModelError) as raised:
         job["a"].run()
@@ -391,7 +392,7 @@ def test_the_check_runs_up_front_and_again_before_each_layer(up_front: bool) -> 
               for key, t in tensors.items()]
     model, layer_map = model_of(layers)
     capacity = layer_peak_bytes((64, 64), LINEAR, "float32", F32) - 1
-    job = _Analysis(model, layer_map, tensors.__getitem__, AnalysisSettings(), [CPU], None,
+    job = LayerAnalysis(model, layer_map, tensors.__getitem__, AnalysisSettings(), [CPU], None,
                     False, capacity=lambda device: capacity,
                     stored_dtype=(lambda key: F32) if up_front else None)
     with pytest.raises(GpuOutOfMemoryError, match=r"layer layer3 of org/fake \(64×64 float32\)"):

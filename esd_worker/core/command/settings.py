@@ -13,6 +13,7 @@ from esd_worker.core.powerlaw import FIX_FINGERS
 
 PRECISIONS = ("float32", "float64")
 DEVICES = ("auto", "cpu", "cuda")
+MAX_HOST_EIGENSOLVERS = 256  # host threads diagonalising layers beside the GPUs, at most
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class WorkerSettings:
     trust_remote_code: allow model code from the hub to build the layer map (default off).
     parallel_gpu: use every visible GPU for one model, one analysis stream each (default
         on); off: only the first (cuda:0), as the old --no-parallel-gpu.
+    host_eigensolvers: host threads that diagonalise layers beside the GPUs (None: as many
+        as the process's CPU quota leaves free; 0: none).
     """
 
     model: str
@@ -86,6 +89,7 @@ class WorkerSettings:
     save_eigs: bool = True
     trust_remote_code: bool = False
     parallel_gpu: bool = True
+    host_eigensolvers: int | None = None
 
     def validate(self) -> None:
         problems: list[str] = []
@@ -101,6 +105,10 @@ class WorkerSettings:
             problems.append("output: must not be empty")
         if self.device not in DEVICES:
             problems.append(f"device: {self.device!r} is not one of {', '.join(DEVICES)}")
+        if self.host_eigensolvers is not None and not (
+                0 <= self.host_eigensolvers <= MAX_HOST_EIGENSOLVERS):
+            problems.append(f"host_eigensolvers: {self.host_eigensolvers} is not in 0.."
+                            f"{MAX_HOST_EIGENSOLVERS}")
         try:
             self.analysis.validate()
         except UsageError as e:
