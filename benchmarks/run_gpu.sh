@@ -2,7 +2,9 @@
 # The GPU part of the worker's benchmark and checks, for one machine with one or more CUDA GPUs.
 #
 #   bash benchmarks/run_gpu.sh            # from anywhere; results go to $OUT (default .bench/out)
-#   STEPS="2 7" bash benchmarks/run_gpu.sh   # only the steps named (default: all, 1 to 7)
+#   STEPS="2 7" bash benchmarks/run_gpu.sh   # only the steps named (default: 1 8, ~8 minutes)
+#   STEPS=all bash benchmarks/run_gpu.sh     # every step, 1 to 8 (two 10-minute calls: 1-6, 7 8)
+#   SMOKE=1 bash benchmarks/run_gpu.sh       # step 8 on the CPU, a small checkpoint (no GPU)
 #
 # Needs python3 with torch (CUDA), transformers, accelerate, safetensors, numpy, pytest and
 # nvidia-ml-py; no network and no install: the repo is put on PYTHONPATH and the worker is
@@ -24,8 +26,15 @@
 #      analysed on one GPU and on every visible GPU (identical outputs, scaling t1/(tN×N),
 #      target ≥ 0.85, peak memory per GPU), eigvalsh/Gram timings at 8192² and 16384², and
 #      the peak memory of one 16384-wide layer against the worker's estimate.
+#   8. bench_feed.py (issue 31): a long-lived worker over three links to the 7B checkpoint
+#      with host eigensolvers on (auto) and off (0): seconds a model in the steady state,
+#      models/hour, layers the host solved, peak host and GPU memory; a cold --model; and
+#      |Δα|/α of every layer against float64 (the old float32 eigensolver, the worker's
+#      float64 solve on the device and on the host). ~6 minutes on an H100 with the
+#      checkpoint written, ~7 without.
 # Every result lands in $OUT: gpu_checks.json, pytest_spectra.txt, bench_worker.json,
-# bench_worker_cold.json, bench_sweep_gpu.json, bench_multi_gpu.json and the logs.
+# bench_worker_cold.json, bench_sweep_gpu.json, bench_multi_gpu.json, bench_feed.json and
+# the logs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,7 +43,11 @@ OUT=${OUT:-$PWD/.bench/out}
 CKPT=${CKPT:-/tmp/esd-bench/llama7b}
 BASELINE_MAX_S=${BASELINE_MAX_S:-180}
 MULTI_CKPT=${MULTI_CKPT:-/tmp/esd-bench/llama8192}
-STEPS=${STEPS:-1 2 3 4 5 6 7}
+STEPS=${STEPS:-1 8}
+[ "$STEPS" = all ] && STEPS="1 2 3 4 5 6 7 8"
+if [ -n "${SMOKE:-}" ]; then  # the CPU: step 8's code paths on a small checkpoint
+  STEPS=8 CKPT=${SMOKE_CKPT:-/tmp/esd-bench/tiny}
+fi
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -212,6 +225,18 @@ set +e  # exit 1 means the outputs differed: keep the JSON and the rest of the r
   --json "$OUT/bench_multi_gpu.json" 2>&1 | tee "$OUT/bench_multi_gpu.log"
 echo "bench_multi_gpu exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/bench_multi_gpu.log"
 set -e
+fi
+
+if want 8; then
+step "8. bench_feed.py: host eigensolvers on and off, a cold --model, accuracy of every layer"
+if [ -n "${SMOKE:-}" ]; then
+  "$PY" benchmarks/bench_feed.py --ckpt "$CKPT" --device cpu --models 2 \
+    --host-eigensolvers 1,0 --blocks 2 --hidden 256 --intermediate 688 --vocab 1000 \
+    --json "$OUT/bench_feed.json" 2>&1 | tee "$OUT/bench_feed.log"
+else
+  "$PY" benchmarks/bench_feed.py --ckpt "$CKPT" --device cuda --models 3 \
+    --json "$OUT/bench_feed.json" 2>&1 | tee "$OUT/bench_feed.log"
+fi
 fi
 
 step "done; results in $OUT"

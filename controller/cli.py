@@ -44,6 +44,7 @@ from esd_worker.core.command.flags import (
     UsageExit,
     add_analysis_flags,
     add_flag,
+    add_host_eigensolvers_flag,
     add_model_timeout_flag,
     analysis_from_args,
     float_in,
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="models analysed at once on the CPU when no GPU is used (default 1)")
     add_flag(local, "--worker-reuse", type=int_in(1, MAX_ROWS), default=None, metavar="N",
              help="replace a long-lived worker after N models (default: never)")
+    add_host_eigensolvers_flag(running)
     add_flag(running, "--prefetch", type=PREFETCH_COUNT, default=PREFETCH, metavar="N",
              help="models each worker downloads ahead while it analyses one (default "
              f"{PREFETCH}; 0: none)")
@@ -321,6 +323,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         summary=not getattr(args, "no_summary", False),
         wait_lock_s=getattr(args, "wait_lock", None),
         parallel_gpu=getattr(args, "parallel_gpu", True),
+        host_eigensolvers=getattr(args, "host_eigensolvers", None),
         gpu_rule=gpu_rule,
     )
 

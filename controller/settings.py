@@ -42,7 +42,8 @@ class SweepSettings:
     lease lives unrenewed (renewed every third of it); not a flag: every sweep on one output
     must agree on it.
     parallel_gpu: a worker with several GPUs spreads one model's layers over them (False:
-    --no-parallel-gpu, one GPU used whatever it is given).
+    --no-parallel-gpu, one GPU used whatever it is given). host_eigensolvers: each GPU
+    worker's host eigensolver threads (--host-eigensolvers; None: the worker's default).
     gpu_rule: GPUs per model (controller.gpu.gpurule: --gpus-per-job N|auto,
     --multi-gpu-minutes, --max-gpus-per-job); backends apply `applied_gpu_rule`, its
     `parallel` being parallel_gpu. gpu.gpus_per_job is its explicit N, or 1 with auto (what
@@ -81,6 +82,7 @@ class SweepSettings:
     wait_lock_s: float | None = None
     lease_ttl_s: float = LEASE_TTL_S
     parallel_gpu: bool = True
+    host_eigensolvers: int | None = None
     gpu_rule: GpuRule = field(default_factory=GpuRule)
 
     @property

@@ -55,6 +55,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         save_eigs=not args.no_eigs,
         trust_remote_code=args.trust_remote_code,
         parallel_gpu=args.parallel_gpu,
+        host_eigensolvers=args.host_eigensolvers,
     )
 
 

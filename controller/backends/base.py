@@ -111,7 +111,8 @@ class WorkerSpec:
     the worker's default); cache_dir: a download directory the worker owns and evicts
     (None: the HF cache, never evicted). model_timeout: the floor of a model's no-progress
     limit (None: the worker's default). parallel_gpu: a worker spreads one model over all its
-    GPUs (False: --no-parallel-gpu). Its workers' command lines: invocation(), for_row().
+    GPUs (False: --no-parallel-gpu). host_eigensolvers: a worker's host eigensolver threads
+    (None: its default). Its workers' command lines: invocation(), for_row().
     """
 
     run_id: str
@@ -129,6 +130,7 @@ class WorkerSpec:
     cache_dir: str | None = None
     parallel_gpu: bool = True
     model_timeout: float | None = None
+    host_eigensolvers: int | None = None
 
     def batch(self) -> BatchOptions:
         """The many-models flags of this run's long-lived workers (--serve, --shards)."""
@@ -147,7 +149,8 @@ class WorkerSpec:
             mode=mode, target=target, output=self.store_url, log_format=self.log_format,
             device=device, batch=self.batch() if mode in BATCH_MODES else BatchOptions(),
             analysis=self.analysis, save_eigs=self.save_eigs,
-            trust_remote_code=self.trust_remote_code, parallel_gpu=self.parallel_gpu)
+            trust_remote_code=self.trust_remote_code, parallel_gpu=self.parallel_gpu,
+            host_eigensolvers=self.host_eigensolvers)
 
     def for_row(self, row: ModelRow, device: str | None = None) -> WorkerInvocation:
         """The one-model worker of `row` (its reference, key, relation and base)."""

@@ -162,6 +162,7 @@ def worker_spec(settings: SweepSettings, run_id: str, store_url: str) -> WorkerS
         overwrite=settings.overwrite, prefetch=settings.prefetch,
         cache_budget=settings.cache_budget, cache_dir=settings.cache_dir,
         parallel_gpu=settings.parallel_gpu, model_timeout=settings.model_timeout,
+        host_eigensolvers=settings.host_eigensolvers,
     )
 
 

@@ -75,3 +75,33 @@ def test_local_dry_run_marks_the_model_that_gets_several_gpus(
     assert lines[2].startswith("# gpus=3: model=org/huge: ~405.0B params, largest matrix "
                                "16384, est ~72 GPU-min on one GPU")
     assert "--model org/huge " in lines[3]
+
+
+@pytest.mark.parametrize(("flags", "expected", "argv"), [
+    ((), None, []),
+    (("--host-eigensolvers", "0"), 0, ["--host-eigensolvers", "0"]),
+    (("--host-eigensolvers", "12"), 12, ["--host-eigensolvers", "12"]),
+], ids=["default", "off", "twelve"])
+def test_host_eigensolvers_reach_every_worker(flags: tuple[str, ...], expected: int | None,
+                                              argv: list[str]) -> None:
+    """The flag goes to each GPU worker's command line as given; left out, the worker
+    decides from its CPU quota (esd_worker.analysis.hostsolve)."""
+    from controller.run.sweep import worker_spec
+    from esd_worker.core.command.invocation import SERVE, SHARDS, parse
+
+    settings = settings_for(*flags)
+    assert settings.host_eigensolvers == expected
+    spec = worker_spec(settings, "run-1", "/tmp/out")
+    for mode, target in ((SERVE, ""), (SHARDS, "s3://b/shards")):
+        got = spec.invocation(mode, target).to_argv()
+        tail = got[got.index("--host-eigensolvers"):][:2] if argv else []
+        assert tail == argv and ("--host-eigensolvers" in got) == bool(argv)
+        assert parse(got).host_eigensolvers == expected
+
+
+def test_host_eigensolvers_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    with pytest.raises(SystemExit) as raised:
+        settings_for("--host-eigensolvers", "-1")
+    assert raised.value.code == 2
+    assert "--host-eigensolvers" in capsys.readouterr().err

@@ -211,3 +211,31 @@ def test_usable_cpus_is_the_smallest_limit(tmp_path: Path) -> None:
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={}) == cores
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={CPU_SHARE_ENV: "0.5"}) == 1.0
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={CPU_SHARE_ENV: "x"}) == cores
+
+
+@pytest.mark.parametrize("flag", [[], ["--host-eigensolvers", "2"]], ids=["default", "two"])
+def test_the_worker_flag_reaches_the_analysis(deep_llama: Path, tmp_path: Path,
+                                              flag: list[str]) -> None:
+    """`esd-worker --host-eigensolvers N` runs N host solvers beside the device (here the
+    CPU, whose default is none) and says so in result.json; the layers are the plain run's."""
+    import json
+    import subprocess
+
+    from esd_worker.core.store.results import layers_from_csv
+    from tests.support import REPO_ROOT
+    from tests.support.builders import worker_command
+
+    out = tmp_path / "out"
+    run = subprocess.run([*worker_command(), "--model", str(deep_llama), "--output", str(out),
+                          "--device", "cpu", *flag], capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(REPO_ROOT)},
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    [folder] = [p for p in out.iterdir() if (p / "result.json").exists()]
+    device = json.loads((folder / "result.json").read_text())["device"]
+    assert device["host_eigensolvers"] == (2 if flag else 0)
+    plain = analysed(deep_llama, 0)
+    rows = layers_from_csv((folder / "layers.csv").read_bytes())
+    assert [r["layer"] for r in rows] == [r["layer"] for r in plain.rows]
+    for got, want in zip(rows, plain.rows, strict=True):
+        assert math.isclose(float(got["alpha"]), want["alpha"], rel_tol=1e-9)

@@ -52,6 +52,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-eigs": {"save_eigs": False},
     "trust-remote-code": {"trust_remote_code": True},
     "no-parallel-gpu": {"parallel_gpu": False},
+    "host-eigensolvers": {"host_eigensolvers": 6},
+    "no-host-eigensolvers": {"host_eigensolvers": 0},
     "verbose": {"verbose": True},
     "batch": {"batch": BatchOptions(run_id="20261123T070501Z-3fa9c2", max_retries=0,
                                     prefetch=5, overwrite=True, skip_failed=True)},
@@ -62,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "everything": {"model_key": "k", "relation": "peft", "base_model": "b", "device": "cuda",
                    "log_format": "json", "hub_rate": 1.5, "save_eigs": False,
                    "trust_remote_code": True, "parallel_gpu": False, "verbose": True,
+                   "host_eigensolvers": 3,
                    "batch": BatchOptions(run_id="r", max_retries=7, prefetch=0,
                                          overwrite=True, cache_dir="/c", cache_budget=1)},
 }

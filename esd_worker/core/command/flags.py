@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
-from esd_worker.core.command.settings import PRECISIONS, AnalysisSettings
+from esd_worker.core.command.settings import MAX_HOST_EIGENSOLVERS, PRECISIONS, AnalysisSettings
 from esd_worker.core.echo import quoted
 from esd_worker.core.errors import EXIT_USAGE
 from esd_worker.core.powerlaw import FIX_FINGERS
@@ -234,6 +234,16 @@ def add_parallel_gpu_flags(parser: argparse.ArgumentParser | Any) -> None:
              "stream per GPU (default)")
     add_flag(group, "--no-parallel-gpu", dest="parallel_gpu", action="store_false",
              help="one GPU per model even when several are visible")
+
+
+def add_host_eigensolvers_flag(parser: argparse.ArgumentParser | Any) -> None:
+    """--host-eigensolvers N, in both commands: host threads that diagonalise layers beside
+    the GPU (esd_worker.analysis.hostsolve); None: the worker's default."""
+    add_flag(parser, "--host-eigensolvers", type=int_in(0, MAX_HOST_EIGENSOLVERS), default=None,
+             metavar="N",
+             help="host threads (LAPACK, float64) that diagonalise layers beside each GPU, "
+             "dealt by each side's speed; the results do not depend on it (default: the cores "
+             "the process's CPU quota leaves free; 0: the GPU alone; none on a CPU-only run)")
 
 
 def add_model_timeout_flag(group: argparse.ArgumentParser | Any) -> None:

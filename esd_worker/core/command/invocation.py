@@ -79,8 +79,8 @@ class WorkerInvocation:
     the flag out (the worker's defaults: auto; $ESD_LOG_FORMAT or text). hub_rate: hub
     requests a second (None: no limit), kept to 6 significant digits, as the argv says it.
     batch: the many-models flags, always in the argv of a batch mode, else only when not
-    the defaults. analysis, save_eigs, trust_remote_code, parallel_gpu, verbose: as the
-    flags of the same names.
+    the defaults. analysis, save_eigs, trust_remote_code, parallel_gpu, host_eigensolvers
+    (None: the flag left out), verbose: as the flags of the same names.
     """
 
     mode: str
@@ -97,6 +97,7 @@ class WorkerInvocation:
     save_eigs: bool = True
     trust_remote_code: bool = False
     parallel_gpu: bool = True
+    host_eigensolvers: int | None = None
     verbose: bool = False
 
     def __post_init__(self) -> None:
@@ -151,6 +152,7 @@ class WorkerInvocation:
         argv += ["--no-eigs"] * (not self.save_eigs)
         argv += ["--trust-remote-code"] * self.trust_remote_code
         argv += ["--no-parallel-gpu"] * (not self.parallel_gpu)
+        argv += _pair("--host-eigensolvers", _text(self.host_eigensolvers))
         argv += ["-v"] * self.verbose
         return argv
 
@@ -239,6 +241,7 @@ def parse(argv: Sequence[str]) -> WorkerInvocation:
         device=args.device, batch=batch, hub_rate=args.hub_rate,
         analysis=analysis_from_args(args), save_eigs=not args.no_eigs,
         trust_remote_code=args.trust_remote_code, parallel_gpu=args.parallel_gpu,
+        host_eigensolvers=args.host_eigensolvers,
         verbose=args.verbose)
     problems = inv.structure_problems()
     if problems:

@@ -23,6 +23,7 @@ from esd_worker.core.command.flags import (
     Parser,
     add_analysis_flags,
     add_flag,
+    add_host_eigensolvers_flag,
     add_model_timeout_flag,
     add_parallel_gpu_flags,
     int_in,
@@ -90,6 +91,7 @@ def build_parser(parser_class: type[Parser] = Parser) -> argparse.ArgumentParser
     add_flag(p, "--device", choices=DEVICES, default="auto",
              help="auto: CUDA when available, else CPU (default auto)")
     add_parallel_gpu_flags(p)
+    add_host_eigensolvers_flag(p)
     add_flag(p, "--no-eigs", action="store_true", help="do not write eigs.npz")
     add_flag(p, "--trust-remote-code", action="store_true",
              help="allow model code from the hub to build the layer map (off by default)")
