@@ -231,7 +231,7 @@ if want 8; then
 step "8. bench_feed.py: host eigensolvers on and off, a cold --model, accuracy of every layer"
 if [ -n "${SMOKE:-}" ]; then
   "$PY" benchmarks/bench_feed.py --ckpt "$CKPT" --device cpu --models 2 \
-    --host-eigensolvers 1,0 --blocks 2 --hidden 256 --intermediate 688 --vocab 1000 \
+    --host-eigensolvers 1,0 --blocks 8 --hidden 256 --intermediate 688 --vocab 1000 \
     --json "$OUT/bench_feed.json" 2>&1 | tee "$OUT/bench_feed.log"
 else
   "$PY" benchmarks/bench_feed.py --ckpt "$CKPT" --device cuda --models 3 \

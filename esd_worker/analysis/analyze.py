@@ -24,6 +24,7 @@ import torch
 
 from esd_worker import __version__
 from esd_worker.analysis.hostsolve import default_host_solvers
+from esd_worker.analysis.knownmaps import known_layer_map
 from esd_worker.analysis.layers import discover_layers
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter
 from esd_worker.analysis.modellayers import LayerAnalysis
@@ -177,7 +178,12 @@ def analyse_model_with(
             complete=mode == "complete",
         )
         with speculation or contextlib.nullcontext():
-            layer_map = discover_layers(
+            # A known architecture's map from its config and names (no transformers import,
+            # no meta model: seconds on a cold worker); any other, from the model.
+            layer_map = known_layer_map(
+                weights_model.directory, ckpt,
+                include_embeddings=settings.analysis.include_embeddings,
+            ) or discover_layers(
                 weights_model.directory,
                 ckpt,
                 include_embeddings=settings.analysis.include_embeddings,

@@ -214,7 +214,7 @@ def discover_layers(
         )
     used = {spec.key for spec in layers}
     left = [
-        key for key in _matrix_keys(checkpoint, include_embeddings=include_embeddings)
+        key for key in matrix_keys(checkpoint, include_embeddings=include_embeddings)
         if key not in used
     ]
     if left:
@@ -227,7 +227,7 @@ def discover_layers(
     return LayerMap(layers, "architecture", arch, "; ".join(notes))
 
 
-def _matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str]:
+def matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str]:
     """Checkpoint keys that look like analysable weights by name and shape alone."""
     keys = []
     for key in checkpoint.keys():  # noqa: SIM118 - Checkpoint is not a Mapping
@@ -243,7 +243,7 @@ def _matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[st
 
 def _fallback(checkpoint: Checkpoint, *, include_embeddings: bool, reason: str) -> LayerMap:
     layers = []
-    for key in _matrix_keys(checkpoint, include_embeddings=include_embeddings):
+    for key in matrix_keys(checkpoint, include_embeddings=include_embeddings):
         shape = checkpoint.shape(key)
         if len(shape) == 4:
             layer_type = CONV2D
