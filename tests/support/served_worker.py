@@ -99,7 +99,8 @@ def main() -> int:
     state = Path(os.environ["FAKE_WORKER_STATE"])
     with open(state / "workers", "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:],
-                            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
+                            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            "cpu_share": os.environ.get("ESD_CPU_SHARE")}) + "\n")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))
     out = sys.stdout
     out.write(event_line("ready", pid=os.getpid()))

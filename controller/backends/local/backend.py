@@ -30,6 +30,7 @@ from controller.progress import Progress
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
 from esd_worker.core.command.invocation import SERVE
+from esd_worker.core.cpus import CPU_SHARE_ENV, usable_cpus
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S
 
@@ -290,6 +291,17 @@ class LocalBackend:
         if self.tracker is not None:
             return None
         return max(1, (os.cpu_count() or 1) // self.settings.cpu_workers)
+
+    def worker_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        """A GPU worker's share of this machine's CPUs ($ESD_CPU_SHARE: its GPUs' part of
+        the usable ones), which its host eigensolvers stay within
+        (esd_worker.analysis.hostsolve): one worker per GPU, each sizing its pool to the
+        whole machine, would run several threads per core. A share the run's environment
+        sets is kept."""
+        if not gpus or self.tracker is None or CPU_SHARE_ENV in os.environ:
+            return {}
+        share = usable_cpus() * len(gpus) / max(len(gpus), self.tracker.capacity)
+        return {CPU_SHARE_ENV: f"{share:.2f}"}
 
     def backoff(self, job: Job) -> float:
         """Seconds before the next attempt: doubling from backoff_s, capped, with jitter."""

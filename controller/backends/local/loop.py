@@ -90,6 +90,10 @@ class Dispatcher(Protocol):
         """CPU threads per worker (None: no limit)."""
         ...
 
+    def worker_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        """Variables of a long-lived worker on `gpus` beside the run's (its CPU share)."""
+        ...
+
     def backoff(self, job: Job) -> float:
         """Seconds before the job's next attempt."""
         ...
@@ -117,6 +121,7 @@ class Loop:
             reuse=self.settings.worker_reuse,
             logs=self.logs, threads=dispatcher.threads(), release=dispatcher.release,
             on_start=self._started, model_timeout=dispatcher.model_timeout,
+            env=dispatcher.worker_env,
         )
         self.outcomes = outcomes
         self.next_poll = self.next_progress = now

@@ -18,7 +18,7 @@ import logging
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,8 @@ class Slots:
                  reuse: int | None, logs: WorkerLogs, threads: int | None,
                  release: Callable[[tuple[int, ...]], bool],
                  on_start: Callable[[Job, Slot], None] | None = None,
-                 model_timeout: float = DEFAULT_MODEL_TIMEOUT_S) -> None:
+                 model_timeout: float = DEFAULT_MODEL_TIMEOUT_S,
+                 env: Callable[[tuple[int, ...]], Mapping[str, str]] | None = None) -> None:
         self.argv = argv
         self.model_timeout = model_timeout
         self.depth = max(1, depth)
@@ -85,6 +86,7 @@ class Slots:
         self.threads = threads
         self.release = release
         self.on_start = on_start
+        self.env = env
         self.live: list[Slot] = []
         self._started = 0
 
@@ -139,7 +141,8 @@ class Slots:
     def _spawn(self, gpus: tuple[int, ...]) -> Slot:
         """Raises LogDirError / OSError / ValueError (the caller releases the GPUs)."""
         self._started += 1
-        worker = ServedWorker(self.argv(gpus), slot=self._started, gpus=gpus, env={},
+        worker = ServedWorker(self.argv(gpus), slot=self._started, gpus=gpus,
+                              env=self.env(gpus) if self.env is not None else {},
                               logs=self.logs, threads=self.threads)
         log.info("worker %d started on %s pid=%d", self._started,
                  f"gpus={','.join(map(str, gpus))}" if gpus else "cpu", worker.pid)

@@ -24,6 +24,7 @@ from controller.errors import EXIT_SOME_FAILED
 from controller.run.sweep import run_sweep
 from controller.settings import SweepSettings
 from esd_worker.core.command.settings import AnalysisSettings
+from esd_worker.core.cpus import CPU_SHARE_ENV, usable_cpus
 from esd_worker.core.models.modellist import make_single
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import read_failure
@@ -142,6 +143,21 @@ def test_gpu_slots_hold_their_gpus_while_the_worker_lives(
     assert sorted(o.where for o in outcomes) == ["gpus=0", "gpus=0", "gpus=1", "gpus=1"]
     assert sorted(w["gpus"] for w in workers(tmp_path)) == ["0", "1"]
     assert not any(g.taken for g in tracker.snapshot())  # given back once the workers left
+    # Each GPU worker's host eigensolvers stay within its GPU's part of the machine's CPUs.
+    share = f"{usable_cpus() / 2:.2f}"
+    assert [w["cpu_share"] for w in workers(tmp_path)] == [share, share]
+
+
+def test_cpu_workers_and_a_share_the_run_sets_are_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for folder in ("cpu", "set"):
+        (tmp_path / folder).mkdir()
+    backend(tmp_path / "cpu", monkeypatch).run(tasks("ok-a"))
+    assert [w["cpu_share"] for w in workers(tmp_path / "cpu")] == [None]
+    monkeypatch.setenv(CPU_SHARE_ENV, "3")
+    backend(tmp_path / "set", monkeypatch, tracker=make_tracker([10.0])).run(tasks("ok-a"))
+    assert [w["cpu_share"] for w in workers(tmp_path / "set")] == ["3"]
 
 
 def test_the_worker_gets_the_runs_flags_as_an_argument_list(
