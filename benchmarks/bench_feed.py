@@ -60,7 +60,7 @@ def batch(listed: Path, out: Path, device: str, host: str) -> dict[str, Any]:
     if run.returncode != 0:
         raise SystemExit(f"worker failed ({run.returncode}):\n{run.stderr[-3000:]}")
     markers = sorted((json.loads(p.read_text()) for p in out.glob("*/result.json")),
-                     key=lambda m: m["started_at"])
+                     key=lambda m: int(m["model"].rsplit("-", 1)[-1]))  # list order
     steady = [m["timings"]["total_s"] for m in markers[1:]] or [markers[0]["timings"]["total_s"]]
     mean = sum(steady) / len(steady)
     return {
@@ -167,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(), "usable_cpus": usable_cpus(), "platform": platform.platform(),
         "torch": torch.__version__}}
     if "batch" not in skip:
-        listed = links(args.ckpt, args.work, args.models)
+        work = args.work / args.ckpt.resolve().name  # links to this checkpoint only
+        subprocess.run(["rm", "-rf", str(work)], check=True)
+        listed = links(args.ckpt, work, args.models)
         report["batch"] = []
         for host in args.host_eigensolvers.split(","):
-            report["batch"].append(batch(listed, args.work / f"out-{host}", args.device, host))
+            report["batch"].append(batch(listed, work / f"out-{host}", args.device, host))
             print(json.dumps(report["batch"][-1]), flush=True)
     if "cold" not in skip:
         report["cold"] = cold(args.ckpt, args.device)
