@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_sweep_gpu import RssProbe, links  # noqa: E402
+from bench_sweep_gpu import RssProbe, links, one  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -73,19 +73,6 @@ def batch(listed: Path, out: Path, device: str, host: str) -> dict[str, Any]:
         "peak_gpu_mib": max(m["device"].get("peak_memory_mib", 0) for m in markers),
         "worker_peak_hwm_gib": round(probe.hwm_kib / 2**20, 2),
     }
-
-
-def cold(ckpt: Path, device: str) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as out:
-        t = time.perf_counter()
-        run = subprocess.run([sys.executable, "-m", "esd_worker.cli", "--model", str(ckpt),
-                              "--output", out, "--device", device], env=_env(),
-                             capture_output=True, text=True)
-        wall = time.perf_counter() - t
-        if run.returncode != 0:
-            raise SystemExit(f"worker failed:\n{run.stderr[-3000:]}")
-        [marker] = [json.loads(p.read_text()) for p in Path(out).glob("*/result.json")]
-    return {"wall_s": round(wall, 2), **marker["timings"]}
 
 
 def accuracy(ckpt: Path, device: str, layers: int, host_layers: int) -> dict[str, Any]:
@@ -175,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             report["batch"].append(batch(listed, work / f"out-{host}", args.device, host))
             print(json.dumps(report["batch"][-1]), flush=True)
     if "cold" not in skip:
-        report["cold"] = cold(args.ckpt, args.device)
+        report["cold"] = one(args.ckpt, args.device, "float32")  # a cold --model process
         print(json.dumps({"cold": report["cold"]}), flush=True)
     if "accuracy" not in skip:
         report["accuracy"] = accuracy(args.ckpt, args.device, args.accuracy_layers,
