@@ -90,22 +90,23 @@ def layer_peak_bytes(
 ) -> int:
     """Bytes of device memory one layer needs on the CUDA path, at its fullest moment.
 
-    The path (esd_worker.analysis.analyze._Analysis._weight,
-    esd_worker.analysis.spectra.compute_spectrum),
-    in phases; W is the weight in the work dtype (float32, or float64 with --precision
-    float64), n = min(M, N) per matrix, k matrices (Conv2d: kh·kw, else 1):
+    The path (esd_worker.analysis.modellayers.LayerAnalysis._weight,
+    esd_worker.analysis.spectra.gram_matrices and solve_gram), in phases; W is the weight in
+    the work dtype (float32, or float64 with --precision float64), n = min(M, N) per
+    matrix, k matrices (Conv2d: kh·kw, else 1):
       load:  the stored tensor copied to the device, then converted: stored + W (the stored
              copy is freed once converted; no second copy when it already is the work dtype);
       check: W + a bool mask of W's size (torch.isfinite(W).all());
       conv:  Conv2d's permuted reshape and its scaled product: W + 2 W transiently;
-      gram:  W (+ Conv2d's matrices, W) + the Gram matrices, k·n² in the work dtype (on CUDA
-             the float32 Gram is diagonalised in float32: no converted copy);
-      eig:   torch's eigvalsh (linalg_eigh without vectors) copies each Gram matrix into the
-             buffer cuSOLVER's syevd overwrites (k·n²), writes k·n eigenvalues, and asks
-             syevd_bufferSize for a workspace, allocated per matrix. cuSOLVER does not
-             document its size; LAPACK's dsyevd needs 2n+1 without vectors and 1+6n+2n² with
-             them; budgeted here as n² of the work dtype, and benchmarks/bench_multi_gpu.py
-             measures the real peak at 16384² to check this bound.
+      gram:  W (+ Conv2d's matrices, W) + the Gram matrices, k·n² in the work dtype;
+      eig:   the Gram matrices are diagonalised in float64 (a converted copy, k·n² float64,
+             when formed in float32); torch's eigvalsh (linalg_eigh without vectors) copies
+             each into the buffer cuSOLVER's syevd overwrites (k·n² float64), writes k·n
+             eigenvalues, and asks syevd_bufferSize for a workspace, allocated per matrix.
+             cuSOLVER does not document its size; LAPACK's dsyevd needs 2n+1 without vectors
+             and 1+6n+2n² with them; budgeted here as n² float64, and
+             benchmarks/bench_multi_gpu.py measures the real peak at 16384² to check this
+             bound. (A layer a host eigensolver takes leaves the device after the gram phase.)
     Not counted: a LoRA update (r·(M+N) values, or one W-sized delta for a Conv2d), cuBLAS's
     workspace (MiBs), the CUDA context: the safety margin of device_capacity covers them;
     the float64 SVD fallback (rare: eigvalsh did not converge) needs W in float64 more.
@@ -124,7 +125,9 @@ def layer_peak_bytes(
     load = weight + (0 if stored == dtype else numel * stored.itemsize)
     check = weight + numel
     held = weight + conv // 2  # what stays alive beside the Gram (Conv2d: its matrices)
-    eig = held + 2 * gram + k * small * work + small * small * work
+    solved = k * small * small * 8  # float64, as eigvalsh is given them
+    converted = solved if work != 8 else 0
+    eig = held + gram + converted + solved + k * small * 8 + small * small * 8
     return max(load, check, weight + conv, held + gram, eig)
 
 
