@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.local.loop import Loop
 from controller.backends.local.needs import GpuNeeds
+from controller.backends.local.process import cpu_share_env
 from controller.backends.local.settings import LocalSettings
 from controller.backends.local.tasks import Job, Outcomes
 from controller.errors import SweepError
@@ -30,7 +31,6 @@ from controller.progress import Progress
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
 from esd_worker.core.command.invocation import SERVE
-from esd_worker.core.cpus import CPU_SHARE_ENV, usable_cpus
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S
 
@@ -293,15 +293,8 @@ class LocalBackend:
         return max(1, (os.cpu_count() or 1) // self.settings.cpu_workers)
 
     def worker_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
-        """A GPU worker's share of this machine's CPUs ($ESD_CPU_SHARE: its GPUs' part of
-        the usable ones), which its host eigensolvers stay within
-        (esd_worker.analysis.hostsolve): one worker per GPU, each sizing its pool to the
-        whole machine, would run several threads per core. A share the run's environment
-        sets is kept."""
-        if not gpus or self.tracker is None or CPU_SHARE_ENV in os.environ:
-            return {}
-        share = usable_cpus() * len(gpus) / max(len(gpus), self.tracker.capacity)
-        return {CPU_SHARE_ENV: f"{share:.2f}"}
+        """A GPU worker's share of the machine's CPUs (process.cpu_share_env)."""
+        return cpu_share_env(gpus, self.tracker.capacity if self.tracker is not None else 0)
 
     def backoff(self, job: Job) -> float:
         """Seconds before the next attempt: doubling from backoff_s, capped, with jitter."""

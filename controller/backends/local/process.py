@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from esd_worker.core.cpus import CPU_SHARE_ENV, usable_cpus
 from esd_worker.core.errors import EXIT_MEANINGS, classify_exit, signal_name
 from esd_worker.core.logs import open_private
 from esd_worker.core.redact import redact
@@ -232,6 +233,17 @@ def worker_env(gpus: tuple[int, ...], threads: int | None,
     full_env.update(env)
     full_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
     return full_env
+
+
+def cpu_share_env(gpus: tuple[int, ...], capacity: int) -> dict[str, str]:
+    """A GPU worker's share of this machine's CPUs ($ESD_CPU_SHARE: its GPUs' part of the
+    usable ones, `capacity` GPUs in all), which its host eigensolvers stay within
+    (esd_worker.analysis.hostsolve): one worker per GPU, each sizing its pool to the whole
+    machine, would run several threads per core. None for a CPU worker; a share the run's
+    environment sets is kept."""
+    if not gpus or capacity < 1 or CPU_SHARE_ENV in os.environ:
+        return {}
+    return {CPU_SHARE_ENV: f"{usable_cpus() * len(gpus) / max(len(gpus), capacity):.2f}"}
 
 
 def safe_name(key: str) -> str:
