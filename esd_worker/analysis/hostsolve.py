@@ -41,17 +41,21 @@ R = TypeVar("R")
 BUDGET_BYTES = 2 * 2**30  # host memory the host solves may hold at once
 HOST_PRIOR = 30.0  # host time / device time of a solve, until both are measured
 RESERVED_CPUS = 2  # the read-ahead and the finisher, beside each device's own thread
+# At most this many by default: the budget lets ~6 solves of 4096² run at once, and a pod
+# without a CPU limit sees every core of its node.
+DEFAULT_MAX = 32
 _SMOOTHING = 0.3  # weight of a new measurement in a side's rate
 
 
 def default_host_solvers(devices: Sequence[torch.device], cpus: float | None = None) -> int:
     """Host eigensolvers by default: the cores free within the process's CPU quota
     (esd_worker.core.cpus.usable_cpus, or `cpus`) beside the devices' threads, the read-ahead
-    and the finisher; 0 on the CPU, where the device is the host already."""
+    and the finisher, at most DEFAULT_MAX; 0 on the CPU, where the device is the host
+    already."""
     if not any(d.type == "cuda" for d in devices):
         return 0
     free = usable_cpus() if cpus is None else cpus
-    return max(0, int(free) - len(devices) - RESERVED_CPUS)
+    return min(DEFAULT_MAX, max(0, int(free) - len(devices) - RESERVED_CPUS))
 
 
 def solve_units(shape: Sequence[int], conv2d: bool) -> float:

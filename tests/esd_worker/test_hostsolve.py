@@ -175,6 +175,7 @@ def test_the_default_leaves_the_devices_and_the_readers_their_cores() -> None:
     assert default_host_solvers(gpu, cpus=16) == 13
     assert default_host_solvers(gpu * 2, cpus=16) == 12
     assert default_host_solvers(gpu, cpus=2) == 0
+    assert default_host_solvers(gpu, cpus=192) == 32  # a pod without a CPU limit
 
 
 def cgroup(tmp_path: Path, files: dict[str, str], self_cgroup: str) -> tuple[Path, Path]:
