@@ -43,6 +43,9 @@ from esd_worker.core.redact import redact
 log = logging.getLogger(__name__)
 
 _READER_JOIN_S = 5.0
+# A model's result comes on stdout after its last log line went to stderr; the two pipes are
+# read by two threads, so the tail waits this long at most for the stderr reader to catch up.
+_TAIL_WAIT_S = 5.0
 
 
 class ServedWorker:
@@ -65,7 +68,9 @@ class ServedWorker:
         self._tails: dict[str, deque[str]] = {}
         self._logs: dict[str, Path] = {}
         self._worker_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._ended: set[str] = set()  # models whose end line the stderr reader has read
+        self._stderr_done = False
         worker_log = self._open(f"_worker-{slot}")  # raises LogDirError first: nothing started
         logs.write(worker_log, f"=== {_now()} worker slot={slot} gpus="
                    f"{','.join(map(str, gpus)) or 'cpu'} ===\n$ {redact(shlex.join(argv))}\n")
@@ -147,9 +152,15 @@ class ServedWorker:
             reader.join(_READER_JOIN_S)
         self.close_input()
 
-    def tail(self, key: str | None) -> tuple[str, ...]:
-        """The last log lines of a model (None: of the worker outside any model)."""
+    def tail(self, key: str | None, *, ended: bool = False) -> tuple[str, ...]:
+        """The last log lines of a model (None: of the worker outside any model). ended: the
+        worker said the model ended (its result), so its end line is on the way: wait for
+        the stderr reader to have read it (at most _TAIL_WAIT_S), or the error line that
+        explains the result may be missing from the tail."""
         with self._lock:
+            if key is not None and ended:
+                self._lock.wait_for(lambda: key in self._ended or self._stderr_done,
+                                    _TAIL_WAIT_S)
             lines = self._tails.get(key) if key is not None else self._worker_tail
             return tuple(lines or ())
 
@@ -158,6 +169,7 @@ class ServedWorker:
         with self._lock:
             self._tails.pop(key, None)
             self._logs.pop(key, None)
+            self._ended.discard(key)
 
     def log_path(self, key: str) -> str | None:
         path = self._logs.get(key)
@@ -194,6 +206,10 @@ class ServedWorker:
                 if line.startswith(MODEL_END):
                     if out is not worker_log:
                         self.logs.close(out)
+                    with self._lock:
+                        if current is not None:
+                            self._ended.add(current)
+                        self._lock.notify_all()
                     current, out = None, worker_log
                     continue
                 line = redact(line)  # the worker's own logs are; a library's print may not be
@@ -203,6 +219,9 @@ class ServedWorker:
                         tail.append(line.rstrip())
                 self.logs.write(out, line + "\n")
         finally:
+            with self._lock:
+                self._stderr_done = True
+                self._lock.notify_all()
             if out is not worker_log:
                 self.logs.close(out)
             self.logs.close(worker_log)

@@ -217,7 +217,8 @@ class Slots:
             job.duration_s = result.seconds or max(now - job.started, 0.0)
             job.total_s += job.duration_s
             job.log_path = slot.worker.log_path(job.task.key)
-            job.last = Ended(0 if ok else result.exit_code, None, slot.worker.tail(key),
+            job.last = Ended(0 if ok else result.exit_code, None,
+                             slot.worker.tail(key, ended=True),
                              "" if ok else result.error, not ok and result.retryable)
             slot.worker.forget(job.task.key)
             got.ended.append(job)

@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ import pytest
 
 from controller.backends.base import Outcome, Task, WorkerSpec
 from controller.backends.local.backend import LocalBackend, serve_argv
+from controller.backends.local.process import WorkerLogs
+from controller.backends.local.served import ServedWorker
 from controller.backends.local.settings import LocalSettings
 from controller.errors import EXIT_SOME_FAILED
 from controller.run.sweep import run_sweep
@@ -26,6 +29,7 @@ from controller.settings import SweepSettings
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.cpus import CPU_SHARE_ENV, usable_cpus
 from esd_worker.core.models.modellist import make_single
+from esd_worker.core.protocol import Request
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import read_failure
 from esd_worker.core.watchdog import no_progress_limit_s
@@ -319,3 +323,38 @@ def test_a_sweep_records_a_model_that_hung_in_every_attempt_with_its_timeout(
     assert record is not None
     assert record.error.startswith("ModelTimeout: no progress for ")
     assert (record.attempts, record.signal, record.retryable) == (2, 9, False)
+
+
+# A worker whose stderr lags behind its stdout: the result of model k arrives while the log
+# line that explains it and the model's end line are still on their way (the two pipes are
+# read by two threads; under load the stderr reader can be late).
+_LAGGING = """
+import sys, time
+from esd_worker.core.protocol import begin_line, end_line, event_line
+sys.stdout.write(event_line("ready", pid=0)); sys.stdout.flush()
+sys.stdin.readline()
+sys.stderr.write(begin_line("k", 1)); sys.stderr.flush()
+sys.stdout.write(event_line("result", key="k", status="failed", exit_code=3,
+                            error="PermanentModelError: model not found", retryable=False))
+sys.stdout.flush()
+time.sleep(0.5)
+sys.stderr.write("ERROR esd_worker: model not found: no directory /x\\n")
+sys.stderr.write(end_line("k")); sys.stderr.flush()
+"""
+
+
+def test_a_results_tail_waits_for_the_models_last_log_lines() -> None:
+
+    worker = ServedWorker([sys.executable, "-c", _LAGGING], slot=1, gpus=(), env={},
+                          logs=WorkerLogs(None), threads=None)
+    try:
+        assert worker.send(Request(key="k", model="/x"))
+        deadline = time.monotonic() + 30
+        events: list[dict[str, Any]] = []
+        while not any(e["event"] == "result" for e in events):
+            assert time.monotonic() < deadline, events
+            events += worker.events()
+        tail = worker.tail("k", ended=True)
+        assert any("model not found" in line for line in tail), tail
+    finally:
+        worker.wait(10)
