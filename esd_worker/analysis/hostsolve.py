@@ -84,7 +84,6 @@ class HostSolvers:
         self._device_rate: float | None = None  # seconds per unit (solve_units)
         self._host_rate: float | None = None
         self.host_layers = 0  # layers a host thread solved
-        self.peak_bytes = 0  # the most the host solves held at once
 
     # -- the device's thread ----------------------------------------------------------------
 
@@ -114,7 +113,6 @@ class HostSolvers:
                 return None
             self._busy += 1
             self._held += need
-            self.peak_bytes = max(self.peak_bytes, self._held)
         try:
             slot = self._slots.acquire(gram.nbytes)  # never waits: a slot per thread
             host = slot[:gram.nbytes].view(gram.gram.dtype).view(gram.gram.shape)

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,8 @@ from esd_worker.analysis.streams import PREFETCH, Capacity, Streams, check_fits,
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.fetch.resolve import ResolvedModel
+
+T = TypeVar("T")
 
 
 def _nan_metrics() -> dict[str, Any]:
@@ -101,10 +103,10 @@ class LayerAnalysis:
         self.speculated_layers = 0  # layers whose spectrum came from the speculation
         self.streams: Streams[Future[LayerResult]] | None = None
         self.reader = reader
+        self._cuda = any(d.type == "cuda" for d in self.devices)  # host buffers page-locked
         # Each stream holds the layer it analyses and PREFETCH read ahead.
         self.buffers = None if reader is None else BufferPool(
-            (PREFETCH + 1) * len(self.devices),
-            pinned=any(d.type == "cuda" for d in self.devices))
+            (PREFETCH + 1) * len(self.devices), pinned=self._cuda)
         self.copy_streams = {} if reader is None else {
             d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}
         self.host_solvers = host_solvers
@@ -127,9 +129,7 @@ class LayerAnalysis:
                 return pool.submit(lambda: Staged(self.read(spec.key)))
             return pool.submit(stage, reader, spec.key, device, self.buffers,
                                self.copy_streams.get(device))
-        future: Future[Staged] = Future()
-        future.set_result(Staged(torch.empty(spec.shape, dtype=found.dtype, device="meta")))
-        return future
+        return _ready(Staged(torch.empty(spec.shape, dtype=found.dtype, device="meta")))
 
     def _discard(self, staged: Staged) -> None:
         """A layer read ahead and never analysed (a stream stopped): free its host buffer."""
@@ -212,7 +212,7 @@ class LayerAnalysis:
         }
         status = self._status(spec, tensor, M, N)
         if status is not None:
-            return _done(LayerResult(row | _nan_metrics() | {"status": status}))
+            return _ready(LayerResult(row | _nan_metrics() | {"status": status}))
         host = self.host
         assert host is not None, "run() starts the host threads"
         found = self._speculated(spec)
@@ -221,11 +221,10 @@ class LayerAnalysis:
         self._check_fits(spec.name, shape, spec.layer_type, tensor.dtype, device)
         weight = self._weight(spec, tensor, device, merge=replaced is None)
         if not bool(torch.isfinite(weight).all()):
-            return _done(LayerResult(row | _nan_metrics() | {"status": "nonfinite_weights"}))
+            return _ready(LayerResult(row | _nan_metrics() | {"status": "nonfinite_weights"}))
         g = gram_matrices(weight, spec.layer_type, precision=a.precision, conv_norm=a.conv_norm)
         del weight
-        k, n = g.gram.shape[0], g.gram.shape[-1]
-        units = float(k) * float(n) ** 3
+        units = solve_units(shape, spec.layer_type == CONV2D)
         on_host = host.offer(g, units, self._left(), len(self.devices),
                              partial(self._host_fitted, row, g.M, g.N, g.max_dim))
         if on_host is not None:
@@ -276,8 +275,7 @@ class LayerAnalysis:
                                                                 spec.layer_type == CONV2D)
                  for spec in self.layer_map.layers]
         self._remaining = list(accumulate(reversed(units)))[::-1]
-        self.host = HostSolvers(self.host_solvers,
-                                pinned=any(d.type == "cuda" for d in self.devices))
+        self.host = HostSolvers(self.host_solvers, pinned=self._cuda)
         self.streams = Streams(self.layer_map.layers, self.devices, fetch=self._fetch,
                                analyse=self.analyse_layer, discard=self._discard,
                                label=self.model.ref, progress=progress)
@@ -294,7 +292,8 @@ class LayerAnalysis:
             self.speculated_layers += result.speculated
 
 
-def _done(result: LayerResult) -> Future[LayerResult]:
-    future: Future[LayerResult] = Future()
-    future.set_result(result)
+def _ready(value: T) -> Future[T]:
+    """A future that has `value` already (work that needed no thread)."""
+    future: Future[T] = Future()
+    future.set_result(value)
     return future
