@@ -163,6 +163,8 @@ def test_a_failing_host_solve_stops_the_run(deep_llama: Path) -> None:
         with pytest.raises(Broken):
             job.run()
     assert job.host is not None and job.host.host_layers >= 1
+    # Stopped by the failure itself (Streams.fail), not found only when results were read.
+    assert job.streams is not None and job.streams.stopping.is_set()
     assert not any(t.name.startswith(("esd-host-solve", "esd-finish", "esd-read"))
                    for t in threading.enumerate())
 
