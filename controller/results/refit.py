@@ -50,7 +50,14 @@ from controller.results.reader import (
     warn_damaged,
 )
 from controller.results.summary import summary_rows, summary_to_csv
-from esd_worker.core.command.flags import MAX_THREADS, MIN_EVALS, add_fit_flags, add_flag, int_in
+from esd_worker.core.command.flags import (
+    MAX_THREADS,
+    MIN_EVALS,
+    add_fit_flags,
+    add_flag,
+    fit_from_args,
+    int_in,
+)
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.errors import UsageError
 from esd_worker.core.powerlaw import (
@@ -324,9 +331,10 @@ def run_refit(args: argparse.Namespace) -> int:
     It writes into the output, so it holds the output's lease as a sweep does (exit 2 while
     another holds it, or --wait-lock).
     """
+    fit = fit_from_args(args)
     settings = RefitSettings(
-        results=args.output_dir, fix_fingers=args.fix_fingers, evals_thresh=args.evals_thresh,
-        bins=args.bins, min_evals=args.min_evals, tag=args.tag,
+        results=args.output_dir, fix_fingers=fit.fix_fingers, evals_thresh=fit.evals_thresh,
+        bins=fit.bins, min_evals=args.min_evals, tag=args.tag,
         keys=tuple(args.model_key or ()), threads=args.threads,
     )
     settings.validate()  # a bad flag is said at once, not after waiting for the lease

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
+from esd_worker.core.command.presets import PRESET_HELP, PRESETS, settings_with
 from esd_worker.core.command.settings import MAX_HOST_EIGENSOLVERS, PRECISIONS, AnalysisSettings
 from esd_worker.core.echo import quoted
 from esd_worker.core.errors import EXIT_USAGE
@@ -195,32 +196,40 @@ def add_flag(
     parser.add_argument(*names, **kwargs)
 
 
+def add_preset_flag(parser: argparse.ArgumentParser | Any) -> None:
+    """--preset NAME: a named set of analysis flags (esd_worker.core.command.presets); a flag
+    given explicitly wins over its preset."""
+    add_flag(parser, "--preset", choices=tuple(PRESETS), default=None,
+             help="a named set of analysis flags, explicit flags win; "
+             + "; ".join(f"{name}: {text}" for name, text in PRESET_HELP.items()))
+
+
 def add_fit_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """The power-law fit flags (all a refit can change); defaults are AnalysisSettings'."""
+    """The power-law fit flags (all a refit can change) and --preset; defaults are
+    AnalysisSettings' (None here: a flag not given takes its preset's value or the default)."""
     d = AnalysisSettings()
-    add_flag(parser, "--fix-fingers", choices=FIX_FINGERS, default=d.fix_fingers,
-             help=f"how xmin is chosen (default {d.fix_fingers})")
-    add_flag(parser, "--evals-thresh", type=float_in(0, MAX_EVALS_THRESH),
-             default=d.evals_thresh,
+    add_preset_flag(parser)
+    add_flag(parser, "--fix-fingers", choices=FIX_FINGERS, default=None,
+             help=f"how xmin is chosen (default {d.fix_fingers}; DKS: WeightWatcher's)")
+    add_flag(parser, "--evals-thresh", type=float_in(0, MAX_EVALS_THRESH), default=None,
              help=f"eigenvalues <= this are left out of the fit (default {d.evals_thresh:g})")
-    add_flag(parser, "--bins", type=int_in(1, MAX_BINS), default=d.bins,
+    add_flag(parser, "--bins", type=int_in(1, MAX_BINS), default=None,
              help=f"histogram bins for xmin_peak (default {d.bins})")
 
 
 def add_analysis_flags(parser: argparse.ArgumentParser | Any) -> None:
-    """The ESD flags; their defaults are AnalysisSettings' (docs/metrics.md)."""
+    """The ESD flags; their defaults are AnalysisSettings' (docs/metrics.md), or a preset's."""
     d = AnalysisSettings()
     add_fit_flags(parser)
-    add_flag(parser, "--min-evals", type=MIN_EVALS, default=d.min_evals,
+    add_flag(parser, "--min-evals", type=MIN_EVALS, default=None,
              help=f"layers whose smaller side is below this are reported too_small "
              f"(default {d.min_evals})")
-    add_flag(parser, "--conv-norm", type=float_in(0, MAX_CONV_NORM, above=True),
-             default=d.conv_norm,
+    add_flag(parser, "--conv-norm", type=float_in(0, MAX_CONV_NORM, above=True), default=None,
              help=f"Conv2d slices are scaled by sqrt(conv_norm) (default {d.conv_norm})")
-    add_flag(parser, "--precision", choices=PRECISIONS, default=d.precision,
+    add_flag(parser, "--precision", choices=PRECISIONS, default=None,
              help="float32: Gram matrix + eigvalsh (fast, default); float64: the same in "
              "float64 (reference accuracy)")
-    add_flag(parser, "--include-embeddings", action="store_true",
+    add_flag(parser, "--include-embeddings", action="store_true", default=None,
              help="analyse Embedding layers too")
 
 
@@ -257,13 +266,18 @@ def add_model_timeout_flag(group: argparse.ArgumentParser | Any) -> None:
 
 
 def analysis_from_args(args: argparse.Namespace) -> AnalysisSettings:
-    return AnalysisSettings(
-        fix_fingers=args.fix_fingers,
-        evals_thresh=args.evals_thresh,
-        bins=args.bins,
-        min_evals=args.min_evals,
-        conv_norm=args.conv_norm,
-        precision=args.precision,
-        include_embeddings=args.include_embeddings,
-    )
+    """The analysis settings of parsed add_analysis_flags: the preset's, or the defaults,
+    under the flags given."""
+    return settings_with(args.preset, {
+        "fix_fingers": args.fix_fingers, "evals_thresh": args.evals_thresh, "bins": args.bins,
+        "min_evals": args.min_evals, "conv_norm": args.conv_norm, "precision": args.precision,
+        "include_embeddings": args.include_embeddings,
+    })
 
+
+def fit_from_args(args: argparse.Namespace) -> AnalysisSettings:
+    """The fit of parsed add_fit_flags (a refit's): only fix_fingers, evals_thresh and bins
+    of the result are read."""
+    return settings_with(args.preset, {
+        "fix_fingers": args.fix_fingers, "evals_thresh": args.evals_thresh, "bins": args.bins,
+    })
