@@ -24,6 +24,7 @@ import torch
 
 from esd_worker import __version__
 from esd_worker.analysis.hostsolve import default_host_solvers
+from esd_worker.analysis.inmemory import MEMORY_SOURCE, HeldWeights
 from esd_worker.analysis.knownmaps import known_layer_map
 from esd_worker.analysis.layers import discover_layers
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter
@@ -127,6 +128,7 @@ def analyse_model_with(
     capacity: Capacity = device_capacity,
     progress: Progress | None = None,
     done: Done | None = None,
+    held: HeldWeights | None = None,
 ) -> Marker:
     """analyse_model, with the speculation switch (esd_worker.analysis.speculate): auto decides by
     the
@@ -137,7 +139,10 @@ def analyse_model_with(
     streams on the CPU); default: esd_worker.analysis.streams.select_devices from settings.device
     and
     settings.parallel_gpu. capacity: usable bytes of a device for one layer (default: a
-    CUDA device's total memory less a margin; None, no bound, for the CPU)."""
+    CUDA device's total memory less a margin; None, no bound, for the CPU). held: the
+    weights of a model in memory (esd_worker.analysis.inmemory), read instead of files:
+    those of the model `resolve` gives with source "memory" (the model, or an adapter's
+    base)."""
     settings.validate()
     started = datetime.now(timezone.utc)
     t0 = time.perf_counter()
@@ -172,7 +177,9 @@ def analyse_model_with(
 
     from esd_worker.analysis.weights import Checkpoint
 
-    with Checkpoint(weights_model.directory) as ckpt:
+    memory = held if held is not None and weights_model.source == MEMORY_SOURCE else None
+    opened = memory.checkpoint() if memory else Checkpoint(weights_model.directory)
+    with opened as ckpt:
         speculation = None if mode == "off" else Speculation(
             ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, devices[0],
             complete=mode == "complete",
@@ -180,7 +187,9 @@ def analyse_model_with(
         with speculation or contextlib.nullcontext():
             # A known architecture's map from its config and names (no transformers import,
             # no meta model: seconds on a cold worker); any other, from the model.
-            layer_map = known_layer_map(
+            layer_map = memory.layer_map(
+                ckpt, include_embeddings=settings.analysis.include_embeddings,
+            ) if memory else known_layer_map(
                 weights_model.directory, ckpt,
                 include_embeddings=settings.analysis.include_embeddings,
             ) or discover_layers(

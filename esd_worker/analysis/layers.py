@@ -180,10 +180,18 @@ def discover_layers(
     keys; without an architecture transformers can build, fall back to tensor names."""
     model = _build_meta_model(directory, trust_remote_code=trust_remote_code)
     if model is None:
-        return _fallback(
+        return map_by_names(
             checkpoint, include_embeddings=include_embeddings,
             reason="architecture unknown to transformers",
         )
+    return map_modules(model, checkpoint, include_embeddings=include_embeddings)
+
+
+def map_modules(model: torch.nn.Module, checkpoint: Checkpoint, *,
+                include_embeddings: bool = False) -> LayerMap:
+    """The layer map of a model's modules (a meta model built from its config, or a model
+    held in memory): each Linear/Conv1D/Conv2d (and optionally Embedding) module whose
+    weight the checkpoint holds; none matched: the fallback by tensor names."""
     index = suffix_index(checkpoint.keys())
     tied = _tied_sources(model)
     layers: list[LayerSpec] = []
@@ -203,7 +211,7 @@ def discover_layers(
         layers.append(LayerSpec(name, key, layer_type, checkpoint.shape(key)))
     arch = type(model).__name__
     if not layers:
-        return _fallback(
+        return map_by_names(
             checkpoint, include_embeddings=include_embeddings,
             reason=f"no {arch} layer matched a checkpoint tensor",
         )
@@ -241,7 +249,8 @@ def matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str
     return keys
 
 
-def _fallback(checkpoint: Checkpoint, *, include_embeddings: bool, reason: str) -> LayerMap:
+def map_by_names(checkpoint: Checkpoint, *, include_embeddings: bool, reason: str) -> LayerMap:
+    """The fallback map: 2-D/4-D `*.weight` tensors by name and shape, `reason` why logged."""
     layers = []
     for key in matrix_keys(checkpoint, include_embeddings=include_embeddings):
         shape = checkpoint.shape(key)

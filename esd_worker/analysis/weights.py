@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,23 @@ class Checkpoint:
         except BaseException:
             self._stack.close()
             raise
+
+    @classmethod
+    def of_tensors(cls, tensors: Mapping[str, torch.Tensor], *, name: str) -> Checkpoint:
+        """A checkpoint of tensors already in memory (a model's state dict; `name` says whose
+        in errors): `read` hands each over as a loaded .bin's, never copied up front and
+        never modified (the analysis copies before it merges)."""
+        self = cls.__new__(cls)
+        self.directory = Path(name)
+        self.format, self.files = "memory", []
+        self._stack = contextlib.ExitStack()
+        state = {key: value.detach() for key, value in tensors.items()
+                 if isinstance(value, torch.Tensor)}
+        self._where = dict.fromkeys(state, state)
+        self._shapes = {key: tuple(value.shape) for key, value in state.items()}
+        self._dtypes = {key: str(value.dtype).removeprefix("torch.")
+                        for key, value in state.items()}
+        return self
 
     def _open(self, path: Path) -> None:
         if self.format == "safetensors":
