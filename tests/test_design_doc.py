@@ -43,7 +43,7 @@ def test_every_module_is_named() -> None:
     named = tree_paths(DESIGN.read_text(encoding="utf-8"))
     modules = {
         path.relative_to(REPO_ROOT).as_posix()
-        for package in ("controller", "esd_worker")
+        for package in ("controller", "esd_worker", "esd_sweep")
         for path in (REPO_ROOT / package).rglob("*.py")
         if path.name != "__init__.py" or path.parent.name == "backends"
     }
