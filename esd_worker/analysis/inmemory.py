@@ -64,15 +64,32 @@ def hold(model: Any, *, name: str | None = None) -> HeldWeights:
             "(adapter=...), so the LoRA updates are merged into the base's layers"
         )
     if isinstance(model, torch.nn.Module):
-        return HeldWeights(model.state_dict(), model, name or f"<in memory: "
+        return HeldWeights(unaliased(model.state_dict()), model, name or f"<in memory: "
                            f"{type(model).__name__}>")
     if isinstance(model, Mapping) and model and all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
-        return HeldWeights(dict(model), None, name or "<in memory: state dict>")
+        return HeldWeights(unaliased(model), None, name or "<in memory: state dict>")
     raise UsageError(
         f"cannot analyse a {type(model).__name__}: pass a torch.nn.Module, a state dict "
         "({name: tensor}), a local folder or a hub id"
     )
+
+
+def unaliased(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors less those that are another name of one before them (a tied weight: a
+    state dict lists GPT-2's lm_head and its word embeddings, one tensor), as
+    save_pretrained leaves them out: the layer map then finds a tied module's weight under
+    its source's name, as for the model's saved files."""
+    seen: set[tuple[Any, ...]] = set()
+    kept: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        same = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape),
+                tensor.stride())
+        if tensor.numel() and same in seen:
+            continue
+        seen.add(same)
+        kept[key] = tensor
+    return kept
 
 
 def empty_folder() -> tempfile.TemporaryDirectory[str]:
