@@ -348,7 +348,8 @@ def _run(args: argparse.Namespace) -> int:
     if result.report.get("dry_run"):
         return result.exit_code
     if settings.commands is None:
-        print(format_summary_table(open_store(settings.output)))
+        print(format_summary_table(open_store(settings.output),
+                                   parameters=settings.analysis.as_dict()))
     counts = result.report["counts"]
     running = f", {counts['running']} Job(s) still running" if counts.get("running") else ""
     print(redact(

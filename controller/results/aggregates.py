@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from esd_worker.core.command.presets import WW_ALPHA_BAND
+
 #: Quantiles shown in the report's tables.
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -35,9 +37,6 @@ METRIC_RANGES: dict[str, tuple[float, float, bool]] = {
     "log_spectral_norm_mean": (-5.0, 10.0, False),
     "entropy_mean": (0.0, 1.0, False),
 }
-
-#: Share of models with alpha in this range: the heavy-tailed "well trained" band.
-ALPHA_BAND = (2.0, 6.0)
 
 #: num_params buckets: (upper bound exclusive, label); the last is open-ended.
 SIZE_BUCKETS: tuple[tuple[float, str], ...] = (
@@ -108,7 +107,7 @@ class Histogram:
         finite = ~np.isnan(values)
         self.missing += int(values.size - finite.sum())
         values = values[finite]
-        band = (values >= ALPHA_BAND[0]) & (values <= ALPHA_BAND[1])
+        band = (values >= WW_ALPHA_BAND[0]) & (values <= WW_ALPHA_BAND[1])
         self.in_band += int(band.sum())
         pos = np.floor(self._scaled(values))
         self.under += int((pos < 0).sum())
@@ -143,7 +142,8 @@ class Histogram:
         return [self.quantile(q) for q in qs]
 
     def band_share(self) -> float | None:
-        """Share of counted values in ALPHA_BAND (meaningful for alpha metrics)."""
+        """Share of counted values in WeightWatcher's band (WW_ALPHA_BAND): meaningful for
+        α fitted as the band was (reportfit.Fit.band), and shown only then."""
         return self.in_band / self.count if self.count else None
 
     def mad(self) -> float | None:

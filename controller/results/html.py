@@ -1,11 +1,12 @@
 """The report's index page and the names of the files in a report folder it links to.
 
-Owns the page: what it covers (store, counts, fit settings), the distributions of the
-headline metrics by family / relation / size (a PNG and a quantile table each), the layer
-alpha by family, top / bottom / outlier lists linking to per-model pages, the failures by
-cause, and how to open the full tables. Its size is fixed by groups and N, not by models.
-Holds no data of its own (overview.py, failures.py compute it). Plain HTML, relative
-links, no JavaScript.
+Owns the page: what it covers (store, counts, fit settings and the fit's label near the
+top, or "mixed fits: …"), the distributions of the headline metrics by family / relation /
+size (a PNG and a quantile table each; the share in WeightWatcher's 2-6 band only where the
+band applies, else one line why), the layer alpha by family, top / bottom / outlier lists
+linking to per-model pages, the failures by cause, and how to open the full tables. Its
+size is fixed by groups and N, not by models. Holds no data of its own (overview.py,
+failures.py compute it). Plain HTML, relative links, no JavaScript.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 
-from controller.results.aggregates import ALPHA_BAND, QUANTILES, GroupedHistograms
+from controller.results.aggregates import QUANTILES, GroupedHistograms
 from controller.results.failures import FailureGroups
 from controller.results.overview import GROUPINGS, HEADLINE, Overview
+from controller.results.reportfit import BAND_METRICS, Fit
+from esd_worker.core.command.presets import WW_ALPHA_BAND
 from esd_worker.core.store.layout import SUMMARY_KEY, TABLES_PREFIX
 
 INDEX_NAME = "index.html"
@@ -56,10 +59,20 @@ def head(title: str) -> list[str]:
             f"<title>{e(title)}</title>", STYLE, "</head><body>"]
 
 
+def fit_lines(fit: Fit) -> list[str]:
+    """What a page says first of how its numbers were fitted: the label, and when the band
+    does not apply, one line why it is not shown."""
+    out = [f'<p class="fit">Fit: <b>{e(fit.label)}</b></p>']
+    if fit.note:
+        out.append(f'<p class="note">{e(fit.note)}</p>')
+    return out
+
+
 def _quantile_table(grouped: GroupedHistograms, alpha: bool) -> str:
+    """alpha: with the share in WeightWatcher's band (only where it applies)."""
     cols = ["group", "count", *(f"p{round(q * 100)}" for q in QUANTILES)]
     if alpha:
-        cols.append(f"α in [{ALPHA_BAND[0]:g}, {ALPHA_BAND[1]:g}]")
+        cols.append(f"α in [{WW_ALPHA_BAND[0]:g}, {WW_ALPHA_BAND[1]:g}]")
     out = ["<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"]
     for name, hist in grouped.ordered():
         cells = [f'<td class="l">{e(name)}</td>', f"<td>{hist.count}</td>"]
@@ -82,9 +95,10 @@ def _model_list(title: str, rows: list[tuple[str, float]], names: Mapping[str, s
 
 def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str | None,
                parts: int, names: Mapping[str, str], linked: set[str],
-               plots: set[str]) -> str:
+               plots: set[str], fit: Fit) -> str:
     """The index page. names: model_key → model id of the listed models; linked: the keys
-    with a per-model page; plots: the distribution PNGs written (relative paths)."""
+    with a per-model page; plots: the distribution PNGs written (relative paths); fit: of
+    every model shown (reportfit.fit_of_models)."""
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     params, others = view.common_parameters
     table = f"layers.{tag}.csv (refit, read from per-model files)" if tag else "results tables"
@@ -92,6 +106,7 @@ def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str
         *head(f"ESD report: {source}"),
         "<h1>ESD report</h1>",
         f"<p>Results: <code>{e(source)}</code>; from the {e(table)}; generated {e(now)}.</p>",
+        *fit_lines(fit),
         f"<p>{view.models} models, {view.layers} layers, "
         f"{sum(1 for f in view.families)} families, {parts} parts.</p>",
         f"<p>Fit settings: <code>{e(params) or '–'}</code>"
@@ -113,12 +128,13 @@ def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str
             if path in plots:
                 out.append(f'<p><img src="{e(path)}" alt="{e(metric)} by {e(grouping)}" '
                            'loading="lazy"></p>')
-            out.append(_quantile_table(view.hists[metric][grouping], metric.startswith("alpha")))
+            out.append(_quantile_table(view.hists[metric][grouping],
+                                       fit.band and metric in BAND_METRICS))
     out.append("<h3>Layer α (fit ok) by family</h3>")
     if plot_name("layer_alpha", "family") in plots:
         out.append(f'<p><img src="{plot_name("layer_alpha", "family")}" '
                    'alt="layer alpha by family" loading="lazy"></p>')
-    out.append(_quantile_table(view.layer_alpha, True))
+    out.append(_quantile_table(view.layer_alpha, fit.band))
     out.append("<h2>Top, bottom and outliers</h2>")
     for metric in HEADLINE:
         out.append(f"<h3>{e(metric)}</h3>")

@@ -2,7 +2,8 @@
 for the models the index links to.
 
 Owns: which plots a model gets (α per layer, ESD when eigs.npz is there, vs base for an
-adapter whose base is also selected) and its page of summary numbers. The layer rows
+adapter whose base is also selected) and its page of summary numbers, its fit first (the
+plots carry it too; WeightWatcher's band only where it applies, else one line why). The layer rows
 come from one filtered pass over the layers table (tables.layer_rows), not a read per
 model; the eigenvalues from <key>/eigs.npz. Not owned: drawing (plots.py), the index.
 """
@@ -20,11 +21,13 @@ from controller.results.html import (
     PAGE_NAME,
     VS_BASE_PLOT,
     e,
+    fit_lines,
     fmt,
     head,
 )
 from controller.results.plots import plot_alpha, plot_esd, plot_vs_base
 from controller.results.reader import ModelResult, read_eigs, warn_damaged
+from controller.results.reportfit import Fit, both
 from esd_worker.core.store.marker import DamagedResult
 from esd_worker.core.store.stores import Store
 
@@ -41,12 +44,15 @@ def with_rows(shell: ModelResult, rows: list[dict[str, Any]]) -> ModelResult:
     return replace(shell, rows=text)
 
 
-def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, str]) -> str:
-    """A model's page: its summary numbers, then its plots (paths relative to the page)."""
+def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, str], *,
+               fit: Fit) -> str:
+    """A model's page: its fit, its summary numbers, then its plots (paths relative to the
+    page)."""
     out = [
         *head(f"ESD: {result.model_id}"),
         '<p><a href="../../index.html">← report</a></p>',
         f"<h1>{e(result.name)}</h1><p><code>{e(result.key)}</code></p>",
+        *fit_lines(fit),
         "<table>",
     ]
     for name in PAGE_FIELDS:
@@ -61,24 +67,28 @@ def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, 
 
 
 def write_model_page(store: Store, result: ModelResult, row: Mapping[str, Any],
-                     base: ModelResult | None, *, esd_layers: int,
-                     evals_thresh: float | None, put: Callable[[str, bytes], None]) -> None:
-    """Draw one model's plots and write its page under models/<key>/."""
+                     base: ModelResult | None, *, fit: Fit, base_fit: Fit | None,
+                     esd_layers: int, evals_thresh: float | None,
+                     put: Callable[[str, bytes], None]) -> None:
+    """Draw one model's plots and write its page under models/<key>/. fit: the model's,
+    base_fit: its base's (for the vs-base plot)."""
     folder = f"{MODELS_FOLDER}{result.key}/"
     plots: dict[str, str] = {}
-    put(folder + ALPHA_PLOT, plot_alpha(result))
+    put(folder + ALPHA_PLOT, plot_alpha(result, fit=fit))
     plots["α per layer"] = ALPHA_PLOT
     try:
         eigs = read_eigs(store, result)
     except DamagedResult as err:  # the rows are whole: plot without the spectra
         warn_damaged(result.key, err)
         eigs = None
-    esd = plot_esd(result, eigs, count=esd_layers, evals_thresh=evals_thresh) if eigs else None
+    esd = (plot_esd(result, eigs, fit=fit, count=esd_layers, evals_thresh=evals_thresh)
+           if eigs else None)
     if esd is not None:
         put(folder + ESD_PLOT, esd)
         plots["ESD"] = ESD_PLOT
-    vs = plot_vs_base(result, base) if base is not None else None
+    vs = (plot_vs_base(result, base, fit=both(fit, base_fit or fit))
+          if base is not None else None)
     if vs is not None:
         put(folder + VS_BASE_PLOT, vs)
         plots["vs base"] = VS_BASE_PLOT
-    put(folder + PAGE_NAME, model_page(result, row, plots).encode("utf-8"))
+    put(folder + PAGE_NAME, model_page(result, row, plots, fit=fit).encode("utf-8"))

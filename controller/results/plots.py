@@ -2,9 +2,12 @@
 metric's distribution by group (from the report's histograms).
 
 Owns how a model's numbers are drawn (matplotlib on the Agg canvas, no pyplot state). Each
-plot function takes ModelResults and returns PNG bytes; where they are written is the
-report's business (controller.results.report). matplotlib is imported only when a plot is
-drawn (controller.results.extras), so importing this module costs nothing.
+*_figure function takes ModelResults and a Fit (controller.results.reportfit) and returns
+the Figure, each plot_* its PNG bytes (the figure's title also in the PNG's Title text);
+where they are written is the report's business (controller.results.report). Every plot of
+α or of a metric fitted from the power law says its fit in its title; WeightWatcher's 2-6
+band of α is drawn only where the Fit says it applies. matplotlib is imported only when a
+plot is drawn (controller.results.extras), so importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import numpy as np
 from controller.results.aggregates import GroupedHistograms
 from controller.results.extras import require
 from controller.results.reader import ModelResult, number
+from controller.results.reportfit import BAND_METRICS, Fit
+from esd_worker.core.command.presets import WW_ALPHA_BAND
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -26,10 +31,10 @@ if TYPE_CHECKING:
 
 DEFAULT_ESD_LAYERS = 6
 
-# α of a trained layer is typically 2..6 (HT-SR); far above, the ESD has no heavy tail and
-# the exact value says little. Plots clip there so the interesting range stays readable.
-ALPHA_BAND = (2.0, 6.0)
+# Far above WeightWatcher's band the ESD has no heavy tail and the exact α says little.
+# Plots clip there so the interesting range stays readable.
 ALPHA_CLIP = 12.0
+BAND_GID = "ww-alpha-band"  # the band's artist, found by the tests without pixels
 
 
 def _figure(
@@ -45,9 +50,19 @@ def _figure(
     return fig
 
 
+def title_of(fig: Figure) -> str:
+    """The figure's title: its suptitle, else its first axes' title."""
+    return fig.get_suptitle() or (fig.axes[0].get_title() if fig.axes else "")
+
+
+def has_band(fig: Figure) -> bool:
+    """Whether WeightWatcher's band is drawn on the figure."""
+    return any(artist.get_gid() == BAND_GID for ax in fig.axes for artist in ax.patches)
+
+
 def _png(fig: Figure) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=100, metadata={"Title": title_of(fig)})
     return buf.getvalue()
 
 
@@ -58,19 +73,28 @@ def _kind(layer: str) -> str:
 
 def _alpha_limits(alphas: Iterable[float]) -> float:
     finite = [a for a in alphas if math.isfinite(a)]
-    top = max(finite, default=ALPHA_BAND[1])
-    return min(max(top * 1.08, ALPHA_BAND[1] + 1.0), ALPHA_CLIP)
+    top = max(finite, default=WW_ALPHA_BAND[1])
+    return min(max(top * 1.08, WW_ALPHA_BAND[1] + 1.0), ALPHA_CLIP)
 
 
-def _band(ax: Axes) -> None:
-    ax.axhspan(*ALPHA_BAND, color="tab:green", alpha=0.10, lw=0,
-               label=f"{ALPHA_BAND[0]:g} ≤ α ≤ {ALPHA_BAND[1]:g}")
+def _band(ax: Axes, fit: Fit, *, vertical: bool = False) -> None:
+    """WeightWatcher's band, where the fit is the one it was calibrated on."""
+    if not fit.band:
+        return
+    span = ax.axvspan if vertical else ax.axhspan
+    span(*WW_ALPHA_BAND, color="tab:green", alpha=0.10, lw=0, gid=BAND_GID,
+         label=f"WeightWatcher {WW_ALPHA_BAND[0]:g} ≤ α ≤ {WW_ALPHA_BAND[1]:g}")
 
 
-def plot_alpha(result: ModelResult) -> bytes:
-    """α per layer in model order: the 2–6 band shaded, points coloured by module kind,
-    fit_failed layers marked with a red x and other unanalysed layers with a grey bar at
-    the bottom, α above the plot's top (ALPHA_CLIP) drawn as triangles at the edge."""
+def plot_alpha(result: ModelResult, *, fit: Fit) -> bytes:
+    return _png(alpha_figure(result, fit=fit))
+
+
+def alpha_figure(result: ModelResult, *, fit: Fit) -> Figure:
+    """α per layer in model order: the 2–6 band shaded where it applies, points coloured
+    by module kind, fit_failed layers marked with a red x and other unanalysed layers with
+    a grey bar at the bottom, α above the plot's top (ALPHA_CLIP) drawn as triangles at the
+    edge; the fit under the title."""
     rows = result.rows
     n = len(rows)
     fig = _figure(min(14.0, max(7.0, 0.12 * n + 4.0)), 4.2)
@@ -78,7 +102,7 @@ def plot_alpha(result: ModelResult) -> bytes:
     ok = [(i, number(r.get("alpha")), _kind(r.get("layer", ""))) for i, r in enumerate(rows)
           if r.get("status") == "ok" and math.isfinite(number(r.get("alpha")))]
     top = _alpha_limits(a for _, a, _ in ok)
-    _band(ax)
+    _band(ax, fit)
     kinds = list(dict.fromkeys(k for _, _, k in ok))
     size = 28 if n <= 80 else 12
     # Colour by module kind when that tells something (2..10 kinds), else one colour.
@@ -112,18 +136,27 @@ def plot_alpha(result: ModelResult) -> bytes:
     ax.set_ylim(0, top)
     ax.set_xlabel("layer index (model order)")
     ax.set_ylabel("α (power-law exponent)")
-    fix = rows[0].get("fix_fingers", "") if rows else ""
-    ax.set_title(f"{result.name}: α per layer ({len(ok)} of {n} fitted, {fix})", fontsize=11)
+    ax.set_title(f"{result.name}: α per layer ({len(ok)} of {n} fitted)\n{fit.label}",
+                 fontsize=11)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    return _png(fig)
+    return fig
 
 
-def plot_distribution(grouped: GroupedHistograms, title: str) -> bytes:
+def plot_distribution(grouped: GroupedHistograms, title: str, *, fit: Fit | None = None) -> bytes:
+    return _png(distribution_figure(grouped, title, fit=fit))
+
+
+def distribution_figure(grouped: GroupedHistograms, title: str, *,
+                        fit: Fit | None = None) -> Figure:
     """One metric's distribution by group as overlaid step histograms (fraction of each
-    group's models per bin, so small groups stay visible); at most 13 groups, largest first."""
+    group's models per bin, so small groups stay visible); at most 13 groups, largest first.
+    fit: of a metric fitted from the power law (None for the others): under the title, and
+    the band on α's own scale where it applies."""
     fig = _figure(7.5, 4.0)
     ax = fig.subplots()
+    if fit is not None and grouped.metric in BAND_METRICS:
+        _band(ax, fit, vertical=True)
     drawn = False
     for name, hist in grouped.ordered()[:13]:
         if not hist.count:
@@ -137,11 +170,11 @@ def plot_distribution(grouped: GroupedHistograms, title: str) -> bytes:
         ax.set_xscale("log")
     ax.set_xlabel(grouped.metric)
     ax.set_ylabel("share of the group per bin")
-    ax.set_title(title, fontsize=11)
+    ax.set_title(title if fit is None else f"{title}\n{fit.label}", fontsize=11)
     ax.grid(True, alpha=0.3)
     if drawn:
         ax.legend(loc="upper right", fontsize=7, ncol=2)
-    return _png(fig)
+    return fig
 
 
 def pick_esd_layers(result: ModelResult, eigs: Mapping[str, np.ndarray], count: int) -> list[int]:
@@ -181,13 +214,27 @@ def plot_esd(
     result: ModelResult,
     eigs: Mapping[str, np.ndarray],
     *,
+    fit: Fit,
     count: int = DEFAULT_ESD_LAYERS,
     evals_thresh: float | None = None,
 ) -> bytes | None:
+    fig = esd_figure(result, eigs, fit=fit, count=count, evals_thresh=evals_thresh)
+    return None if fig is None else _png(fig)
+
+
+def esd_figure(
+    result: ModelResult,
+    eigs: Mapping[str, np.ndarray],
+    *,
+    fit: Fit,
+    count: int = DEFAULT_ESD_LAYERS,
+    evals_thresh: float | None = None,
+) -> Figure | None:
     """The ESD of chosen layers on log-log axes, as WeightWatcher draws it: a density
     histogram of λ (log-spaced bins, λ > evals_thresh), the fitted power law
     p(λ) ∝ λ^-α from xmin (scaled to the tail's share of the eigenvalues so it lies on the
-    histogram), and a vertical line at xmin. None when no layer has eigenvalues.
+    histogram), and a vertical line at xmin; the fit under the title. None when no layer
+    has eigenvalues.
 
     evals_thresh: the fit's (default: the marker's parameters; a refit's differ).
     """
@@ -199,12 +246,12 @@ def plot_esd(
     thresh = thresh if math.isfinite(thresh) else 1e-5
     cols = min(3, len(picks))
     nrows = math.ceil(len(picks) / cols)
-    width, height = 4.3 * cols, 3.3 * nrows + 0.5
+    width, height = 4.3 * cols, 3.3 * nrows + 0.7
     # Fixed margins in inches instead of a layout engine: the grid is regular, and the
     # constrained layout's extra draw passes nearly double the time of a many-panel figure.
     fig = _figure(width, height, layout=None)
     fig.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.5 / height,
-                        top=1 - 0.6 / height, wspace=0.95 / 3.4, hspace=0.8 / 2.3)
+                        top=1 - 0.8 / height, wspace=0.95 / 3.4, hspace=0.8 / 2.3)
     axes = np.atleast_1d(fig.subplots(nrows, cols, squeeze=False)).ravel()
     for ax, i in zip(axes, picks, strict=False):
         row = result.rows[i]
@@ -215,9 +262,9 @@ def plot_esd(
         ax.set_visible(False)
     how = "all layers" if len(picks) == sum(1 for r in result.rows if r.get("layer") in eigs) \
         else "layers at α quantiles"
-    fig.suptitle(f"{result.name}: ESD, {len(picks)} of {len(result.rows)} layers ({how})",
-                 fontsize=11, y=1 - 0.15 / height, va="top")
-    return _png(fig)
+    fig.suptitle(f"{result.name}: ESD, {len(picks)} of {len(result.rows)} layers ({how})"
+                 f"\n{fit.label}", fontsize=11, y=1 - 0.1 / height, va="top")
+    return fig
 
 
 def _draw_esd(ax: Axes, lam: np.ndarray, row: Mapping[str, str]) -> None:
@@ -272,10 +319,16 @@ def _sparse_log_ticks(ax: Axes) -> None:
     ax.tick_params(which="both", labelsize=7)
 
 
-def plot_vs_base(adapter: ModelResult, base: ModelResult) -> bytes | None:
+def plot_vs_base(adapter: ModelResult, base: ModelResult, *, fit: Fit) -> bytes | None:
+    fig = vs_base_figure(adapter, base, fit=fit)
+    return None if fig is None else _png(fig)
+
+
+def vs_base_figure(adapter: ModelResult, base: ModelResult, *, fit: Fit) -> Figure | None:
     """Adapter vs its base, layers matched by name. Left: α per layer (base order) of both.
     Right: α_adapter against α_base with the diagonal; layers whose spectrum the adapter
-    changed (λ_max differs) in colour, untouched layers grey. None when no layer matches."""
+    changed (λ_max differs) in colour, untouched layers grey. fit: of both (reportfit.both):
+    under the title, the band where it applies. None when no layer matches."""
     by_name = {r.get("layer"): r for r in adapter.rows}
     pairs = [(i, b, by_name[b["layer"]]) for i, b in enumerate(base.rows)
              if b.get("layer") in by_name]
@@ -285,7 +338,7 @@ def plot_vs_base(adapter: ModelResult, base: ModelResult) -> bytes | None:
     left, right = fig.subplots(1, 2, width_ratios=[1.7, 1.0])
     alphas = [number(r.get("alpha")) for _, b, a in pairs for r in (a, b)]
     top = _alpha_limits(alphas)
-    _band(left)
+    _band(left, fit)
     idx = [i for i, _, _ in pairs]
     a_base = np.array([min(number(b.get("alpha")), top) for _, b, _ in pairs])
     a_adap = np.array([min(number(a.get("alpha")), top) for _, _, a in pairs])
@@ -316,5 +369,5 @@ def plot_vs_base(adapter: ModelResult, base: ModelResult) -> bytes | None:
     right.set_title("adapter vs base, per layer", fontsize=10)
     right.legend(fontsize=8, loc="upper left")
     right.grid(True, alpha=0.3)
-    fig.suptitle(f"{adapter.name} vs its base {base.name}", fontsize=11)
-    return _png(fig)
+    fig.suptitle(f"{adapter.name} vs its base {base.name}\n{fit.label}", fontsize=11)
+    return fig

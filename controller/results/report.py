@@ -5,6 +5,8 @@ models in streaming passes over the results tables (overview.py; for a refit --t
 the per-model files a chunk at a time: taggedtables.py), the failures by cause
 (failures.py), the distribution plots, the pages of the models the index lists (one
 filtered pass over the layers table for their rows: pages.py), then index.html (html.py).
+What they say of the fit comes from the parameters the overview's first pass counts, a
+refit's fix_fingers from its record refits/<tag>.json (reportfit.py).
 Memory is bounded by bins, groups and the listed models, not by the store's size.
 matplotlib and pyarrow (the `[report]` extra) are imported only when a report is written.
 """
@@ -33,6 +35,7 @@ from controller.results.reader import (
     open_results,
     read_refit_record,
 )
+from controller.results.reportfit import fit_of, fit_of_models, fitted
 from controller.results.tables import SHELL_COLUMNS, Tables, rows_of
 from controller.results.taggedtables import TaggedTables
 from esd_worker.core.command.flags import MAX_ROWS, MAX_THREADS, add_flag, int_in
@@ -108,15 +111,25 @@ class _Prefixed:
         self.files.append(key)
 
 
-def _refit_thresh(store: Store, tag: str | None) -> float | None:
-    """The evals_thresh a refit table was fitted with (its record's), for the ESD plots."""
+@dataclass(frozen=True)
+class _Refit:
+    """What a refit's record says of its fit: the fix_fingers ("?" when the record does not
+    say: the tables' parameters are the analysis', not the refit's) and evals_thresh (for
+    the ESD plots). Both None for the results tables."""
+
+    fix_fingers: str | None = None
+    evals_thresh: float | None = None
+
+
+def _refit(store: Store, tag: str | None) -> _Refit:
     if not tag:
-        return None
+        return _Refit()
     record = read_refit_record(store, tag) or {}
     params = record.get("parameters")
-    if isinstance(params, Mapping) and params.get("evals_thresh") is not None:
-        return float(params["evals_thresh"])
-    return None
+    params = params if isinstance(params, Mapping) else {}
+    thresh = params.get("evals_thresh")
+    return _Refit(str(params.get("fix_fingers") or "?"),
+                  None if thresh is None else float(thresh))
 
 
 def _listed(view: Overview) -> list[str]:
@@ -149,26 +162,30 @@ def write_report(settings: ReportSettings) -> Report:
     else:
         target = _Prefixed(store, REPORT_PREFIX)
         where = store.url.rstrip("/") + "/" + REPORT_PREFIX.rstrip("/")
+    refit = _refit(store, settings.tag)
+    fit = fit_of_models(view.parameters, fix_fingers=refit.fix_fingers)
     plots: set[str] = set()
     for metric in HEADLINE:
         for grouping in GROUPINGS:
             path = plot_name(metric, grouping)
             target.put(path, plot_distribution(view.hists[metric][grouping],
-                                               f"{metric} by {grouping}"))
+                                               f"{metric} by {grouping}",
+                                               fit=fit if fitted(metric) else None))
             plots.add(path)
     path = plot_name("layer_alpha", "family")
-    target.put(path, plot_distribution(view.layer_alpha, "layer α (fit ok) by family"))
+    target.put(path, plot_distribution(view.layer_alpha, "layer α (fit ok) by family",
+                                       fit=fit))
     plots.add(path)
     listed = _listed(view)
     rows = _model_rows(tables, set(listed))
-    linked = _pages(store, tables, listed[:settings.max_model_plots], rows, settings,
+    linked = _pages(store, tables, listed[:settings.max_model_plots], rows, settings, refit,
                     target.put)
     failures = group_failures(store, threads=settings.threads)
     parts = (len(tables.parts(MODELS_TABLE)) + len(tables.parts(LAYERS_TABLE))
              if isinstance(tables, Tables) else 0)
     names = {key: str(row.get("model_id") or key) for key, row in rows.items()}
     page = index_html(view, failures, source=store.url, tag=settings.tag, parts=parts,
-                      names=names, linked=linked, plots=plots)
+                      names=names, linked=linked, plots=plots, fit=fit)
     target.put(INDEX_NAME, page.encode("utf-8"))
     log.info("report of %d model(s), %d layers, pages for %d, in %s (%.1fs)", view.models,
              view.layers, len(linked), where, time.perf_counter() - t0)
@@ -195,7 +212,7 @@ def _shell(row: Mapping[str, Any]) -> ModelResult:
 
 
 def _pages(store: Store, tables: Tables | TaggedTables, keys: list[str],
-           rows: Mapping[str, Mapping[str, Any]], settings: ReportSettings,
+           rows: Mapping[str, Mapping[str, Any]], settings: ReportSettings, refit: _Refit,
            put: Any) -> set[str]:
     """Pages of `keys` (and their adapters' bases among them for vs-base plots); one
     filtered pass over the layers table for their layer rows."""
@@ -212,10 +229,13 @@ def _pages(store: Store, tables: Tables | TaggedTables, keys: list[str],
     full = {s.key: with_rows(s, [r for _, r in sorted(layers.get(s.key, []),
                                                          key=lambda item: item[0])])
             for s in shells}
-    thresh = _refit_thresh(store, settings.tag)
+    fits = {key: fit_of(rows[key].get("parameters"), fix_fingers=refit.fix_fingers)
+            for key in full}
     for key, result in full.items():
-        write_model_page(store, result, rows[key], full.get(bases.get(key, "")),
-                         esd_layers=settings.esd_layers, evals_thresh=thresh, put=put)
+        base = bases.get(key, "")
+        write_model_page(store, result, rows[key], full.get(base), fit=fits[key],
+                         base_fit=fits.get(base), esd_layers=settings.esd_layers,
+                         evals_thresh=refit.evals_thresh, put=put)
     return set(full)
 
 

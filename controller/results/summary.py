@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 from controller.keyset import KeySet, SeenKeys
 from controller.results.reader import ModelResult
 from controller.results.tables import Tables, rows_of
+from esd_worker.core.command.presets import band_applies, fit_label
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
     SUMMARY_KEY,
@@ -58,7 +59,9 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "total_s",
     "finished_at",
 )
-# The columns format_summary_table shows: who, then the headline statistics.
+# The columns format_summary_table shows: who, then the headline statistics (the share in
+# WeightWatcher's band only where the band applies: BAND_COLUMN).
+BAND_COLUMN = "alpha_in_2_6_share"
 TABLE_COLUMNS: tuple[str, ...] = (
     "model_id", "relation", "layers", "alpha_mean", "alpha_median", "alpha_in_2_6_share",
     "stable_rank_mean", "log_spectral_norm_mean",
@@ -305,11 +308,15 @@ class _Rows:
             return list(pool.map(lambda item: summary_row(item[0], item[1], self.store), done))
 
 
-def format_summary_table(store: Store, limit: int = 20) -> str:
+def format_summary_table(store: Store, limit: int = 20, *,
+                         parameters: Mapping[str, Any] | None = None) -> str:
     """The first rows of summary.csv as an aligned text table, for people at a terminal.
 
     Reads the file as a stream: its first `limit` rows are kept, the others only counted
-    (a summary of millions of rows is hundreds of MB)."""
+    (a summary of millions of rows is hundreds of MB). parameters: the analysis settings
+    the summary's models were fitted with (a run's): a line above the table says the fit,
+    and alpha_in_2_6_share is left out where WeightWatcher's band does not apply (the CSV
+    keeps the column)."""
     parts = store.get_parts(SUMMARY_KEY)
     reader = csv.DictReader(_lines(parts or iter(())))
     head = list(itertools.islice(reader, limit))
@@ -317,10 +324,15 @@ def format_summary_table(store: Store, limit: int = 20) -> str:
         return f"(no {SUMMARY_KEY} yet)"
     more = sum(1 for _ in reader)
     cols = list(TABLE_COLUMNS)
+    fit: list[str] = []
+    if parameters is not None:
+        fit = ["fit: " + fit_label(parameters).removeprefix("fit ")]
+        if not band_applies(parameters.get("fix_fingers")):
+            cols.remove(BAND_COLUMN)
     table = [cols] + [[_short(r.get(c, "")) for c in cols] for r in head]
     widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
-             for line in table]
+    lines = fit + ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True))
+                   for line in table]
     if more:
         lines.append(f"... {more} more in {SUMMARY_KEY}")
     return "\n".join(lines)

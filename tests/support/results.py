@@ -93,6 +93,22 @@ def png_size(data: bytes) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def png_title(data: bytes) -> str | None:
+    """The Title of a PNG's text chunks (tEXt: Latin-1; iTXt, uncompressed: UTF-8), as
+    plots.py writes its figure's title there."""
+    at = 8
+    while at + 8 <= len(data):
+        (length,) = struct.unpack(">I", data[at:at + 4])
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
+        at += 12 + length
+        if kind == b"tEXt" and body.startswith(b"Title\0"):
+            return body[6:].decode("latin-1")
+        if kind == b"iTXt" and body.startswith(b"Title\0\0"):  # flag 0: not compressed
+            _language, _translated, text = body[8:].split(b"\0", 2)
+            return text.decode("utf-8")
+    return None
+
+
 class Links(html.parser.HTMLParser):
     """The href/src references and the element ids of an HTML page."""
 

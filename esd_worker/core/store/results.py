@@ -133,7 +133,9 @@ def summarize_layers(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     rows: dicts as in layers.csv; values may be numbers or the CSV's strings.
     layers: all rows; layers_ok: rows with status "ok".
     alpha_mean/median/std (population, ddof=0), alpha_in_2_6_share (share of ok layers with
-    2 ≤ α ≤ 6), alpha_weighted_mean, log_alpha_norm_mean: over ok layers with a finite value.
+    2 ≤ α ≤ 6: WeightWatcher's band, presets.WW_ALPHA_BAND, which this layer cannot import;
+    meaningful for DKS α only, presets.band_applies), alpha_weighted_mean,
+    log_alpha_norm_mean: over ok layers with a finite value.
     stable_rank_mean, log_spectral_norm_mean, log_norm_mean, entropy_mean: over every layer
     with a finite value (a failed fit leaves the norms valid).
     A statistic with no value to average is None (JSON null), never NaN.

@@ -40,7 +40,7 @@ from esd_worker.core.store.results import (
     layers_to_csv,
     summarize_layers,
 )
-from tests.support.results import copy_example, example_results, keys_by_relation
+from tests.support.results import copy_example, example_results, keys_by_relation, png_title
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,9 @@ def test_report_on_a_refit_table(
 ) -> None:
     """`report --tag` reads layers.<tag>.csv (from the per-model files): its numbers are the
     refit's (summary.<tag>.csv's alpha_mean, the largest first in the top list) and the
-    model pages' rows the refit's."""
+    model pages' rows the refit's. Its fit is the refit's (DKS, from refits/<tag>.json; the
+    example was analysed with xmin_mid): on the index, the page and the α plot, and with it
+    WeightWatcher's band share."""
     from controller.results.report import ReportSettings, write_report
 
     report = write_report(ReportSettings(results=str(example), out=str(tmp_path), tag=dks.tag,
@@ -167,6 +169,11 @@ def test_report_on_a_refit_table(
     top = page[page.index("<h4>Top 20</h4>"):]
     assert f"<td>{max(refit_summary.values()):.3f}</td>" in top.split("</table>")[0]
     assert f"layers.{dks.tag}.csv" in page
+    assert "Fit: <b>fit DKS, float32</b>" in page[:page.index("<h2>")]
+    assert "calibrated for the DKS fit" not in page and "α in [2, 6]" in page
+    (model,) = (tmp_path / "models").iterdir()
+    assert "Fit: <b>fit DKS, float32</b>" in (model / "index.html").read_text()
+    assert (png_title((model / "alpha.png").read_bytes()) or "").endswith("\nfit DKS, float32")
 
 
 def test_threads_do_not_change_the_numbers(example: Path, dks: refit.RefitResult) -> None:

@@ -33,6 +33,7 @@ from tests.support.results import (
     example_results,
     keys_by_relation,
     png_size,
+    png_title,
     wired_subparser,
 )
 
@@ -113,6 +114,25 @@ def test_index_references_existing_files(written: Path, example: Path) -> None:
             assert (folder / ref).resolve().is_file(), (page, ref)
     text = (written / INDEX_NAME).read_text()
     assert "3 models," in text and "_tables/models/" in text and "summary.csv" in text
+
+
+def test_report_says_its_fit_and_leaves_the_band_out(written: Path) -> None:
+    """The example is fitted with the default xmin_mid: the index and each model page say
+    so near the top with the line why the 2–6 band is not shown; no band share column; the
+    title of every PNG of α or a fitted metric ends with the fit, the others' do not."""
+    label = "fit xmin_mid, float32"
+    note = ("the 2–6 band is calibrated for the DKS fit; these α are xmin_mid: see "
+            "docs/reading-alpha.md")
+    index = (written / INDEX_NAME).read_text()
+    assert f"Fit: <b>{label}</b>" in index[:index.index("<h2>")]
+    assert note in index and "α in [2, 6]" not in index
+    for page in (written / "models").glob(f"*/{PAGE_NAME}"):
+        text = page.read_text()
+        assert f"Fit: <b>{label}</b>" in text[:text.index("<table>")] and note in text
+    for path in _pngs(written):
+        title = png_title(path.read_bytes()) or ""
+        fitted = path.parent.name != "plots" or path.name.startswith(("alpha", "layer_alpha"))
+        assert title.endswith("\n" + label) is fitted, (path, title)
 
 
 def test_max_model_plots_caps_per_model_plots_and_says_so(example: Path, tmp_path: Path) -> None:

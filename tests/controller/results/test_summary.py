@@ -303,6 +303,29 @@ def test_format_summary_table(store: LocalStore) -> None:
 
 
 @pytest.mark.parametrize(
+    ("fix_fingers", "fit", "share"),
+    [
+        pytest.param("xmin_mid", "fit: xmin_mid, float32", False, id="xmin_mid"),
+        pytest.param("DKS", "fit: DKS, float32", True, id="DKS"),
+    ],
+)
+def test_format_summary_table_says_the_fit(store: LocalStore, fix_fingers: str, fit: str,
+                                           share: bool) -> None:
+    """As `run` prints it (with its analysis settings): the fit above the table, and the
+    share in WeightWatcher's 2–6 band only where the band applies (DKS). summary.csv keeps
+    the column whatever the fit."""
+    row = make_model_row("org/m0", relation="base")
+    put_model(store, row)
+    write_summary(store, [row])
+    parameters = AnalysisSettings(fix_fingers=fix_fingers).as_dict()
+    lines = format_summary_table(store, parameters=parameters).splitlines()
+    assert lines[0] == fit
+    assert ("alpha_in_2_6_share" in lines[1].split()) is share
+    assert lines[2].split()[0] == "org/m0"
+    assert "alpha_in_2_6_share" in (store.root / "summary.csv").read_text().splitlines()[0]
+
+
+@pytest.mark.parametrize(
     ("cell", "text"),
     [("4.0", "4"), ("0.123456", "0.123"), ("org/m", "org/m"), ("x" * 60, "…" + "x" * 47),
      ("", "")],
