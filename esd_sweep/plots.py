@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from controller.results.plots import _draw_esd
+from controller.results.plots import draw_esd
 from esd_worker.core.command.presets import BAND_FIX_FINGERS
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def plot_esd(layer: Mapping[str, Any] | Any, eigenvalues: Any = None, *,
         _, ax = plt.subplots(figsize=(5.5, 4), layout="constrained")
     figure = ax.get_figure(root=True)
     assert figure is not None  # an Axes drawn on has a figure
-    _draw_esd(ax, lam, {k: "" if v is None else str(v) for k, v in row.items()
+    draw_esd(ax, lam, {k: "" if v is None else str(v) for k, v in row.items()
                         if k != "eigenvalues"})
     how = fit or f"fit {row.get('fix_fingers') or '?'}"
     note = "" if row.get("fix_fingers") == BAND_FIX_FINGERS else " (not WeightWatcher's fit)"

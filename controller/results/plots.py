@@ -257,7 +257,7 @@ def esd_figure(
         row = result.rows[i]
         lam = np.asarray(eigs[row["layer"]], dtype=np.float64)
         lam = lam[lam > thresh]
-        _draw_esd(ax, lam, row)
+        draw_esd(ax, lam, row)
     for ax in axes[len(picks):]:
         ax.set_visible(False)
     how = "all layers" if len(picks) == sum(1 for r in result.rows if r.get("layer") in eigs) \
@@ -267,7 +267,9 @@ def esd_figure(
     return fig
 
 
-def _draw_esd(ax: Axes, lam: np.ndarray, row: Mapping[str, str]) -> None:
+def draw_esd(ax: Axes, lam: np.ndarray, row: Mapping[str, str]) -> None:
+    """One layer's ESD on `ax`: log-log density and, for a fitted layer (row: its layers.csv
+    cells), the power law above xmin. The report's figures and esd_sweep.plot_esd draw so."""
     ax.set_title(_short_layer(row.get("layer", "")), fontsize=9)
     ax.set_xscale("log")
     ax.set_yscale("log")
