@@ -1,7 +1,8 @@
 """What can be checked of the image without a Docker engine: paths it copies, its entrypoint.
 
 No Docker engine runs on the development or CI machines, so `docker build` itself is not
-run here (README: "What was checked where"); hadolint lints the Dockerfile in `make lint`.
+run here (docs/operations.md: "What was checked where"); hadolint lints the Dockerfile in
+`make lint`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run it alone to see the list: `.venv/bin/python -m pytest tests/faults -v`. Each test is one
 fault, end to end through the real `esd-sweep` CLI on tiny models (and moto's S3 server over
-HTTP where the store is S3); the README's "Reliability" section lists the same guarantees.
+HTTP where the store is S3); docs/operations.md's "Reliability" section lists the same guarantees.
 
 - test_kill.py       the controller SIGKILLed mid-run; the rerun finishes, nothing twice.
 - test_disk.py       a write refused mid-file (disk full, file too large): no marker, a
