@@ -26,6 +26,7 @@ from controller.gpu.gpus import GPU_INDEX, GPU_MEM_THRESHOLD_MIB, MAX_CHECKS, Gp
 from controller.output.lease import add_wait_lock_flag
 from controller.results.compact import add_compact_flags, run_compact
 from controller.results.compare import add_compare_flags, run_compare
+from controller.results.failurelist import SHOWN, FailureList
 from controller.results.refit import add_refit_flags, run_refit
 from controller.results.report import add_report_flags, run_report
 from controller.results.summary import format_summary_table
@@ -203,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(status, "--bad-rows", action="store_true",
              help="print every bad row of the list (file:line: problem), one a line, instead "
              "of the counts (the log shows the first few)")
+    add_flag(status, "--failures", type=int_in(0, MAX_ROWS, word="all"), default=SHOWN,
+             metavar="N|all", help="after the counts, list the first N listed models with a "
+             f"failure record on stderr, permanent first (default {SHOWN}; 0: none)")
+    add_flag(status, "--json", action="store_true",
+             help="put the listed failures in the printed JSON (`failures`, "
+             "`failures_total`) instead of on stderr")
     _add_common(status)
 
     report = sub.add_parser(
@@ -366,7 +373,15 @@ def _status(args: argparse.Namespace) -> int:
         # Each line one row, bounded and redacted (RowProblem's str: esd_worker.core.echo).
         models_status(settings, on_problem=print)
         return 0
-    print(json.dumps(redact_data(models_status(settings)), indent=2))
+    failures = FailureList(args.failures)
+    status = models_status(settings, failures=failures)
+    if args.json:
+        status |= failures.as_json()
+    # stdout stays one JSON document (scripts read it); people get the failures after it.
+    print(json.dumps(redact_data(status), indent=2), flush=True)
+    if not args.json:
+        for line in failures.lines():  # each text in it shown through echo: redacted
+            print(line, file=sys.stderr)
     return 0
 
 

@@ -5,10 +5,12 @@ Owns the split of a model list against the store, for lists of any length: `List
 the list as a stream (twice: once to count, again to hand out the work), so a list of
 millions of rows is never held, only hashes of the store's keys. Pure but for the store
 reads it asks esd_worker.core.store.layout for (one listing of the store, with sizes; the markers of
-listed models) and esd_worker.core.store.records (failure records). A model is done when its marker
-has the same parameters and the files it vouches for are listed at their sealed sizes: a
-deleted or truncated table makes the model run again (one warning line each). Does not
-look at what is running: the backend knows that.
+listed models) and esd_worker.core.store.records (with skip_failed: one listing of _failures/,
+then the records of listed models without a result, a batch at a time: a store of 100k
+records never has them all in memory, and records of models not listed are not read).
+A model is done when its marker has the same parameters and the files it vouches for are
+listed at their sealed sizes: a deleted or truncated table makes the model run again (one
+warning line each). Does not look at what is running: the backend knows that.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ import numpy as np
 
 from controller.keyset import Hashes, KeySet
 from esd_worker.core.models.modellist import ModelRow, RowProblem, base_first
-from esd_worker.core.store.layout import MARKER_NAME, iter_model_files, read_markers
+from esd_worker.core.store.layout import (
+    MARKER_NAME,
+    iter_failure_keys,
+    iter_model_files,
+    read_markers,
+)
 from esd_worker.core.store.marker import LAYERS_NAME, Marker, canonical_parameters
-from esd_worker.core.store.records import read_failures
+from esd_worker.core.store.records import FETCH_BATCH, FailureRecord, iter_failures
 from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
@@ -123,6 +130,8 @@ class ListPlan:
     `classify`, `rows` and `todo` read it again. on_done: given each marker the scan read
     and found done (the summary reuses them rather than reading them again). on_row: given
     each valid row the scan keeps, once (duplicates and rows past the limit are not).
+    on_failure: with skip_failed, given (model_key, record) of each listed model that is
+    not done and has a readable failure record, once (`esd-sweep status` lists them).
     Duplicates (same id and revision) are dropped, the first kept; `limit` applies to valid
     rows after that. overwrite / skip_failed: as `esd-sweep run` takes them.
     """
@@ -138,6 +147,7 @@ class ListPlan:
     on_problem: Callable[[RowProblem], None] | None = None
     on_done: Callable[[Marker], None] | None = None
     on_row: Callable[[ModelRow], None] | None = None
+    on_failure: Callable[[str, FailureRecord], None] | None = None
     counts: PlanCounts = field(default_factory=PlanCounts)
     problems: list[RowProblem] = field(default_factory=list)
     verified: bool = True  # False: more markers than verify_limit, presence counted as done
@@ -146,21 +156,25 @@ class ListPlan:
     _stale: set[str] = field(default_factory=set)
     _unreadable: set[str] = field(default_factory=set)  # a marker that does not parse: todo
     _damaged: set[str] = field(default_factory=set)  # vouches for files not as sealed: todo
-    _permanent: set[str] = field(default_factory=set)
+    _permanent: KeySet = field(default_factory=KeySet)  # listed, not done, permanent record
     _dropped: array[int] = field(default_factory=lambda: array("q"))  # duplicates' positions
     _scanned: bool = False
 
     def scan(self) -> ListPlan:
-        """Read the store (one marker listing, the failure records with skip_failed) and the
-        list once; returns self."""
+        """Read the store (one marker listing; with skip_failed, the listed models' failure
+        records) and the list once; returns self."""
         if not self.overwrite:
             index = StoreIndex.of(self.store)
             self._markers, self._present = index.markers, index.whole
-        if self.skip_failed:
-            self._permanent = {key for key, record in read_failures(
-                self.store, threads=self.threads).items() if not record.retryable}
-        # One pass: a model without a marker is decided at once; one with a marker is done,
-        # unless reading its marker (verify mode) shows other parameters.
+        # Which models have a record, from the listing alone (8 bytes each); a record is
+        # read only for a listed model that is not done.
+        failed = (KeySet(key for key, _ in iter_failure_keys(self.store))
+                  if self.skip_failed else KeySet())
+        permanent = Hashes()
+        pending: list[str] = []  # listed, no result, a record: settled a batch at a time
+        # One pass: a model without a marker is decided at once (or with its batch of
+        # records); one with a marker is done, unless reading its marker (verify mode)
+        # shows other parameters.
         to_verify: list[str] | None = []
         counts = self.counts
         present = 0
@@ -172,12 +186,14 @@ class ListPlan:
                     to_verify.append(key)
                     if len(to_verify) > self.verify_limit:
                         to_verify = None
-            elif key in self._permanent:
-                counts.skipped_failed += 1
+            elif key in failed:
+                pending.append(key)
+                if len(pending) >= FETCH_BATCH:
+                    self._settle(pending, permanent)
+                    pending = []
             else:
-                counts.todo += 1
-                if key in self._markers:  # a marker without its layer table
-                    self._note_damaged(key, f"{LAYERS_NAME} is missing")
+                self._todo(key)
+        self._settle(pending, permanent)
         if to_verify is None:
             self.verified = False
             log.info("more than %d listed models have a result: a result counts as done "
@@ -195,20 +211,51 @@ class ListPlan:
                     self._note_damaged(key, damage)
                 elif self.on_done is not None:
                     self.on_done(marker)
-            for key in self._stale | self._unreadable | self._damaged:
-                if key not in self._present:
-                    continue  # a damaged result without a table: counted above
-                if key in self._permanent:
+            # Results that are not done after all (a damaged one without a table: counted
+            # above) run again unless their record is permanent.
+            redo = [key for key in self._stale | self._unreadable | self._damaged
+                    if key in self._present]
+            dead = set(self._permanent_among([key for key in redo if key in failed],
+                                             permanent))
+            for key in redo:
+                if key in dead:
                     counts.skipped_failed += 1
                 else:
                     counts.todo += 1
                     counts.stale += key in self._stale
                 present -= 1
+        self._permanent = KeySet.of_hashes(permanent.sorted())
         if counts.damaged > DAMAGE_LINES:
             log.warning("%d damaged result(s) in all run again (the first %d named above)",
                         counts.damaged, DAMAGE_LINES)
         counts.done = present
         return self
+
+    def _todo(self, key: str) -> None:
+        """A listed model without a result (and no permanent record): to run."""
+        self.counts.todo += 1
+        if key in self._markers:  # a marker without its layer table
+            self._note_damaged(key, f"{LAYERS_NAME} is missing")
+
+    def _settle(self, keys: list[str], permanent: Hashes) -> None:
+        """Listed models without a result that have a failure record: skipped when it is
+        permanent, else to run (an unreadable record counts as none)."""
+        dead = set(self._permanent_among(keys, permanent))
+        for key in keys:
+            if key in dead:
+                self.counts.skipped_failed += 1
+            else:
+                self._todo(key)
+
+    def _permanent_among(self, keys: list[str], permanent: Hashes) -> Iterator[str]:
+        """Those of `keys` whose record is permanent (each added to `permanent`); every
+        record read goes to on_failure."""
+        for key, record in iter_failures(self.store, keys, threads=self.threads):
+            if self.on_failure is not None:
+                self.on_failure(key, record)
+            if not record.retryable:
+                permanent.add(hash(key))
+                yield key
 
     def _note_damaged(self, key: str, damage: str) -> None:
         """A result whose files are not what its marker vouches for: not done, said once."""

@@ -31,6 +31,7 @@ from controller.errors import (
 from controller.output.lease import output_lease
 from controller.output.tenure import Tenure
 from controller.progress import Progress
+from controller.results.failurelist import FailureList
 from controller.results.summary import KnownMarkers, write_summary
 from controller.run.commands import read_commands
 from controller.run.plan import ListPlan
@@ -49,7 +50,7 @@ from esd_worker.core.models.modellist import (
 from esd_worker.core.store.layout import SUMMARY_KEY, run_report_key
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.opener import open_store
-from esd_worker.core.store.records import utc_now
+from esd_worker.core.store.records import FailureRecord, utc_now
 from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
@@ -208,19 +209,21 @@ def plan_models(settings: SweepSettings, store: Store,
                 items: Callable[[], Iterable[ModelRow | RowProblem]], *,
                 skip_failed: bool | None = None,
                 on_done: Callable[[Marker], None] | None = None,
-                on_problem: Callable[[RowProblem], None] | None = None) -> ListPlan:
+                on_problem: Callable[[RowProblem], None] | None = None,
+                on_failure: Callable[[str, FailureRecord], None] | None = None) -> ListPlan:
     """The plan of the listed models against the store. Bad rows: each given to
     on_problem; by default the first few logged one line each, then one line that
     counts the rest (esd_worker.core.models.modellist.bad_rows_log); hub ids that are also
     folders here are warned of the same way (modellist.FolderWarnings).
-    on_done: given each marker the plan read and found done (ListPlan)."""
+    on_done: given each marker the plan read and found done; on_failure: each record of a
+    listed model not done, with skip_failed (ListPlan)."""
     shown = bad_rows_log(lambda line: log.error("%s", line))
     folders = FolderWarnings(lambda line: log.warning("%s", line))
     plan = ListPlan(
         items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
         limit=settings.limit, on_problem=on_problem or shown, on_done=on_done,
-        on_row=folders).scan()
+        on_row=folders, on_failure=on_failure).scan()
     shown.close()
     folders.close()
     if plan.counts.bad_rows and settings.strict:
@@ -234,14 +237,18 @@ def plan_models(settings: SweepSettings, store: Store,
 
 
 def models_status(settings: SweepSettings, *,
-                  on_problem: Callable[[RowProblem], None] | None = None) -> dict[str, Any]:
+                  on_problem: Callable[[RowProblem], None] | None = None,
+                  failures: FailureList | None = None) -> dict[str, Any]:
     """What `esd-sweep status` prints: done / to do / failed for the list against the store.
-    on_problem: given every bad row (`status --bad-rows`) instead of the capped log."""
+    on_problem: given every bad row (`status --bad-rows`) instead of the capped log.
+    failures: given the record of every listed model that is not done (read as the plan
+    reads them, a batch at a time), to list them."""
     store = _open_store(settings.output, writing=False)
     source = model_source(settings)
     try:
         counts = plan_models(settings, store, source.items, skip_failed=True,
-                             on_problem=on_problem).counts
+                             on_problem=on_problem,
+                             on_failure=failures.add if failures is not None else None).counts
     finally:
         source.close()
     status: dict[str, Any] = {

@@ -174,12 +174,16 @@ def iter_model_files(store: Store) -> Iterator[tuple[str, str, int]]:
 
 def list_failure_keys(store: Store) -> dict[str, str]:
     """model_key → store key of every failure record, from one listing of _failures/."""
-    keys: dict[str, str] = {}
+    return dict(iter_failure_keys(store))
+
+
+def iter_failure_keys(store: Store) -> Iterator[tuple[str, str]]:
+    """(model_key, store key) of every failure record, as one listing of _failures/ goes
+    (nothing held: 100k records need not be 100k strings in memory at once)."""
     for key in store.list_keys(FAILURES_PREFIX):
         name = key[len(FAILURES_PREFIX):] if key.startswith(FAILURES_PREFIX) else ""
         if name.endswith(".json") and "/" not in name and len(name) > len(".json"):
-            keys[name[: -len(".json")]] = key
-    return keys
+            yield name[: -len(".json")], key
 
 
 # -- reading and writing a model's files ---------------------------------------------------------

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from itertools import islice
 from typing import Any
 
 from esd_worker.core.redact import redact
@@ -21,6 +23,8 @@ from esd_worker.core.store.stores import Store
 log = logging.getLogger(__name__)
 
 RECORD_SCHEMA = 1
+# Records fetched at once by iter_failures: a batch of small JSON objects held, never all.
+FETCH_BATCH = 1000
 
 
 def utc_now(now: datetime | None = None) -> str:
@@ -126,6 +130,22 @@ def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord
     blobs = fetch_all(store, where, threads=threads)
     records = {key: _parse(at, data) for key, at, data in zip(keys, where, blobs, strict=True)}
     return {key: record for key, record in records.items() if record is not None}
+
+
+def iter_failures(store: Store, model_keys: Iterable[str], *, batch: int = FETCH_BATCH,
+                  threads: int = 16) -> Iterator[tuple[str, FailureRecord]]:
+    """(model_key, record) for each of `model_keys` that has a readable record, fetched
+    `batch` at a time (concurrently within a batch), so that at most one batch of records
+    is held whatever the number of keys. A key without a record, or with one that cannot
+    be read (logged), gives nothing."""
+    keys = iter(model_keys)
+    while chunk := list(islice(keys, max(1, batch))):
+        where = [failure_key(key) for key in chunk]
+        for key, at, data in zip(chunk, where, fetch_all(store, where, threads=threads),
+                                 strict=True):
+            record = _parse(at, data)
+            if record is not None:
+                yield key, record
 
 
 def read_failure(store: Store, model_key: str) -> FailureRecord | None:
