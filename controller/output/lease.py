@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -142,7 +142,7 @@ class Owner:
         """The record as written at a renewal: expires ttl_s from now."""
         if self.ttl_s is None:
             return self
-        now = now or datetime.now(timezone.utc)
+        now = now or datetime.now(UTC)
         return replace(self, expires_at=utc_now(now + timedelta(seconds=self.ttl_s)))
 
 
@@ -193,7 +193,7 @@ class Held:
     @classmethod
     def of(cls, seen: Seen) -> Held:
         left = seen.ttl_s + CLOCK_SLACK_S - seen.age_s
-        return cls(seen.owner, utc_now(datetime.now(timezone.utc) + timedelta(seconds=left)))
+        return cls(seen.owner, utc_now(datetime.now(UTC) + timedelta(seconds=left)))
 
 
 def held_message(url: str, held: Held, *, waited_s: float | None = None) -> str:

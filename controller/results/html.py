@@ -14,7 +14,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from controller.results.aggregates import QUANTILES, GroupedHistograms
 from controller.results.failures import FailureGroups
@@ -99,7 +99,7 @@ def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str
     """The index page. names: model_key → model id of the listed models; linked: the keys
     with a per-model page; plots: the distribution PNGs written (relative paths); fit: of
     every model shown (reportfit.fit_of_models)."""
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     params, others = view.common_parameters
     table = f"layers.{tag}.csv (refit, read from per-model files)" if tag else "results tables"
     out = [

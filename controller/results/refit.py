@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -231,7 +231,7 @@ def refit_store(settings: RefitSettings, *, tenure: Tenure | None = None) -> Ref
     nothing more is written (LeaseLostError, exit 3)."""
     settings.validate()
     t0 = time.perf_counter()
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     tag = settings.resolved_tag
     store = open_results(settings.results)
     markers = read_model_markers(store, keys=settings.keys or None)

@@ -13,7 +13,7 @@ import os
 import platform
 import secrets
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from esd_worker.core.redact import redact, redact_data
@@ -45,7 +45,7 @@ def new_run_id(now: datetime | None = None) -> str:
     E.g. 20261123T070501Z-3fa9c2. Ids of runs started in different seconds sort by start
     time; the random part keeps two controllers started in the same second apart.
     """
-    now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    now = (now or datetime.now(UTC)).astimezone(UTC)
     return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
 
 

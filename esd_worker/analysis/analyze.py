@@ -16,7 +16,7 @@ import platform
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -144,7 +144,7 @@ def analyse_model_with(
     those of the model `resolve` gives with source "memory" (the model, or an adapter's
     base)."""
     settings.validate()
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     t0 = time.perf_counter()
     key = model_key or ref_key(settings.model)
     if store is None:  # a store passed in has been checked by the caller
@@ -275,7 +275,7 @@ def analyse_model_with(
             written,
             timings={**timings, "write_s": round(now - t_analyse, 4),
                      "total_s": round(now - t0, 4)},
-            finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            finished_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
 
     # The marker goes last: a model is done iff result.json exists.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ def test_write_run_report(store: LocalStore) -> None:
     report = {
         "run_id": "20261123T070501Z-abcdef", "counts": {"done": 3, "failed": 1},
         "success_rate": 0.75, "avg_gpu_wait_s": math.nan, "durations": (1.5, 2.0),
-        "log_dir": Path("/tmp/logs"), "started": datetime(2026, 11, 23, tzinfo=timezone.utc),
+        "log_dir": Path("/tmp/logs"), "started": datetime(2026, 11, 23, tzinfo=UTC),
     }
     key = write_run_report(store, "20261123T070501Z-abcdef", report)
     assert key == "runs/20261123T070501Z-abcdef.json"
@@ -50,14 +50,14 @@ def test_run_report_key_rejects_unsafe_ids(bad: str) -> None:
 
 
 def test_run_id_format() -> None:
-    run_id = new_run_id(datetime(2026, 11, 23, 7, 5, 1, tzinfo=timezone.utc))
+    run_id = new_run_id(datetime(2026, 11, 23, 7, 5, 1, tzinfo=UTC))
     assert re.fullmatch(r"20261123T070501Z-[0-9a-f]{6}", run_id)
     assert run_report_key(run_id) == f"runs/{run_id}.json"
 
 
 def test_run_ids_sort_by_start_time() -> None:
     """Lexical order is time order, across time zones and day/year boundaries."""
-    start = datetime(2026, 12, 31, 23, 59, 58, tzinfo=timezone.utc)
+    start = datetime(2026, 12, 31, 23, 59, 58, tzinfo=UTC)
     times = [start + timedelta(seconds=s) for s in (0, 1, 2, 3, 86400, 86400 * 40)]
     ids = [new_run_id(t.astimezone(timezone(timedelta(hours=-7)))) for t in times]
     assert sorted(ids) == ids
@@ -65,12 +65,12 @@ def test_run_ids_sort_by_start_time() -> None:
 
 
 def test_run_ids_unique_within_a_second() -> None:
-    now = datetime(2026, 11, 23, tzinfo=timezone.utc)
+    now = datetime(2026, 11, 23, tzinfo=UTC)
     assert len({new_run_id(now) for _ in range(200)}) == 200
 
 
 def test_run_id_defaults_to_now() -> None:
-    before = datetime.now(timezone.utc).replace(microsecond=0)
+    before = datetime.now(UTC).replace(microsecond=0)
     run_id = new_run_id()
-    stamp = datetime.strptime(run_id.split("-")[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
-    assert before <= stamp <= datetime.now(timezone.utc)
+    stamp = datetime.strptime(run_id.split("-")[0], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    assert before <= stamp <= datetime.now(UTC)

@@ -129,7 +129,7 @@ _UNVALIDATED_GROUPS = frozenset({"kueue.x-k8s.io"})
 
 
 def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # -- strict schema validation (kubernetes-validate's schemas, validators cached) -----------

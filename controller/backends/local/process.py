@@ -23,7 +23,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -159,7 +159,7 @@ class Attempt:
         # same, for the tail.
         self.output, self.log_path = opened or (tempfile.TemporaryFile(), None)  # noqa: SIM115
         header = (
-            f"\n=== {datetime.now(timezone.utc).isoformat(timespec='seconds')} "
+            f"\n=== {datetime.now(UTC).isoformat(timespec='seconds')} "
             f"attempt {number} key={key} gpus={','.join(map(str, gpus)) or 'cpu'} ===\n"
             f"$ {redact(shlex.join(argv))}\n"
         )

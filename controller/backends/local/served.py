@@ -24,7 +24,7 @@ import subprocess
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -255,4 +255,4 @@ def _begin(line: str) -> tuple[str | None, int]:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")

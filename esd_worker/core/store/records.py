@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import islice
 from typing import Any
 
@@ -30,8 +30,8 @@ FETCH_BATCH = 1000
 def utc_now(now: datetime | None = None) -> str:
     """ISO-8601 UTC time to the second, e.g. 2026-11-23T07:05:01+00:00: a record's `time`
     (whoever writes it: the worker or the controller) and the run report's times."""
-    now = now or datetime.now(timezone.utc)
-    return now.astimezone(timezone.utc).isoformat(timespec="seconds")
+    now = now or datetime.now(UTC)
+    return now.astimezone(UTC).isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import Any, NamedTuple, NoReturn
 
@@ -373,9 +373,9 @@ def _age_s(response: dict[str, Any]) -> float:
     written = response["LastModified"]
     date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
     try:
-        now = parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+        now = parsedate_to_datetime(date) if date else datetime.now(UTC)
     except (TypeError, ValueError):
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
     return max(0.0, (now - written).total_seconds())
 
 
