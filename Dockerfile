@@ -7,11 +7,15 @@ ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY esd_worker ./esd_worker
 COPY controller ./controller
+COPY esd_sweep ./esd_sweep
+# The wheel is built with constraints.txt's setuptools, without build isolation: the build
+# tests/deploy/test_wheel.py makes from these same files.
 RUN python -m pip install --no-cache-dir pip==26.3 \
-    && python -m pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+    && python -m pip install --no-cache-dir -c constraints.txt setuptools \
+    && python -m pip wheel --no-cache-dir --no-deps --no-build-isolation --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE} AS controller
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH

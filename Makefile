@@ -1,5 +1,7 @@
 # One place for the project's commands. `make run` and `make test` work on a fresh machine:
 # they create .venv and install the pinned dependencies first (torch: the CPU build).
+# `make run` installs only what the example sweep needs ([worker,report,example]); setup,
+# test, lint and bench install everything (all extras, dev's tools).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,17 +10,25 @@ RESULTS ?= results
 
 .PHONY: setup run example test test-fast lint bench clean
 
-# Exact versions from constraints.txt (pyproject.toml holds only ranges).
+# Exact versions from constraints.txt (pyproject.toml holds only ranges). The full install
+# holds the run's too, so it stamps both.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==26.3
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[worker,s3,kube,report,dev]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[worker,s3,kube,report,example,dev]"
+	$(PY) -m pip check
+	touch $@ $(VENV)/.installed-run
+
+$(VENV)/.installed-run: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==26.3
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[worker,report,example]"
 	$(PY) -m pip check
 	touch $@
 
 setup: $(VENV)/.installed
 
-example: setup
+example: $(VENV)/.installed-run
 	$(PY) examples/make_example.py $(EXAMPLE)
 
 ## The main job on the bundled example: build the offline example set, sweep it, show the summary.
