@@ -1,7 +1,7 @@
 """The install's promises hold: the Python it claims is the one the linters target and the
 tests run on, every dependency has a range, constraints.txt pins each package inside its
-range, and every install (make, the Dockerfile) goes through constraints.txt with extras
-that exist.
+range, and every install (make, the Dockerfile, the CI example) goes through
+constraints.txt with extras that exist.
 
 What the built wheel holds and that it runs outside the repository: test_wheel.py.
 """
@@ -134,8 +134,8 @@ def test_every_package_ships_its_type_hints() -> None:
 
 
 def install_lines(path: Path) -> list[str]:
-    """The `pip install` commands of a Makefile or Dockerfile that install this project (a
-    `.` or a wheel of it), continuation lines joined."""
+    """The `pip install` commands of a Makefile, Dockerfile or workflow that install this
+    project (a `.` or a wheel of it), continuation lines joined."""
     text = path.read_text(encoding="utf-8").replace("\\\n", " ")
     return [cmd.strip() for line in text.splitlines() for cmd in line.split("&&")
             if "pip install" in cmd and ("esd_sweep-" in cmd or '".[' in cmd)]
@@ -152,13 +152,15 @@ def extras_of(command: str) -> set[str]:
     [
         ("Makefile", [set(PROJECT["optional-dependencies"]), {"worker", "report", "example"}]),
         ("Dockerfile", [{"s3", "kube"}, {"worker", "s3"}]),
+        ("examples/ci/github-actions.yml", [{"s3", "kube"}]),
     ],
 )
 def test_every_install_uses_the_constraints_and_known_extras(
     path: str, expected: list[set[str]]
 ) -> None:
-    """make setup: every extra; make run: worker, report, example; the controller image:
-    s3, kube; the worker image: worker, s3. Each with constraints.txt's versions."""
+    """make setup: every extra; make run: worker, report, example; the controller image and
+    the CI example: s3, kube; the worker image: worker, s3. Each with constraints.txt's
+    versions."""
     commands = install_lines(REPO_ROOT / path)
     assert [extras_of(c) for c in commands] == expected
     assert set().union(*expected) <= set(PROJECT["optional-dependencies"])
