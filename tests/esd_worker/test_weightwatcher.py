@@ -20,7 +20,6 @@ Where WeightWatcher differs on purpose, the comparison steers clear:
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,8 @@ from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings  #
 from esd_worker.core.store.marker import LAYERS_NAME  # noqa: E402
 from esd_worker.core.store.opener import open_store  # noqa: E402
 from esd_worker.core.store.results import layers_from_csv  # noqa: E402
+from tests.support.weightwatcher import one_blas_thread  # noqa: E402
+from tests.support.weightwatcher import ww_details as ww_details_of  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,27 +52,17 @@ MODEL_KEY = "minilm"
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
-    """BLAS and torch on one thread: 384-wide matrices gain nothing from more, and on a busy
-    2-core machine spinning thread pools made this module take minutes instead of seconds."""
-    from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]  # WW needs it
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
+    with one_blas_thread():
         yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def ww_details() -> Any:
     """WeightWatcher's table for MiniLM's Linear layers, its defaults but the float64 SVD."""
-    assert ww.__version__ == "0.7.7", f"the spec names WeightWatcher 0.7.7, got {ww.__version__}"
-    logging.getLogger("weightwatcher").setLevel(logging.ERROR)
     model = transformers.BertModel.from_pretrained(minilm.get_model_path())
-    watcher = ww.WeightWatcher(model=model)
     # Only the Linear ("dense") layers, the ones compared: skipping the 30522×384 word
     # embedding's SVD halves the time. A layer filter, not a fit setting.
-    return watcher.analyze(layers=[ww.LAYER_TYPE.DENSE], svd_method="accurate")
+    return ww_details_of(model, layers=[ww.LAYER_TYPE.DENSE], svd_method="accurate")
 
 
 @pytest.fixture(scope="module")
