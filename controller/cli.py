@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="local: first retry delay in seconds, doubled each attempt, with jitter "
              "(default 5)")
     add_flag(running, "--overwrite", action="store_true", help="recompute models that are done")
+    add_flag(running, "--reanalyse", action="store_true",
+             help="analyse again the results whose only other settings are the fit's "
+             "(--fix-fingers, --evals-thresh, --bins); by default they are refitted in place "
+             "from their stored eigenvalues, with no download and no worker")
     add_flag(running, "--dry-run", action="store_true",
              help="print what would start and start nothing: Kubernetes Jobs as YAML "
              "(kubectl apply -f -), or the local worker command lines")
@@ -311,6 +315,7 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         limit=args.limit,
         strict=getattr(args, "strict", False),
         overwrite=getattr(args, "overwrite", False),
+        reanalyse=getattr(args, "reanalyse", False),
         skip_failed=getattr(args, "skip_failed", False),
         analysis=analysis,
         device=getattr(args, "device", "auto"),

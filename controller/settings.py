@@ -28,6 +28,8 @@ class SweepSettings:
     model_list / single_model: where the models come from (exactly one is set), or
     commands: a file of command lines (custom mode: run them under the same GPU management).
     device: auto (GPUs when NVML sees any, else CPU), cpu, or cuda (GPUs required).
+    reanalyse: analyse results whose parameters differ only in the fit (by default they are
+    refitted in place from their eigenvalues: controller.run.refitrun).
     worker_cmd: how to start one worker; argv list, the model flags are appended.
     backend: "local" (workers on this machine; `local`, `gpu`) or "kubernetes" (Jobs;
     `cluster`). dry_run: print what would be started (commands or Jobs), start nothing.
@@ -59,6 +61,7 @@ class SweepSettings:
     limit: int | None = None
     strict: bool = False
     overwrite: bool = False
+    reanalyse: bool = False
     skip_failed: bool = False
     analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
     device: str = "auto"

@@ -274,7 +274,13 @@ def read_eigs(store: Store, result: ModelResult) -> dict[str, np.ndarray] | None
     data = store.get_bytes(model_file_key(result.key, name))
     if data is None and result.marker.eigs_name is None:
         return None
-    check_data(result.marker, name, data)
+    return parse_eigs(result.marker, name, data)
+
+
+def parse_eigs(marker: Marker, name: str, data: bytes | None) -> dict[str, np.ndarray]:
+    """The eigenvalues in `data`, the model's file `name`; DamagedResult when it is missing,
+    is not what the marker seals, or is not a readable .npz."""
+    check_data(marker, name, data)
     assert data is not None  # check_data raised otherwise
     try:
         return eigs_from_npz(data)

@@ -37,7 +37,7 @@ from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
 
-TODO, STALE, DONE, SKIPPED = "todo", "stale", "done", "skipped"
+TODO, STALE, DONE, SKIPPED, REFIT = "todo", "stale", "done", "skipped", "refit"
 # Markers of listed models read to compare their parameters. Beyond this many (a rerun of a
 # list of millions), a marker counts as done by its presence in the listing: reading them
 # all would cost one request each. The worker still compares parameters before it skips a
@@ -106,7 +106,8 @@ class Plan:
 @dataclass
 class PlanCounts:
     """How many listed models are in each state (models: valid rows after duplicates and
-    --limit; todo includes stale)."""
+    --limit; todo includes stale; refit: those of stale that ListPlan.refittable accepts,
+    refitted from their eigenvalues rather than analysed unless `analyse_instead`)."""
 
     models: int = 0
     bad_rows: int = 0
@@ -116,6 +117,12 @@ class PlanCounts:
     stale: int = 0
     damaged: int = 0
     skipped_failed: int = 0
+    refit: int = 0
+
+    @property
+    def to_analyse(self) -> int:
+        """The models a backend gets: todo less those refitted."""
+        return self.todo - self.refit
 
 
 @dataclass
@@ -134,6 +141,9 @@ class ListPlan:
     not done and has a readable failure record, once (`esd-sweep status` lists them).
     Duplicates (same id and revision) are dropped, the first kept; `limit` applies to valid
     rows after that. overwrite / skip_failed: as `esd-sweep run` takes them.
+    refittable: given each stale marker whose files the listing shows whole; True keeps the
+    model out of `todo` (state REFIT: controller.run.refitrun refits it) until
+    `analyse_instead` puts it back.
     """
 
     items: Items
@@ -148,12 +158,14 @@ class ListPlan:
     on_done: Callable[[Marker], None] | None = None
     on_row: Callable[[ModelRow], None] | None = None
     on_failure: Callable[[str, FailureRecord], None] | None = None
+    refittable: Callable[[Marker], bool] | None = None
     counts: PlanCounts = field(default_factory=PlanCounts)
     problems: list[RowProblem] = field(default_factory=list)
     verified: bool = True  # False: more markers than verify_limit, presence counted as done
     _present: KeySet = field(default_factory=KeySet)
     _markers: KeySet = field(default_factory=KeySet)
     _stale: set[str] = field(default_factory=set)
+    _refit: set[str] = field(default_factory=set)  # of _stale: refitted, not analysed
     _unreadable: set[str] = field(default_factory=set)  # a marker that does not parse: todo
     _damaged: set[str] = field(default_factory=set)  # vouches for files not as sealed: todo
     _permanent: KeySet = field(default_factory=KeySet)  # listed, not done, permanent record
@@ -207,6 +219,9 @@ class ListPlan:
                     self._unreadable.add(key)
                 elif marker.parameters != wanted:
                     self._stale.add(key)
+                    if (self.refittable is not None and index.damage(key, marker) is None
+                            and self.refittable(marker)):
+                        self._refit.add(key)
                 elif (damage := index.damage(key, marker)) is not None:
                     self._note_damaged(key, damage)
                 elif self.on_done is not None:
@@ -220,9 +235,11 @@ class ListPlan:
             for key in redo:
                 if key in dead:
                     counts.skipped_failed += 1
+                    self._refit.discard(key)
                 else:
                     counts.todo += 1
                     counts.stale += key in self._stale
+                    counts.refit += key in self._refit
                 present -= 1
         self._permanent = KeySet.of_hashes(permanent.sorted())
         if counts.damaged > DAMAGE_LINES:
@@ -230,6 +247,12 @@ class ListPlan:
                         counts.damaged, DAMAGE_LINES)
         counts.done = present
         return self
+
+    def analyse_instead(self, key: str) -> None:
+        """A model planned for a refit that could not be refitted: analysed after all."""
+        if key in self._refit:
+            self._refit.discard(key)
+            self.counts.refit -= 1
 
     def _todo(self, key: str) -> None:
         """A listed model without a result (and no permanent record): to run."""
@@ -306,7 +329,8 @@ class ListPlan:
         self._scanned = self._scanned or count
 
     def classify(self) -> Iterator[tuple[ModelRow, str]]:
-        """Every listed model (list order) with its state: todo, stale, done or skipped."""
+        """Every listed model (list order) with its state: todo, stale, refit, done or
+        skipped."""
         for row in self._rows():
             key = row.key
             if key in self._present and not (
@@ -314,6 +338,8 @@ class ListPlan:
                 yield row, DONE
             elif key in self._permanent:
                 yield row, SKIPPED
+            elif key in self._refit:
+                yield row, REFIT
             else:
                 yield row, STALE if key in self._stale else TODO
 

@@ -36,6 +36,7 @@ from controller.results.summary import KnownMarkers, write_summary
 from controller.run.commands import read_commands
 from controller.run.plan import ListPlan
 from controller.run.recorder import Recorder
+from controller.run.refitrun import RefitTally, fit_only, refit_planned
 from controller.run.runs import last_bad_nodes, new_run_id, run_report, write_run_report
 from controller.settings import SweepSettings
 from esd_worker.core.errors import StorePathError, UsageError
@@ -103,6 +104,8 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Ten
                  counts.skipped_failed, counts.bad_rows)
         if on_plan is not None:
             on_plan(plan)
+        refits = RefitTally() if settings.dry_run else refit_planned(
+            store, plan, settings.analysis.as_dict(), tenure=tenure)
         backend = opener(settings, worker_spec(settings, started.run_id, store.url))
         work = PlannedWork(plan)
         if settings.dry_run:
@@ -113,11 +116,15 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Ten
             store, plan.rows(), parameters=settings.analysis.as_dict(), known=known)
     finally:
         source.close()
-    result = _finish(settings, store, started, backend, recorder, _counts(plan), mode="esd",
-                     summary_rows=summary_rows, interrupted=interrupted, tenure=tenure)
-    log.info("run %s: %d done, %d failed, %d cancelled, %d already done; report %s%s",
-             started.run_id, recorder.done_count, recorder.failed_count, len(recorder.cancelled),
-             counts.done, run_report_key(started.run_id),
+    result = _finish(settings, store, started, backend, recorder,
+                     _counts(plan) | {"refitted": refits.refitted,
+                                      "refit_analysed": refits.analysed},
+                     mode="esd", summary_rows=summary_rows, interrupted=interrupted,
+                     tenure=tenure)
+    log.info("run %s: %d done, %d failed, %d cancelled, %d already done, %d refitted; report "
+             "%s%s", started.run_id, recorder.done_count, recorder.failed_count,
+             len(recorder.cancelled), counts.done, refits.refitted,
+             run_report_key(started.run_id),
              f", {SUMMARY_KEY} ({summary_rows} models)" if summary_rows else "")
     return result
 
@@ -175,7 +182,7 @@ class PlannedWork:
         self.plan = plan
 
     def __len__(self) -> int:
-        return self.plan.counts.todo
+        return self.plan.counts.to_analyse
 
     def __iter__(self) -> Iterator[Task]:
         return (Task.for_model(row) for row in self.plan.todo())
@@ -219,11 +226,13 @@ def plan_models(settings: SweepSettings, store: Store,
     listed model not done, with skip_failed (ListPlan)."""
     shown = bad_rows_log(lambda line: log.error("%s", line))
     folders = FolderWarnings(lambda line: log.warning("%s", line))
+    parameters = settings.analysis.as_dict()
     plan = ListPlan(
-        items, store, settings.analysis.as_dict(), overwrite=settings.overwrite,
+        items, store, parameters, overwrite=settings.overwrite,
         skip_failed=settings.skip_failed if skip_failed is None else skip_failed,
         limit=settings.limit, on_problem=on_problem or shown, on_done=on_done,
-        on_row=folders, on_failure=on_failure).scan()
+        on_row=folders, on_failure=on_failure,
+        refittable=None if settings.reanalyse else fit_only(parameters)).scan()
     shown.close()
     folders.close()
     if plan.counts.bad_rows and settings.strict:
@@ -257,6 +266,7 @@ def models_status(settings: SweepSettings, *,
         "done": counts.done,
         "todo": counts.todo,
         "stale": counts.stale,
+        "refittable": counts.refit,  # of stale: only fit settings differ (refit, not analysed)
         "damaged": counts.damaged,
         "failed_permanent": counts.skipped_failed,
     }
@@ -369,12 +379,16 @@ def _dry_run(backend: Backend, work: Work, plan: ListPlan, run_id: str, store_ur
     finally:
         backend.close()
     counts = plan.counts
-    log.info("--dry-run: %d printed, nothing started (%d already done)", started, counts.done)
+    log.info("--dry-run: %d printed, nothing started (%d already done); %d model(s) would be "
+             "analysed and %d refitted from their stored eigenvalues (only fit settings "
+             "changed; --reanalyse analyses them too)", started, counts.done,
+             counts.to_analyse, counts.refit)
     report = {
         "run_id": run_id, "output": store_url, "backend": backend.name, "dry_run": True,
         "counts": {"models": counts.todo + counts.done + counts.skipped_failed,
                    "already_done": counts.done, "jobs": started, "done": 0,
-                   "failed": 0, "bad_rows": 0},
+                   "failed": 0, "bad_rows": 0, "to_analyse": counts.to_analyse,
+                   "to_refit": counts.refit},
         "failures": {}, "summary": None,
     }
     return SweepResult(run_id=run_id, exit_code=EXIT_ALL_DONE, report=report)

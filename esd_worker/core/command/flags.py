@@ -204,6 +204,11 @@ def add_preset_flag(parser: argparse.ArgumentParser | Any) -> None:
              + "; ".join(f"{name}: {text}" for name, text in PRESET_HELP.items()))
 
 
+# The AnalysisSettings fields add_fit_flags sets: all a refit can change, as the eigenvalues
+# do not depend on them (`esd-sweep run` refits a result that differs only in these).
+FIT_FIELDS = ("fix_fingers", "evals_thresh", "bins")
+
+
 def add_fit_flags(parser: argparse.ArgumentParser | Any) -> None:
     """The power-law fit flags (all a refit can change) and --preset; defaults are
     AnalysisSettings' (None here: a flag not given takes its preset's value or the default)."""

@@ -262,6 +262,7 @@ def write_model_result(
     *,
     layers: bytes,
     eigs: bytes | None = None,
+    eigs_kept: FileSeal | None = None,
     finish: Callable[[Marker], Marker] | None = None,
 ) -> Marker:
     """Write a model's layer table, its eigenvalues (when given) and its marker, LAST.
@@ -269,14 +270,20 @@ def write_model_result(
     An older marker (other parameters) must not vouch for the files about to change, so it
     is deleted first: if the writer dies between the files, the model is simply not done.
     The marker written seals the files (size and SHA-256 of the bytes written).
+    eigs_kept: instead of `eigs`, the seal of the eigenvalue file already in the store and
+    left as it is (a refit in place, which checked those bytes against it).
     finish: called once the data files are written, returns the marker to write (the
     worker stamps the write time and finished_at there). Returns the marker written.
     """
-    if (eigs is None) != (marker.eigs_name is None):
+    if eigs is not None and eigs_kept is not None:
+        raise ValueError("eigs and eigs_kept: one or the other")
+    if (eigs is None and eigs_kept is None) != (marker.eigs_name is None):
         raise ValueError("eigs and marker.eigs_name go together: both or neither")
     seals = {marker.layers_name: FileSeal.of(layers)}
     if eigs is not None and marker.eigs_name is not None:
         seals[marker.eigs_name] = FileSeal.of(eigs)
+    if eigs_kept is not None and marker.eigs_name is not None:
+        seals[marker.eigs_name] = eigs_kept
     marker = dataclasses.replace(marker, files=seals)
     key = marker.model_key
     store.delete(marker_key(key))
