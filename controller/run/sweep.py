@@ -266,10 +266,11 @@ def models_status(settings: SweepSettings, *,
         "done": counts.done,
         "todo": counts.todo,
         "stale": counts.stale,
-        "refittable": counts.refit,  # of stale: only fit settings differ (refit, not analysed)
         "damaged": counts.damaged,
         "failed_permanent": counts.skipped_failed,
     }
+    if counts.refit:  # of stale: only fit settings differ, `run` refits them in place
+        status["refittable"] = counts.refit
     bad_nodes = last_bad_nodes(store)
     if bad_nodes is not None:  # the latest run met broken GPUs: quarantine them
         status["bad_nodes"] = bad_nodes

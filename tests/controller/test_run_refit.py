@@ -22,7 +22,10 @@ import pytest
 
 from controller.cli import main
 from controller.results.tables import Tables
+from controller.run.refitrun import fit_only
+from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.marker import FileSeal, Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.results import layers_from_csv
 from tests.support.builders import make_gpt2
@@ -66,6 +69,32 @@ def sweep(models: list[Path], out: str, tmp: Path, *extra: str) -> dict[str, Any
 def alphas(out: Path, key: str, name: str = "layers.csv") -> dict[str, float]:
     rows = layers_from_csv((out / key / name).read_bytes())
     return {row["layer"]: float(row["alpha"]) for row in rows if row["status"] == "ok"}
+
+
+RUN = AnalysisSettings(fix_fingers="DKS", bins=50).as_dict()
+SEALED = {"layers.csv": FileSeal.of(b"t"), "eigs.npz": FileSeal.of(b"e")}
+
+
+@pytest.mark.parametrize(("stored", "eigs", "files", "refittable"), [
+    pytest.param(AnalysisSettings().as_dict(), "eigs.npz", SEALED, True, id="fit-only"),
+    pytest.param(AnalysisSettings(fix_fingers="DKS").as_dict(), "eigs.npz", SEALED, True,
+                 id="bins-only"),
+    pytest.param(RUN, "eigs.npz", SEALED, False, id="no-change"),
+    pytest.param(AnalysisSettings(precision="float64").as_dict(), "eigs.npz", SEALED, False,
+                 id="and-precision"),
+    pytest.param(AnalysisSettings(min_evals=20).as_dict(), "eigs.npz", SEALED, False,
+                 id="and-min-evals"),
+    pytest.param({k: v for k, v in AnalysisSettings().as_dict().items() if k != "conv_norm"},
+                 "eigs.npz", SEALED, False, id="a-parameter-missing"),
+    pytest.param(AnalysisSettings().as_dict(), None, {"layers.csv": SEALED["layers.csv"]},
+                 False, id="no-eigenvalues"),
+    pytest.param(AnalysisSettings().as_dict(), "eigs.npz", {}, False, id="eigs-not-sealed"),
+])
+def test_fit_only_decides_what_is_refitted(
+    stored: dict[str, Any], eigs: str | None, files: dict[str, FileSeal], refittable: bool
+) -> None:
+    marker = Marker(model="m", model_key="m", parameters=stored, eigs_name=eigs, files=files)
+    assert fit_only(RUN)(marker) is refittable
 
 
 @pytest.fixture(scope="module")
