@@ -54,6 +54,7 @@ from esd_worker.core.store.tables import DoneModel, write_parts
 log = logging.getLogger(__name__)
 
 BATCH = 16  # models whose three files are fetched at once (concurrently: stores may be remote)
+FETCH_THREADS = 16
 TABLE_MODELS = 500  # refitted models whose table rows are written as one part
 FALLBACK_LINES = 20  # models analysed instead named one line each, then only counted
 
@@ -194,7 +195,7 @@ def _fetch(store: Store, keys: list[str]) -> list[tuple[bytes | None, ...]]:
     marker is checked to name the same before they are used)."""
     names = [marker_key(k) for k in keys] + [
         model_file_key(k, name) for name in (LAYERS_NAME, EIGS_NAME) for k in keys]
-    blobs = fetch_all(store, names, threads=len(names))
+    blobs = fetch_all(store, names, threads=FETCH_THREADS)
     n = len(keys)
     return [(blobs[i], blobs[n + i], blobs[2 * n + i]) for i in range(n)]
 
