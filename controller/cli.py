@@ -364,8 +364,9 @@ def _run(args: argparse.Namespace) -> int:
                                    parameters=settings.analysis.as_dict()))
     counts = result.report["counts"]
     running = f", {counts['running']} Job(s) still running" if counts.get("running") else ""
+    refitted = f", {counts['refitted']} refitted" if counts.get("refitted") else ""
     print(redact(
-        f"run {result.run_id}: {counts['done']} done, {counts['failed']} failed, "
+        f"run {result.run_id}: {counts['done']} done{refitted}, {counts['failed']} failed, "
         f"{counts['already_done']} already done, {counts['bad_rows']} bad row(s){running}; "
         f"report: {result.report['output']}/{run_report_key(result.run_id)}"
     ))

@@ -99,9 +99,10 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Ten
         plan = plan_models(settings, store, source.items, on_done=known.add)
         counts = plan.counts
         log.info("%d model(s): %d done already, %d to run (%d with other parameters, %d "
-                 "damaged), %d skipped for a permanent failure record, %d bad row(s)",
+                 "damaged; %d of them to refit from their eigenvalues), %d skipped for a "
+                 "permanent failure record, %d bad row(s)",
                  counts.models, counts.done, counts.todo, counts.stale, counts.damaged,
-                 counts.skipped_failed, counts.bad_rows)
+                 counts.refit, counts.skipped_failed, counts.bad_rows)
         if on_plan is not None:
             on_plan(plan)
         refits = RefitTally() if settings.dry_run else refit_planned(

@@ -133,11 +133,16 @@ def out(analysed: Path, tmp_path: Path) -> Path:
 
 
 def test_fit_change_is_refitted_in_place_without_a_worker(
-    models: list[Path], out: Path, reference: Path, tmp_path: Path
+    models: list[Path], out: Path, reference: Path, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     key = model_key(str(models[0]))
     before = alphas(out, key)
+    capsys.readouterr()
     doc = sweep(models[:1], str(out), tmp_path, "--fix-fingers", "DKS")
+    printed = capsys.readouterr().out
+    assert f"run {doc['run_id']}: 0 done, 1 refitted, 0 failed" in printed
+    assert "fit: DKS, float32" in printed  # the table above it says the new fit
     counts = doc["counts"]
     assert doc["exit_code"] == 0
     assert counts["refitted"] == 1 and counts["attempted"] == 0 and counts["done"] == 0
