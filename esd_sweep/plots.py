@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from controller.results.plots import draw_esd
-from esd_worker.core.command.presets import BAND_FIX_FINGERS
+from esd_worker.core.command.presets import band_applies
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -45,6 +45,6 @@ def plot_esd(layer: Mapping[str, Any] | Any, eigenvalues: Any = None, *,
     draw_esd(ax, lam, {k: "" if v is None else str(v) for k, v in row.items()
                         if k != "eigenvalues"})
     how = fit or f"fit {row.get('fix_fingers') or '?'}"
-    note = "" if row.get("fix_fingers") == BAND_FIX_FINGERS else " (not WeightWatcher's fit)"
+    note = "" if band_applies(row.get("fix_fingers")) else " (not WeightWatcher's fit)"
     ax.set_title(f"{row.get('longname') or row.get('layer', '')}\n{how}{note}", fontsize=9)
     return figure

@@ -14,7 +14,6 @@ to the models of one list (the list a run was given), as `esd-sweep status` coun
 from __future__ import annotations
 
 import io
-import json
 import re
 from collections.abc import Collection, Iterator, Sequence
 
@@ -24,9 +23,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from controller.results.reader import ModelResult, open_results, read_eigs
+from controller.results.reportfit import fit_of
 from controller.results.tables import Tables
 from esd_sweep.frames import typed, with_ww_columns
-from esd_worker.core.command.presets import fit_label
 from esd_worker.core.models.modellist import ListFile, ModelRow
 from esd_worker.core.models.naming import ref_key
 from esd_worker.core.store.layout import SUMMARY_KEY, read_marker
@@ -59,8 +58,8 @@ class Sweep:
         """One row per done model: ids, relation, base, architecture, family, size, device,
         timings, its summary statistics (typed) and its fit (`fit`: a label)."""
         frame = self._frame(Tables(self.store).models(self._columns(columns)))
-        if "parameters" in frame and not frame.empty:
-            frame["fit"] = [fit_label(json.loads(p)) if p else "" for p in frame["parameters"]]
+        if "parameters" in frame and not frame.empty:  # as the report labels each model
+            frame["fit"] = [fit_of(p).label if p else "" for p in frame["parameters"]]
         return frame
 
     def layers(self, columns: Sequence[str] | None = None, *,
@@ -125,11 +124,11 @@ class Sweep:
         """The batches' rows of the listed models (and of `only`) as one DataFrame."""
         keep = self.keys if only is None else (
             frozenset(only) if self.keys is None else self.keys & frozenset(only))
+        wanted = None if keep is None else pa.array(sorted(keep), pa.string())  # once a call
         tables = []
         for batch in batches:
-            if keep is not None:
-                batch = batch.filter(pc.is_in(batch.column("model_key"),
-                                              value_set=pa.array(sorted(keep), pa.string())))
+            if wanted is not None:
+                batch = batch.filter(pc.is_in(batch.column("model_key"), value_set=wanted))
             if batch.num_rows:
                 tables.append(pa.Table.from_batches([batch]))
         if not tables:
