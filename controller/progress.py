@@ -7,8 +7,9 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from typing import TextIO
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,34 @@ def format_duration(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+@dataclass(frozen=True)
+class ClassProgress:
+    """Where one resource class of a sharded run stands (from its Indexed Job's status and
+    the running shards' progress documents in the store): models and shards by state, and
+    what its workers report (bytes downloaded, seconds busy on the device, seconds up)."""
+
+    name: str
+    models: int
+    done: int = 0
+    failed: int = 0
+    running: int = 0
+    shards: int = 0
+    shards_done: int = 0
+    shards_failed: int = 0
+    shards_running: int = 0
+    bytes_downloaded: int = 0
+    device_busy_s: float = 0.0
+    worker_s: float = 0.0
+
+
+class ProgressObserver(Protocol):
+    """Something that follows a sweep's progress besides the bar (the metrics endpoint)."""
+
+    def counts(self, *, done: int, failed: int, running: int, waiting: int) -> None: ...
+
+    def classes(self, classes: Sequence[ClassProgress]) -> None: ...
 
 
 class _ClearBeforeLog(logging.Filter):
@@ -83,8 +112,13 @@ class Progress:
         self._logged_counts: tuple[int, int, int, int] | None = None
         self._filter: _ClearBeforeLog | None = None
         self._guarded: list[logging.Handler] = []
+        self._observers: list[ProgressObserver] = []
         if self.interactive:
             self._guard_logging()
+
+    def observe(self, observer: ProgressObserver) -> None:
+        """Give every later update to `observer` too."""
+        self._observers.append(observer)
 
     # Inputs -------------------------------------------------------------------------------
 
@@ -96,6 +130,8 @@ class Progress:
         """New counts: redraw the bar at a terminal, else log a line when one is due."""
         if self._closed:
             return
+        for observer in self._observers:
+            observer.counts(done=done, failed=failed, running=running, waiting=waiting)
         self._counts = (done, failed, running, waiting)
         self._updated = True
         if self.interactive:
@@ -106,6 +142,13 @@ class Progress:
         due = self._last_log is None or now - self._last_log >= self.log_every_s
         if (due or final) and self._logged_counts != self._counts:
             self._log_line(now)
+
+    def update_classes(self, classes: Sequence[ClassProgress]) -> None:
+        """Per-class progress of a sharded run: for the observers (the bar shows totals)."""
+        if self._closed:
+            return
+        for observer in self._observers:
+            observer.classes(classes)
 
     def clear(self) -> None:
         """Erase the bar (at a terminal) until the next update."""
