@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
              help="workers download here and delete a model's files once no later model "
              "needs them (default: the HF cache, never evicted)")
     add_model_timeout_flag(running)
+    add_flag(running, "--metrics-port", type=int_in(0, 65535), default=0, metavar="PORT",
+             help="serve the run's Prometheus metrics on this port at /metrics while it "
+             "runs (default 0: off; docs/operations.md#metrics)")
+    add_flag(running, "--metrics-address", default="127.0.0.1", metavar="ADDR",
+             help="address the metrics endpoint listens on (default 127.0.0.1; 0.0.0.0 "
+             "in a pod, so Prometheus can scrape it)")
     add_cluster_flags(kube)
     add_flag(output, "--report", type=Path, metavar="FILE.json",
              help="also write the run's outcome (counts, failures with reasons, summary "
@@ -337,6 +343,8 @@ def settings_from_args(args: argparse.Namespace) -> SweepSettings:
         parallel_gpu=getattr(args, "parallel_gpu", True),
         host_eigensolvers=getattr(args, "host_eigensolvers", None),
         gpu_rule=gpu_rule,
+        metrics_port=getattr(args, "metrics_port", 0),
+        metrics_address=getattr(args, "metrics_address", "127.0.0.1"),
     )
 
 

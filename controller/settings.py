@@ -50,6 +50,8 @@ class SweepSettings:
     --multi-gpu-minutes, --max-gpus-per-job); backends apply `applied_gpu_rule`, its
     `parallel` being parallel_gpu. gpu.gpus_per_job is its explicit N, or 1 with auto (what
     the tracker checks against and custom commands get).
+    metrics_port / metrics_address: where the run serves its Prometheus metrics while it
+    runs (controller.metrics; port 0: not served).
     """
 
     output: str
@@ -87,6 +89,8 @@ class SweepSettings:
     parallel_gpu: bool = True
     host_eigensolvers: int | None = None
     gpu_rule: GpuRule = field(default_factory=GpuRule)
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
 
     @property
     def applied_gpu_rule(self) -> GpuRule:
