@@ -11,6 +11,7 @@ new verb, a rule in manifests/base/rbac.yaml).
 
 from __future__ import annotations
 
+import datetime
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 
 from controller.backends.kubernetes.common.client import KubeClient, RetryPolicy
 from controller.backends.kubernetes.common.errors import KubePermissionError
+from controller.backends.kubernetes.common.jobevents import build_event
 from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.names import managed_selector
 from esd_worker.core.models.naming import model_key
@@ -50,6 +52,13 @@ def _job() -> dict[str, Any]:
                              run_id="rbac"))
 
 
+def _event() -> dict[str, Any]:
+    job = {"metadata": {"name": "esd-rbac-job", "namespace": NS, "uid": "0-1"}}
+    return build_event(job, type_="Normal", reason="ShardsCreated", message="rbac",
+                       host="controller-pod", when=datetime.datetime.now(datetime.UTC),
+                       serial=1)
+
+
 # One call of every KubeClient method, as the controller makes it (arguments matter only in
 # that they reach the server: a 404 is still a request RBAC had to allow).
 CALLS: dict[str, Callable[[KubeClient], Any]] = {
@@ -61,6 +70,7 @@ CALLS: dict[str, Callable[[KubeClient], Any]] = {
     "list_pods": lambda kube: kube.list_pods(NS, "batch.kubernetes.io/job-name=x"),
     "read_pod_log": lambda kube: kube.read_pod_log(NS, "missing-pod"),
     "list_events": lambda kube: kube.list_events(NS, "involvedObject.name=missing-pod"),
+    "create_event": lambda kube: kube.create_event(NS, _event()),
     "list_workloads": lambda kube: kube.list_workloads(NS, "kueue.x-k8s.io/job-uid=x"),
     # GET /version: a non-resource URL every authenticated user may read (the default
     # ClusterRole system:public-info-viewer); no Role rule can grant or refuse it.

@@ -236,7 +236,9 @@ class KubeClient:
     # -- the one place that retries ------------------------------------------------------
 
     def _call(self, op: _Op, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs), retried on 429/5xx/connection errors, errors mapped."""
+        """fn(*args, **kwargs), retried on 429/5xx/connection errors (not with _once=True),
+        errors mapped."""
+        once = kwargs.pop("_once", False)
         kwargs.setdefault("_request_timeout", (self.connect_timeout_s, self.request_timeout_s))
         started = time.monotonic()
         attempt = 0
@@ -262,6 +264,8 @@ class KubeClient:
             elapsed = time.monotonic() - started
             out_of_time = (self.retry.deadline_s is not None
                            and elapsed >= self.retry.deadline_s)
+            if once:
+                raise error from cause
             if attempt >= self.retry.attempts or out_of_time:
                 raise KubeUnavailableError(
                     f"{error} (gave up after {attempt} tries in {elapsed:.1f} s)",
@@ -411,6 +415,14 @@ class KubeClient:
         items, _ = self._list(op, self._core.list_namespaced_event, namespace,
                               field_selector=field_selector)
         return items
+
+    def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
+        """Create a core/v1 Event, tried once within 5 s: events are best effort, and a
+        retry would slow the run (common.jobevents)."""
+        op = _Op("create", "events", "", namespace)
+        _json(self._call(op, self._core.create_namespaced_event, namespace, dict(body),
+                         _preload_content=False, _once=True,
+                         _request_timeout=(min(self.connect_timeout_s, 5.0), 5.0)))
 
     def list_workloads(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Kueue Workloads (v1beta2) matching the selector; none without Kueue (404)."""
