@@ -34,9 +34,12 @@ ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]
 CMD ["esd-sweep", "--help"]
 
 FROM ${PYTHON_IMAGE} AS worker
+# No NVIDIA_VISIBLE_DEVICES here: baked as "all", a pod that asks for no GPU would see every
+# GPU of a node whose default runtime is nvidia. The device plugin sets it for the GPUs a
+# pod was given, worker pods without GPUs set "void", the exporter DaemonSet its own.
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/hf HF_HUB_DISABLE_TELEMETRY=1 \
-    NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 COPY --from=build /wheels /wheels
 COPY --from=build /src/constraints.txt /wheels/constraints.txt
 # torch==2.13.0 from PyPI is the CUDA build on linux/x86_64 (its CUDA libraries come as

@@ -49,6 +49,27 @@ def test_dockerfile_pins_base_image_and_runs_as_non_root() -> None:
         assert "gcc" not in stage and "build-essential" not in stage
 
 
+def stage_env(stage: str) -> dict[str, str]:
+    """The ENV a Dockerfile stage sets (KEY=VALUE pairs, continuation lines joined)."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    stages = {s.split()[2]: s for s in re.split(r"^FROM ", text, flags=re.M)[1:]}
+    env: dict[str, str] = {}
+    for line in stages[stage].splitlines():
+        if line.startswith("ENV "):
+            env |= dict(pair.split("=", 1) for pair in line.split()[1:])
+    return env
+
+
+def test_worker_image_leaves_gpu_visibility_to_the_pod() -> None:
+    """The worker image does not bake NVIDIA_VISIBLE_DEVICES: as "all", a pod asking for no
+    GPU on a node whose default runtime is nvidia would see every GPU. The driver
+    capabilities the worker needs (compute, NVML) stay."""
+    env = stage_env("worker")
+    assert "NVIDIA_VISIBLE_DEVICES" not in env
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert env["HF_HOME"] == "/cache/hf"
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
