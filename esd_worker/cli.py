@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # A model that crashes, hangs or leaks must cost its own retries only: the
                 # batch runs in a watched child (--serve is watched by its controller).
                 return supervise(args, sys.argv[1:] if argv is None else list(argv), store,
-                                 shard.url if shard is not None else None)
+                                 shard)
             return run_batch(args, settings, store, shard, resumed=child > 1,
                              supervised=child > 0)
         from esd_worker.analysis.analyze import analyse_model

@@ -8,7 +8,8 @@ memory against --memory-limit), killing it (SIGKILL: its SIGTERM handler would c
 model's attempt note, and the note is what charges the model), charging the model in
 progress with the cause (`last_error` in its attempt note: the next child's batch turns it
 into the poison record once the model is out of retries, esd_worker.serve.batch), restarts,
-the rounds after a transient exit, and the process's exit code. Torch-free: the parent stays
+the rounds after a transient exit, and the process's exit code. A shard's progress document
+lives here, fed the children's events (esd_worker.serve.shardprogress). Torch-free: the parent stays
 small and outlives whatever the child does. Does not own the per-model loop (batch), the
 no-progress policy (watchdog), nor which shard a pod takes (runner); `--serve` is watched by
 its controller instead (controller.backends.local).
@@ -49,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from esd_worker.core.errors import (
     EXIT_DEVICE,
@@ -73,6 +74,10 @@ from esd_worker.serve.hostmemory import (
     group_rss,
     oom_kills,
 )
+from esd_worker.serve.shardprogress import ShardProgress, shard_progress
+
+if TYPE_CHECKING:
+    from esd_worker.serve.runner import Shard
 
 log = logging.getLogger("esd_worker")
 
@@ -138,8 +143,10 @@ class Supervisor:
 
     def __init__(self, settings: SupervisorSettings, store: Store, *,
                  out: BinaryIO | None = None, environ: Mapping[str, str] | None = None,
-                 proc: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
+                 proc: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic,
+                 progress: ShardProgress | None = None) -> None:
         self.settings = settings
+        self.progress = progress  # --shards: the shard's progress document (shardprogress)
         self.store = store
         self.out = out or sys.stdout.buffer
         self.environ = dict(os.environ if environ is None else environ)
@@ -151,9 +158,15 @@ class Supervisor:
 
     def run(self) -> int:
         previous = {s: _handle(s, self._on_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+        code = EXIT_TRANSIENT
+        if self.progress is not None:
+            self.progress.start()
         try:
-            return self._run()
+            code = self._run()
+            return code
         finally:
+            if self.progress is not None:
+                self.progress.finish(code)
             for signum, handler in previous.items():
                 if handler is not None:
                     signal.signal(signum, handler)
@@ -242,6 +255,8 @@ class Supervisor:
                     selector.select(self.settings.poll_s)
                     pending, eof = self._read(fd, pending, watch, child)
                 now = self.clock()
+                if self.progress is not None:
+                    self.progress.tick()
                 if stopping_since is not None:
                     if now - stopping_since > self.settings.stop_grace_s:
                         _kill_group(proc.pid, signal.SIGKILL)
@@ -258,6 +273,8 @@ class Supervisor:
         if not eof:
             pending, _ = self._read(fd, pending, watch, child, until_eof=True)
         proc.stdout.close()
+        if self.progress is not None:
+            self.progress.child_ended()
         child.key = watch.key
         if proc.returncode < 0:
             child.signal = -proc.returncode
@@ -301,6 +318,8 @@ class Supervisor:
             return  # not a protocol line: forwarded, not followed
         if not isinstance(key, str):
             return
+        if self.progress is not None:
+            self.progress.follow(event)
         now = self.clock()
         if kind == "start":
             watch.start(key, now)
@@ -440,9 +459,9 @@ def _kill_group(pgid: int, signum: int) -> None:
 
 
 def supervise(args: argparse.Namespace, argv: Sequence[str], store: Store,
-              shard_url: str | None) -> int:
-    """Run `esd-worker` with `argv` (--models or --shards) as a supervised child; the exit
-    code as the module docstring says."""
+              shard: Shard | None) -> int:
+    """Run `esd-worker` with `argv` (--models or --shards: `shard`) as a supervised child;
+    the exit code as the module docstring says. A shard's progress document is kept here."""
     limit, source = args.memory_limit, "--memory-limit"
     if limit is None:
         container = container_memory_limit()
@@ -455,9 +474,11 @@ def supervise(args: argparse.Namespace, argv: Sequence[str], store: Store,
         max_retries=args.max_retries,
         model_timeout_s=args.model_timeout or DEFAULT_MODEL_TIMEOUT_S,
         memory_limit=limit, memory_source=source, oom_events=CGROUP_EVENTS_FILE,
-        sharded=shard_url is not None,
-        keys=_keys(shard_url or args.models), run_id=args.run_id)
-    return Supervisor(settings, store).run()
+        sharded=shard is not None,
+        keys=_keys(shard.url if shard is not None else args.models), run_id=args.run_id)
+    progress = None if shard is None else shard_progress(
+        shard.folder, shard.index, run_id=args.run_id, keys=settings.keys, results=store)
+    return Supervisor(settings, store, progress=progress).run()
 
 
 def _keys(url: str) -> frozenset[str] | None:

@@ -11,6 +11,9 @@ Owns the contract users script against (docs/design.md, "Store layout"):
       _failures/<model_key>.json      why a model failed (esd_worker.core.store.records)
       _attempts/<model_key>.json      a model a worker started and has not finished
                                       (esd_worker.serve.batch: finds models that crash workers)
+      _shards/<run_id>/<class>/<i>.csv            shard i of a sharded run (a model list)
+      _shards/<run_id>/<class>/<i>.progress.json  its pod's progress
+                                      (esd_worker.core.store.progressdoc)
       summary.csv, summary.<tag>.csv  one row per done model
       runs/<run_id>.json              what one `esd-sweep run` did
       refits/<tag>.json               what one refit did
@@ -52,6 +55,7 @@ MARKER_NAME = "result.json"
 FAILURES_PREFIX = "_failures/"
 ATTEMPTS_PREFIX = "_attempts/"
 SHARDS_PREFIX = "_shards/"
+SHARD_PROGRESS_SUFFIX = ".progress.json"
 SUMMARY_KEY = "summary.csv"
 RUNS_PREFIX = "runs/"
 REFITS_PREFIX = "refits/"
@@ -136,6 +140,21 @@ def shard_key(run_id: str, class_name: str, index: int) -> str:
     if isinstance(index, bool) or not isinstance(index, int) or index < 0:
         raise LayoutError(f"invalid shard index {index!r}")
     return f"{shard_prefix(run_id, class_name)}{index}.csv"
+
+
+def shard_progress_name(index: int) -> str:
+    """`<index>.progress.json`: the progress document of shard `index` (its pod's
+    supervisor writes it, esd_worker.serve.shardprogress), in the shard folder next to the
+    shard's list `<index>.csv`. Not `.csv`: whoever reads the folder's lists by name never
+    takes it for one."""
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise LayoutError(f"invalid shard index {index!r}")
+    return f"{index}{SHARD_PROGRESS_SUFFIX}"
+
+
+def shard_progress_key(run_id: str, class_name: str, index: int) -> str:
+    """Store key of shard `index`'s progress document (shard_progress_name) of a run's class."""
+    return f"{shard_prefix(run_id, class_name)}{shard_progress_name(index)}"
 
 
 def run_report_key(run_id: str) -> str:
