@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.common.errors import sweep_errors
+from controller.backends.kubernetes.common.jobevents import JobEventRecorder
 from controller.backends.kubernetes.common.jobs import CACHE_DIR, JobSettings
 from controller.backends.kubernetes.common.names import RUN_LABEL, sharded_selector
 from controller.backends.kubernetes.common.resources import ResourceClass, cache_budget
@@ -68,6 +70,7 @@ class ShardedBackend:
     """
 
     name = "kubernetes"
+    events: JobEventRecorder | None = None  # the run's Events on its Jobs (from run())
 
     def __init__(
         self, settings: ClusterSettings, kube: KubeClient | None, *, spec: WorkerSpec,
@@ -186,6 +189,7 @@ class ShardedBackend:
     def _run(self, work: Work, on_outcome: OutcomeCallback,
              progress: Progress | None) -> list[Outcome]:
         kube = self._client()
+        self.events = self.devices.events = JobEventRecorder(kube)
         self._check_server(kube)
         self.attached = self._unfinished(kube)
         # Sharded now, not after the attached Jobs end: what they do not hold, if any.
@@ -199,14 +203,35 @@ class ShardedBackend:
             self.left_running = [r.name for r in following]
             log.info("--no-wait: %d Indexed Job(s) created; a later run re-attaches to them",
                      len(self.runs))
+            self._ended(following, "ended without waiting for its Jobs (--no-wait): a "
+                        "later run re-attaches")
             return []
         followed = self._follow(kube, following, progress)
         self.runs = following[len(self.attached):]  # and any Job made while following
         if not followed:
+            self._ended(following, "stopped: its Jobs keep running (the next run re-attaches)")
             return []
-        failures = ShardFailures(kube, self.store, self.settings, following)
-        return store_outcomes(work, self.store, self.spec.run_id, failures, on_outcome,
-                              too_big=self.budgets.errors, attached=attached)
+        for r in following:
+            if r.state != "Deleted" and self.events is not None:
+                self.events.normal(r.job, "ClassComplete", _class_line(r))
+        failures = ShardFailures(kube, self.store, self.settings, following, self.events)
+        tally: Counter[str] = Counter()
+
+        def counted(outcome: Outcome) -> None:
+            tally[outcome.status] += 1
+            on_outcome(outcome)
+
+        outcomes = store_outcomes(work, self.store, self.spec.run_id, failures, counted,
+                                  too_big=self.budgets.errors, attached=attached)
+        self._ended(following, f"finished: {tally['done']} model(s) done, "
+                    f"{tally['failed']} failed")
+        return outcomes
+
+    def _ended(self, runs: list[IndexedRun], how: str) -> None:
+        """SweepFinished on each of the run's Jobs still there."""
+        for r in runs:
+            if r.state != "Deleted" and self.events is not None:
+                self.events.normal(r.job, "SweepFinished", f"run {self.spec.run_id} {how}")
 
     def _client(self) -> KubeClient:
         if self.kube is None:
@@ -276,6 +301,10 @@ class ShardedBackend:
                 "one Job per model with --shard-size 1")
         log.info("job=%s class=%s: %d shard(s), %d model(s), %d pod(s) at once", name,
                  c.cls.name, c.shards, c.models, c.parallelism)
+        if self.events is not None:
+            self.events.normal(created, "ShardsCreated", (
+                f"class {c.cls.name}: {c.shards} shard(s) of {c.models} model(s), "
+                f"{c.parallelism} pod(s) at once (run {self.spec.run_id})"))
         return self.devices.track(IndexedRun.from_job(created, per_shard=c.per_shard), c, pods)
 
     def _follow(self, kube: KubeClient, runs: list[IndexedRun],
@@ -293,7 +322,7 @@ class ShardedBackend:
                     r.vanish()  # deleted under us: its unfinished shards have no outcome
                 stuck = r.explain_pending(kube, self.settings, self._clock())
                 if stuck is not None:  # a class no node can run ends the run (exit 3)
-                    raise _give_up(kube, self.settings.namespace, r, runs, stuck)
+                    raise _give_up(kube, self.settings.namespace, r, runs, stuck, self.events)
             runs.extend(self.devices.follow(  # indexes whose GPU broke run again elsewhere
                 kube, runs, self._clock(), lambda c, pods: self._create(kube, c, pods)))
             if progress is not None:
@@ -334,10 +363,13 @@ def _not_held(work: Work, store: Store, attached: list[IndexedRun]) -> tuple[Wor
 
 
 def _give_up(kube: KubeClient, namespace: str, stuck: IndexedRun, runs: list[IndexedRun],
-             why: str) -> InfrastructureError:
+             why: str, events: JobEventRecorder | None = None) -> InfrastructureError:
     """The error that ends a run whose class no node can schedule, once its Job is deleted
-    (ours; its pending pods would keep an autoscaler trying for ever); the other Jobs are
-    left running for the next run to re-attach to."""
+    (ours; its pending pods would keep an autoscaler trying for ever; an Unschedulable
+    Event on it first); the other Jobs are left running for the next run to re-attach to."""
+    if events is not None:
+        events.warning(stuck.job, "Unschedulable",
+                       f"{why}: the Job is deleted and the run ends (exit 3)")
     kube.delete_job(namespace, stuck.name)
     left = sum(1 for r in runs if not r.finished and r is not stuck)
     others = f"; {left} other Job(s) keep running (the next run re-attaches)" if left else ""
@@ -345,6 +377,16 @@ def _give_up(kube: KubeClient, namespace: str, stuck: IndexedRun, runs: list[Ind
         f"{why}; Job {stuck.name} deleted{others}: give the cluster nodes that fit (or "
         "change --ephemeral-storage-request, --memory-request, --node-selector, "
         "--toleration) and run again")
+
+
+def _class_line(r: IndexedRun) -> str:
+    """A finished Job's ClassComplete message: its shards (and the models they hold) by how
+    they ended (a done shard's models may hold failures of their own: the store has them)."""
+    replaced = (f", {len(r.replaced)} run again by a replacement Job ({r.models_replaced} "
+                "model(s))" if r.replaced else "")
+    return (f"class {r.class_name}: Job {r.state or 'finished'}: {len(r.completed)} of "
+            f"{r.completions} shard(s) done ({r.models_done} model(s)), "
+            f"{len(r.failed) - len(r.replaced)} failed ({r.models_failed} model(s)){replaced}")
 
 
 def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,

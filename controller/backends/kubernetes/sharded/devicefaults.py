@@ -6,7 +6,8 @@ run's bad nodes (BAD_NODE_FAULTS such pods on a node), the replacement Indexed J
 those shards again (their lists copied to a class `<class>-r<n>` of this run; every Job
 created after a node turned bad keeps its pods off it by a required node affinity), batched
 per class, and the bound on the chain (a shard that met broken devices on more than
-max_faults nodes gets a retryable DeviceError for its models). Reads the failed pods' status
+max_faults nodes gets a retryable DeviceError for its models); a GPUBroken Event on the Job
+whose pod found a node bad (common.jobevents). Reads the failed pods' status
 only, never a log. Does not build or create Jobs (.indexed; the backend's create callback)
 nor read per-model outcomes (.status, the store).
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from controller.backends.kubernetes.common.diagnosis import pod_sort_key, worker_terminated
+from controller.backends.kubernetes.common.jobevents import JobEventRecorder
 from controller.backends.kubernetes.common.names import JOB_NAME_LABEL
 from controller.backends.kubernetes.sharded.sharding import ClassShards
 from controller.backends.kubernetes.sharded.status import INDEX_LABEL, IndexedRun
@@ -91,6 +93,7 @@ class DeviceFaults:
         self._waiting: dict[str, list[_Waiting]] = {}  # by origin class
         self._since: dict[str, float] = {}  # origin → last replacement (or first fault)
         self._replacements: Counter[str] = Counter()
+        self.events: JobEventRecorder | None = None  # the run's (set by the backend's run)
 
     def track(self, run: IndexedRun, shards: ClassShards, pods: int) -> IndexedRun:
         """A Job this run created, for `shards` (pods: the run's pods at once); returned."""
@@ -159,6 +162,11 @@ class DeviceFaults:
                     "kubectl cordon %s, then check its GPU (kubectl describe node %s, "
                     "nvidia-smi, the GPU operator's validator pods): %s",
                     node, EXIT_DEVICE, node, node, error)
+                if self.events is not None:
+                    self.events.warning(run.job, "GPUBroken", (
+                        f"node {node}: GPU broken (exit {EXIT_DEVICE}) under shard {index}, "
+                        f"no model charged; its shards run again on other nodes; quarantine "
+                        f"it: kubectl cordon {node}: {error}"))
         if run.run_id != self.run_id:
             # An earlier run's Job, re-attached: its class is not this run's to rebuild; the
             # shard's models end with the pod's DeviceError (retryable, no record written)

@@ -5,8 +5,9 @@ models done / failed / running (by the models each shard holds), telling a perso
 timeout why the Job has no pod running, finding a Job stuck for good (its pods unschedulable
 for the pending timeout), and, for a shard whose index failed (its pods never
 finished it), the diagnosis of its last pod, given to the shard's models that have no
-record of their own. Reads the Job and its pods only; per-model outcomes come from the
-store (controller.backends.kubernetes.sharded.backend).
+record of their own, and a ShardFailed Event with it on the Job (the first few indexes of a
+Job each, the rest in one; common.jobevents). Reads the Job and its pods only; per-model
+outcomes come from the store (controller.backends.kubernetes.sharded.backend).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from controller.backends.kubernetes.common.diagnosis import (
     is_unschedulable,
     job_condition,
 )
+from controller.backends.kubernetes.common.jobevents import JobEventRecorder, foreign
 from controller.backends.kubernetes.common.kueue import queued_workloads
 from controller.backends.kubernetes.common.names import (
     CLASS_LABEL,
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _READERS = 16  # shard lists read at once when re-attaching (held_keys)
+# Failed indexes of one Job that get a ShardFailed Event each; the rest share one.
+SHARD_EVENTS_PER_JOB = 5
 
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"  # on the pods, from Kubernetes 1.28
 MODELS_ANNOTATION = "esd-sweep/models"
@@ -188,7 +192,8 @@ class IndexedRun:
         pending = [p for p in pods if (p.get("status") or {}).get("phase") == "Pending"][:1]
         events: list[dict[str, Any]] = []
         for obj in [self.name, *(p["metadata"]["name"] for p in pending)]:
-            events += kube.list_events(ns, f"involvedObject.name={obj}")
+            # The sweep's own Events on its Job explain nothing about why it waits.
+            events += foreign(kube.list_events(ns, f"involvedObject.name={obj}"))
         reason = describe_pending(self.job, pending, events,
                                   queued_workloads(kube, settings, self.job))
         if explain and since is not None:
@@ -217,13 +222,15 @@ def pod_requests(job: Mapping[str, Any]) -> str:
 
 class ShardFailures:
     """The diagnosis of every failed index of this run's Jobs, given to its models: the
-    index's last pod (exit code, reason, log tail), read once per index."""
+    index's last pod (exit code, reason, log tail), read once per index; each a ShardFailed
+    Event on its Job (events: None sends none)."""
 
     def __init__(self, kube: KubeClient, store: Store, settings: ClusterSettings,
-                 runs: Sequence[IndexedRun]) -> None:
+                 runs: Sequence[IndexedRun], events: JobEventRecorder | None = None) -> None:
         self._by_key: dict[str, tuple[Diagnosis, str]] = {}
         self.namespace = settings.namespace
         for run in runs:
+            failed: list[tuple[int, int, Diagnosis]] = []  # (index, its models, diagnosis)
             for index in run.failed:
                 if index in run.replaced:
                     continue  # its models' outcomes are the replacement Job's
@@ -231,8 +238,12 @@ class ShardFailures:
                              if index in run.device_errors
                              else self._diagnose(kube, settings, run, index))
                 where = f"job={self.namespace}/{run.name} index={index}"
-                for row in self._models(store, run, index):
+                models = self._models(store, run, index)
+                for row in models:
                     self._by_key[row.key] = (diagnosis, where)
+                failed.append((index, len(models), diagnosis))
+            if events is not None and run.state != "Deleted":
+                _shard_events(events, run, failed)
 
     def _diagnose(self, kube: KubeClient, settings: ClusterSettings, run: IndexedRun,
                   index: int) -> Diagnosis:
@@ -266,6 +277,24 @@ class ShardFailures:
     def where(self, key: str) -> str:
         found = self._by_key.get(key)
         return found[1] if found else f"namespace={self.namespace}"
+
+
+def _shard_events(events: JobEventRecorder, run: IndexedRun,
+                  failed: Sequence[tuple[int, int, Diagnosis]]) -> None:
+    """ShardFailed on the Job: the first SHARD_EVENTS_PER_JOB failed indexes one Event
+    each, the others one Event that counts them (a class of thousands of shards that all
+    fail must not write thousands of Events)."""
+    for index, models, diagnosis in failed[:SHARD_EVENTS_PER_JOB]:
+        events.warning(run.job, "ShardFailed", f"shard {index} of class {run.class_name} "
+                       f"({models} model(s)) failed: {diagnosis.error}")
+    rest = failed[SHARD_EVENTS_PER_JOB:]
+    if rest:
+        shown = ", ".join(str(index) for index, _, _ in rest[:20])
+        more = f" and {len(rest) - 20} more" if len(rest) > 20 else ""
+        events.warning(run.job, "ShardFailed", (
+            f"{len(rest)} more shard(s) of class {run.class_name} "
+            f"({sum(m for _, m, _ in rest)} model(s)) failed: indexes {shown}{more}; the "
+            f"first: {rest[0][2].error}"))
 
 
 def _device_error(error: str) -> Diagnosis:
