@@ -10,6 +10,7 @@ markers and failure records themselves) is only tallied.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from controller.backends.base import Outcome
@@ -36,6 +37,8 @@ class Recorder:
     seconds of the last attempt; waits: seconds each task waited for a slot.
     writing: whether outcomes still go to the store (`stop_writing`: the output's lease was
     lost, and another sweep's records must not be overwritten); they are tallied either way.
+    on_end: told each model's verdict once tallied: (outcome, error, retryable), error ""
+    when done (the run's metrics, controller.metrics); cancelled tasks are not told.
     """
 
     store: Store
@@ -49,6 +52,7 @@ class Recorder:
     writing: bool = True
     failed_count: int = 0
     listed_failures: int = LISTED_FAILURES
+    on_end: Callable[[Outcome, str, bool], None] | None = None
 
     def stop_writing(self) -> None:
         """From now on tally outcomes without touching the store (safe from any thread)."""
@@ -94,9 +98,11 @@ class Recorder:
                 clear_failure(self.store, key)
             log.info("model=%s key=%s done in %.1fs on %s", task.label, key,
                      outcome.duration_s, outcome.where)
+            self._tell(outcome, "", False)
             return
         record = self._record(outcome, error, retryable)
         self._keep(key, record)
+        self._tell(outcome, error, retryable)
         self.durations[key] = round(outcome.duration_s, 3)
         if model and self.writing:
             write_failure(self.store, record)
@@ -124,7 +130,13 @@ class Recorder:
         key = outcome.task.key
         if outcome.status == "done":
             self.done_recorded += 1
+            self._tell(outcome, "", False)
             return
         self._keep(key, self._record(outcome, outcome.error, outcome.retryable))
+        self._tell(outcome, outcome.error, outcome.retryable)
         log.error("model=%s key=%s failed after %d attempt(s) on %s: %s", outcome.task.label,
                   key, outcome.attempts, outcome.where, outcome.error)
+
+    def _tell(self, outcome: Outcome, error: str, retryable: bool) -> None:
+        if self.on_end is not None:
+            self.on_end(outcome, error, retryable)

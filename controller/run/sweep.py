@@ -14,10 +14,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
+from controller import __version__
 from controller.backends import open_backend
 from controller.backends.base import Backend, Task, Work, WorkerSpec
 from controller.errors import (
@@ -28,6 +30,8 @@ from controller.errors import (
     InfrastructureError,
     SweepError,
 )
+from controller.metrics.runmetrics import RunMetrics
+from controller.metrics.server import run_endpoint
 from controller.output.lease import output_lease
 from controller.output.tenure import Tenure
 from controller.progress import Progress
@@ -80,18 +84,26 @@ def run_sweep(
     opener: builds the backend (tests inject one). out: where --dry-run prints (stdout).
     """
     started = _Started()
-    store = _open_store(settings.output, writing=True)
-    with output_lease(store, command="esd-sweep run", run_id=started.run_id,
-                      wait_s=settings.wait_lock_s, take=not settings.dry_run,
-                      ttl_s=settings.lease_ttl_s) as tenure:
-        started.restart()
-        return _sweep(settings, store, started, tenure, on_plan=on_plan, opener=opener,
-                      out=out)
+    with _metrics(settings, started.run_id) as metrics:  # bound first: in use → exit 2
+        store = _open_store(settings.output, writing=True)
+        with output_lease(store, command="esd-sweep run", run_id=started.run_id,
+                          wait_s=settings.wait_lock_s, take=not settings.dry_run,
+                          ttl_s=settings.lease_ttl_s) as tenure:
+            started.restart()
+            return _sweep(settings, store, started, tenure, on_plan=on_plan, opener=opener,
+                          out=out, metrics=metrics)
+
+
+def _metrics(settings: SweepSettings, run_id: str) -> AbstractContextManager[RunMetrics | None]:
+    """The run's metrics endpoint (--metrics-port; none for a dry run, which runs nothing)."""
+    return run_endpoint(run_id=run_id, backend=settings.backend, version=__version__,
+                        port=0 if settings.dry_run else settings.metrics_port,
+                        address=settings.metrics_address)
 
 
 def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Tenure, *,
            on_plan: Callable[[ListPlan], None] | None, opener: BackendOpener,
-           out: TextIO | None) -> SweepResult:
+           out: TextIO | None, metrics: RunMetrics | None) -> SweepResult:
     """run_sweep once the output is this sweep's (controller.output.lease), until it is not."""
     source = model_source(settings)
     try:
@@ -112,7 +124,7 @@ def _sweep(settings: SweepSettings, store: Store, started: _Started, tenure: Ten
         if settings.dry_run:
             return _dry_run(backend, work, plan, started.run_id, store.url, out or sys.stdout)
         recorder = Recorder(store, started.run_id)
-        interrupted = execute(backend, work, recorder, tenure)
+        interrupted = execute(backend, work, recorder, tenure, metrics)
         summary_rows = 0 if not settings.summary or tenure.lost else write_summary(
             store, plan.rows(), parameters=settings.analysis.as_dict(), known=known)
     finally:
@@ -137,15 +149,16 @@ def run_commands(settings: SweepSettings) -> SweepResult:
     """
     assert settings.commands is not None
     started = _Started()
-    store = _open_store(settings.output, writing=True)
-    with output_lease(store, command="esd-sweep run", run_id=started.run_id,
-                      wait_s=settings.wait_lock_s, ttl_s=settings.lease_ttl_s) as tenure:
-        started.restart()
-        return _run_commands(settings, store, started, tenure)
+    with _metrics(settings, started.run_id) as metrics:
+        store = _open_store(settings.output, writing=True)
+        with output_lease(store, command="esd-sweep run", run_id=started.run_id,
+                          wait_s=settings.wait_lock_s, ttl_s=settings.lease_ttl_s) as tenure:
+            started.restart()
+            return _run_commands(settings, store, started, tenure, metrics)
 
 
 def _run_commands(settings: SweepSettings, store: Store, started: _Started,
-                  tenure: Tenure) -> SweepResult:
+                  tenure: Tenure, metrics: RunMetrics | None) -> SweepResult:
     """run_commands once the output is this sweep's (controller.output.lease)."""
     assert settings.commands is not None
     try:
@@ -155,7 +168,7 @@ def _run_commands(settings: SweepSettings, store: Store, started: _Started,
     log.info("custom mode: %d command(s) from %s", len(tasks), settings.commands)
     backend = open_backend(settings, worker_spec(settings, started.run_id, store.url))
     recorder = Recorder(store, started.run_id)
-    interrupted = execute(backend, tasks, recorder, tenure)
+    interrupted = execute(backend, tasks, recorder, tenure, metrics)
     counts = {"models": len(tasks), "bad_rows": 0, "already_done": 0, "skipped_failed": 0}
     return _finish(settings, store, started, backend, recorder, counts, mode="custom",
                    summary_rows=0, interrupted=interrupted, tenure=tenure)
@@ -285,12 +298,17 @@ def _counts(plan: ListPlan) -> dict[str, int]:
 
 
 def execute(backend: Backend, tasks: Work, recorder: Recorder,
-            tenure: Tenure | None = None) -> bool:
+            tenure: Tenure | None = None, metrics: RunMetrics | None = None) -> bool:
     """Run the tasks on the backend under Ctrl+C handling; True when interrupted.
 
     tenure: when the output's lease is lost, the recorder stops writing and the backend
-    gets a stop request (no task starts; those running finish, as after one Ctrl+C)."""
+    gets a stop request (no task starts; those running finish, as after one Ctrl+C).
+    metrics: follows the progress and the recorder's verdicts (--metrics-port)."""
     progress = Progress(len(tasks))
+    if metrics is not None:
+        metrics.plan(len(tasks))
+        progress.observe(metrics)
+        recorder.on_end = metrics.ended
     if tenure is not None:
         tenure.when_lost(lambda: _lease_lost(backend, recorder))
     try:
