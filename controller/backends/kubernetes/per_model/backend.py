@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
 from controller.backends.kubernetes.common.errors import JobSpecError, sweep_errors
+from controller.backends.kubernetes.common.jobevents import JobEventRecorder
 from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.names import per_model_selector
 from controller.backends.kubernetes.common.placement import Placement, ScrapeFn
@@ -229,7 +230,8 @@ class KubernetesBackend:
             table.add(task, _row(task))
         if self._parts is None:
             events = JobEvents(table, self.kube, self.settings, self.placer,
-                               max_retries=self._max_retries, stopping=self._stopping)
+                               max_retries=self._max_retries, stopping=self._stopping,
+                               recorder=JobEventRecorder(self.kube))
             submitter = Submitter(
                 table, events, self.kube, self.settings, self.placer,
                 job_settings=self.job_settings, output_url=self.output_url,

@@ -2,8 +2,9 @@
 
 Owns turning Job states into model states: a Job running (its GPUs reservation released),
 Complete (done), Failed (diagnosed from its pods and log, then retried as a new attempt or
-finished), deleted before it ended (resubmitted), missing after a relist (confirmed gone
-with a GET first), and too long pending (explained in `pending`). Runs on the controller
+finished, with a ModelFailed Event on its Job: common.jobevents), deleted before it ended
+(resubmitted), missing after a relist (confirmed gone with a GET first), and too long
+pending (explained in `pending`). Runs on the controller
 thread only; does not create Jobs (controller.backends.kubernetes.per_model.submit does).
 """
 
@@ -22,6 +23,7 @@ from controller.backends.kubernetes.common.diagnosis import (
     pod_sort_key,
     seconds_between,
 )
+from controller.backends.kubernetes.common.jobevents import JobEventRecorder, foreign
 from controller.backends.kubernetes.common.kueue import queued_workloads
 from controller.backends.kubernetes.common.names import JOB_NAME_LABEL
 from controller.backends.kubernetes.common.placement import Placement
@@ -37,12 +39,15 @@ log = logging.getLogger(__name__)
 class JobEvents:
     """Applies Job events to the ModelTable. max_retries: new Jobs a model may get after
     its first for retryable failures; stopping: whether a stop was requested (no retry is
-    queued then). `pending`: model key → why its Job is not running (the run report's)."""
+    queued then). `pending`: model key → why its Job is not running (the run report's).
+    recorder: the run's Events on its Jobs (None: none)."""
 
     def __init__(
         self, table: ModelTable, kube: KubeClient, settings: ClusterSettings,
         placement: Placement, *, max_retries: int, stopping: Callable[[], bool],
+        recorder: JobEventRecorder | None = None,
     ) -> None:
+        self.recorder = recorder
         self.table = table
         self.kube = kube
         self.settings = settings
@@ -95,6 +100,10 @@ class JobEvents:
             model.last = diagnosis
             table.queue.appendleft(model.key)  # a retry goes before fresh work
             return
+        if self.recorder is not None:
+            self.recorder.warning(job, "ModelFailed", (
+                f"model {model.row.ref} failed after {max(model.tries, 1)} Job(s) ("
+                f"{'retryable' if diagnosis.retryable else 'permanent'}): {diagnosis.error}"))
         table.finish(model, "failed", diagnosis, duration)
 
     def _diagnose(self, job: Mapping[str, Any]) -> Diagnosis:
@@ -164,7 +173,8 @@ class JobEvents:
             pods = self.kube.list_pods(ns, f"{JOB_NAME_LABEL}={model.name}")
             events: list[dict[str, Any]] = []
             for obj in [model.name, *(p["metadata"]["name"] for p in pods)]:
-                events += self.kube.list_events(ns, f"involvedObject.name={obj}")
+                # The sweep's own Events on its Job explain nothing about why it waits.
+                events += foreign(self.kube.list_events(ns, f"involvedObject.name={obj}"))
             reason = describe_pending(job, pods, events,
                                       queued_workloads(self.kube, self.settings, job))
             self.pending[model.key] = reason
