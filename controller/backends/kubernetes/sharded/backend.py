@@ -38,12 +38,13 @@ from controller.backends.kubernetes.sharded.budgets import DownloadBudgets
 from controller.backends.kubernetes.sharded.devicefaults import DeviceFaults
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
 from controller.backends.kubernetes.sharded.plan import default_classes
+from controller.backends.kubernetes.sharded.progress import ShardProgressReader
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
 from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailures, held_keys
 from controller.errors import InfrastructureError, SweepError
 from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
-from controller.progress import Progress
+from controller.progress import ClassProgress, Progress
 from esd_worker.core.errors import EXIT_DEVICE
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
 from esd_worker.core.store.opener import open_store
@@ -104,6 +105,8 @@ class ShardedBackend:
         self.runs: list[IndexedRun] = []  # this run's Jobs
         self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
         self.left_running: list[str] = []
+        # The running shards' progress documents: per-model counts, read every 30 s.
+        self.shard_progress = ShardProgressReader(store)
         self.devices = DeviceFaults(settings.namespace, store, run_id=spec.run_id,
                                     max_faults=spec.max_retries + 1)
 
@@ -326,7 +329,7 @@ class ShardedBackend:
             runs.extend(self.devices.follow(  # indexes whose GPU broke run again elsewhere
                 kube, runs, self._clock(), lambda c, pods: self._create(kube, c, pods)))
             if progress is not None:
-                _show(progress, runs)
+                _show(progress, runs, self.shard_progress.poll(runs, self._clock()))
             if all(r.finished for r in runs):
                 return True
             if self._stopping():
@@ -444,7 +447,12 @@ def _outcome(task: Task, status: str, *, where: str, recorded: bool = False, err
                    retryable=retryable, recorded=recorded)
 
 
-def _show(progress: Progress, runs: list[IndexedRun]) -> None:
+def _show(progress: Progress, runs: list[IndexedRun],
+          classes: list[ClassProgress] | None = None) -> None:
+    """The bar's totals (per model once the shards' progress documents are read) and, for
+    the observers, each class's progress."""
+    if classes is not None:
+        progress.update_classes(classes)
     done = sum(r.models_done for r in runs)
     failed = sum(r.models_failed for r in runs)
     running = sum(r.models_running for r in runs)

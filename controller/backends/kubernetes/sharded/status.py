@@ -1,9 +1,10 @@
 """Where one Indexed Job of a sharded run stands, and why its failed shards failed.
 
 Owns reading an Indexed Job's status (completedIndexes, failedIndexes, active, ready) into
-models done / failed / running (by the models each shard holds), telling a person once per
-timeout why the Job has no pod running, finding a Job stuck for good (its pods unschedulable
-for the pending timeout), and, for a shard whose index failed (its pods never
+models done / failed / running (by the models each shard holds; per model once
+sharded.progress has read the shards' progress documents: IndexedRun.counted), telling a
+person once per timeout why the Job has no pod running, finding a Job stuck for good (its
+pods unschedulable for the pending timeout), and, for a shard whose index failed (its pods never
 finished it), the diagnosis of its last pod, given to the shard's models that have no
 record of their own, and a ShardFailed Event with it on the Job (the first few indexes of a
 Job each, the rest in one; common.jobevents). Reads the Job and its pods only; per-model
@@ -66,6 +67,16 @@ def parse_indexes(text: str | None) -> list[int]:
     return sorted(set(out))
 
 
+@dataclass(frozen=True)
+class ShardCounts:
+    """An Indexed Job's models by state, per model, from its shards' progress documents
+    (sharded.progress): done (or skipped as done before), failed, being analysed now."""
+
+    done: int = 0
+    failed: int = 0
+    running: int = 0
+
+
 @dataclass
 class IndexedRun:
     """One Indexed Job: its shards' model counts (per_shard, by index; empty for a Job of
@@ -94,6 +105,9 @@ class IndexedRun:
     # up after broken GPUs on too many nodes (index → the DeviceError for its models).
     replaced: dict[int, str] = field(default_factory=dict)
     device_errors: dict[int, str] = field(default_factory=dict)
+    # Per-model counts from the shards' progress documents (sharded.progress); None until
+    # one is read: the counts are then by whole shard, and "running" an estimate.
+    counted: ShardCounts | None = None
 
     @classmethod
     def from_job(cls, job: Mapping[str, Any], per_shard: Sequence[int] = ()) -> IndexedRun:
@@ -116,12 +130,20 @@ class IndexedRun:
             return sum(self.per_shard[i] for i in indexes if 0 <= i < len(self.per_shard))
         return round(len(indexes) * self.models / max(self.completions, 1))
 
+    def shard_models(self, index: int) -> int | None:
+        """Shard `index`'s model count, when this run knows it (its own Jobs do)."""
+        return self.per_shard[index] if 0 <= index < len(self.per_shard) else None
+
     @property
     def models_done(self) -> int:
+        if self.counted is not None:
+            return self.counted.done
         return self._count(self.completed)
 
     @property
     def models_failed(self) -> int:
+        if self.counted is not None:
+            return self.counted.failed
         return self._count([i for i in self.failed if i not in self.replaced])
 
     @property
@@ -130,6 +152,8 @@ class IndexedRun:
 
     @property
     def models_running(self) -> int:
+        if self.counted is not None:
+            return self.counted.running
         return round(self.ready * self.models / max(self.completions, 1))
 
     def update(self, job: Mapping[str, Any], now: float | None) -> None:
