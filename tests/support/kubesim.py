@@ -1317,10 +1317,14 @@ class JobSimulator:
             _preload_content=False))
         return doc
 
-    def admit(self, name: str) -> dict[str, Any]:
-        """Kueue admits a suspended Job (spec.suspend → false)."""
+    def admit(self, name: str, *, parallelism: int | None = None) -> dict[str, Any]:
+        """Kueue admits a suspended Job (spec.suspend → false); parallelism: the pods it
+        admitted, when partial admission gave it fewer than it asked for."""
+        spec: dict[str, Any] = {"suspend": False}
+        if parallelism is not None:
+            spec["parallelism"] = parallelism
         doc: dict[str, Any] = self._doc(self._batch.patch_namespaced_job(
-            name, self.namespace, {"spec": {"suspend": False}}, _preload_content=False,
+            name, self.namespace, {"spec": spec}, _preload_content=False,
             _content_type=MERGE_PATCH))
         return doc
 
