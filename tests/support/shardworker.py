@@ -23,6 +23,9 @@ having recorded nothing, as the worker's device check makes it; its log names th
 as the real worker's does, from NODE_NAME (the Downward API's spec.nodeName).
 `evict` maps an index to the pod attempts that are evicted before they start (disruptions).
 `analysed` counts analyses per model key: "done exactly once" is checked against it.
+`progress`: the pod's supervisor keeps the shard's progress document as the real one does
+(esd_worker.serve.shardprogress, fed the batch's own protocol lines, written after every
+outcome; a done model's marker says it spent 1.5 s discovering and 2.5 s analysing).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import io
 import json
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +54,7 @@ from esd_worker.core.store.stores import Store
 from esd_worker.core.watchdog import ModelWatch
 from esd_worker.serve.batch import Batch, BatchSettings
 from esd_worker.serve.inbox import requests_from_list
+from esd_worker.serve.shardprogress import ShardProgress, shard_progress
 from esd_worker.serve.supervisor import crash_cause, memory_cause, write_cause
 from tests.support.indexed import Exit, Outcome
 from tests.support.podenv import resolve_env
@@ -102,6 +106,7 @@ class ShardWorker:
     analysed: collections.Counter[str] = field(default_factory=collections.Counter)
     tried: collections.Counter[str] = field(default_factory=collections.Counter)
     pods: int = 0
+    progress: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, job: dict[str, Any], index: int, attempt: int,
@@ -116,10 +121,11 @@ class ShardWorker:
             return "evict"
         requests = requests_from_list(f"{shard_url(job)}/{index}.csv")
         template = WorkerSettings(model="-", output=self.store.url)
+        tracker = self._tracker(job, index, requests, pod)
         while True:  # the pod's supervisor: a new worker after one died under a model
             batch = Batch(BatchSettings(template=template, run_id=run_id_of(job),
                                         max_retries=self.max_retries, skip_own_failures=True),
-                          self.store, self._analyse, emit=lambda line: None,
+                          self.store, self._analyse, emit=_follower(tracker),
                           stderr=io.StringIO())
             try:
                 tally = batch.run(iter(requests))
@@ -127,13 +133,29 @@ class ShardWorker:
             except _PodKilled:
                 return "oom"
             except _ChildKilled as killed:
+                if tracker is not None:
+                    tracker.child_ended()
                 data = self.store.get_bytes(attempt_key(killed.key))
                 write_cause(self.store, killed.key, killed.cause, run_id=run_id_of(job),
                             note=json.loads(data) if data else None)
         code = tally.exit_code
+        if tracker is not None:
+            tracker.finish(EXIT_OK if code == EXIT_PERMANENT else code)
         if code in (EXIT_OK, EXIT_PERMANENT):  # --shards: a permanent failure is an outcome
             return "succeed"
         return Exit(code, log=f"worker: {tally.retryable} model(s) may succeed on a retry\n")
+
+    def _tracker(self, job: Mapping[str, Any], index: int, requests: list[Any],
+                 pod: Mapping[str, Any] | None) -> ShardProgress | None:
+        if not self.progress:
+            return None
+        tracker = shard_progress(shard_url(job), index, run_id=run_id_of(job),
+                                 keys=frozenset(r.key for r in requests), results=self.store,
+                                 environ=resolve_env(pod) if pod is not None else {})
+        assert tracker is not None
+        tracker.every_s = 0.0  # a document after every outcome
+        tracker.start()
+        return tracker
 
     def _analyse(self, settings: WorkerSettings, store: Store, key: str) -> None:
         model = settings.model.rsplit("/", 1)[-1]  # the name after org/
@@ -149,7 +171,15 @@ class ShardWorker:
         if model.startswith("flaky-") and tries == 1:
             raise TransientError(f"{model}: hub answered 503")
         marker = Marker(model=settings.model, model_key=key, parameters=PARAMS,
-                        summary={"layers": 1})
+                        summary={"layers": 1},
+                        timings={"discover_s": 1.5, "analyse_s": 2.5} if self.progress else {})
         write_model_result(store, marker, layers=b"layer,alpha\nl0,3.0\n")
         with self._lock:
             self.analysed[key] += 1
+
+
+def _follower(tracker: ShardProgress | None) -> Callable[[str], None]:
+    """The batch's protocol lines to the shard's progress (the supervisor reads them so)."""
+    if tracker is None:
+        return lambda line: None
+    return lambda line: tracker.follow(json.loads(line))
