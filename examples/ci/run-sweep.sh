@@ -13,7 +13,9 @@
 #
 # Environment:
 #   ESD_OUTPUT      result store URL (required), e.g. s3://esd-results/sweeps/atlas
-#   MODEL_LIST      models CSV (default: manifests/base/models.csv)
+#   MODEL_LIST      models CSV, a path or a store URL (required: the list decides what is
+#                   analysed and written to the store, so no example list stands in for it;
+#                   manifests/components/model-list-configmap/models.csv is a small one)
 #   ESD_NAMESPACE   namespace of the worker Jobs (default: esd-sweep)
 #   ESD_IMAGE       worker image (read by esd-sweep itself; default: its built-in tag)
 #   ESD_EXTRA_ARGS  more `esd-sweep run` flags, split on spaces (default: --no-telemetry,
@@ -26,8 +28,13 @@
 # 2 usage or configuration error; 3 infrastructure (cluster or store unreachable, RBAC).
 set -euo pipefail
 
-: "${ESD_OUTPUT:?set ESD_OUTPUT to the result store, e.g. s3://bucket/prefix}"
-model_list=${MODEL_LIST:-manifests/base/models.csv}
+# A missing setting is a usage error: exit 2, as esd-sweep's own (1 would read as "some
+# models failed" to whoever checks the status).
+usage() { echo "run-sweep: $1" >&2; exit 2; }
+[ -n "${ESD_OUTPUT:-}" ] || usage "set ESD_OUTPUT to the result store, e.g. s3://bucket/prefix"
+[ -n "${MODEL_LIST:-}" ] || usage "set MODEL_LIST to the models CSV (a path or a store URL, \
+e.g. s3://bucket/lists/models.csv)"
+model_list=$MODEL_LIST
 namespace=${ESD_NAMESPACE:-esd-sweep}
 out_dir=${OUT_DIR:-sweep-out}
 python=${PYTHON:-python3}

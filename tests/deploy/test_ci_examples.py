@@ -137,7 +137,7 @@ def test_run_sweep_passes_the_exit_status_through(tmp_path: Path, exit_code: int
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path),
         "ESD_OUTPUT": str(store), "OUT_DIR": str(tmp_path / "out"), "PYTHON": sys.executable,
-        "MODEL_LIST": str(MANIFESTS / "base" / "models.csv"),
+        "MODEL_LIST": str(MANIFESTS / "components" / "model-list-configmap" / "models.csv"),
         "FAKE_EXIT": str(exit_code), "FAKE_ARGV": str(tmp_path / "argv"),
         "FAKE_REPORT": json.dumps({"exit_code": exit_code}),
     }
@@ -153,10 +153,31 @@ def test_run_sweep_passes_the_exit_status_through(tmp_path: Path, exit_code: int
     assert str(parsed.report) == str(out / "report.json")
 
 
-def test_run_sweep_needs_an_output(tmp_path: Path) -> None:
-    result = subprocess.run(["bash", str(CI / "run-sweep.sh")], cwd=ROOT, capture_output=True,
-                            text=True, env={"PATH": "/usr/bin:/bin"}, timeout=60)
-    assert result.returncode != 0 and "ESD_OUTPUT" in result.stderr
+@pytest.mark.parametrize(("given", "missing"), [
+    ({"MODEL_LIST": "models.csv"}, "ESD_OUTPUT"),
+    ({"ESD_OUTPUT": "s3://esd-results/atlas"}, "MODEL_LIST"),
+    ({"ESD_OUTPUT": "s3://esd-results/atlas", "MODEL_LIST": ""}, "MODEL_LIST"),
+])
+def test_run_sweep_needs_an_output_and_a_list(tmp_path: Path, given: dict[str, str],
+                                              missing: str) -> None:
+    """Without a store or a model list the script stops before esd-sweep runs, with one line
+    naming the setting, and exit 2 (a usage error, as esd-sweep's: 1 would mean "some models
+    failed"). No example list stands in for MODEL_LIST: it would sweep demo models into the
+    user's store. Run from another directory than the repository's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "esd-sweep"
+    fake.write_text(FAKE_SWEEP)
+    fake.chmod(0o755)
+    argv = tmp_path / "argv"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_ARGV": str(argv), "FAKE_EXIT": "0",
+           "FAKE_REPORT": "{}", "OUT_DIR": str(tmp_path / "out"), **given}
+    result = subprocess.run(["bash", str(CI / "run-sweep.sh")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"run-sweep: set {missing} ")
+    assert not argv.exists()
 
 
 def test_workflow_job_summary_from_a_report(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ components is checked in tests/deploy/test_kustomize.py.
 from __future__ import annotations
 
 import re
+import tomllib
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -22,15 +24,21 @@ from tests.support.kustomize import (
     _BINDINGS,
     KUSTOMIZATIONS,
     MANIFESTS,
+    ROOT,
+    TELEMETRY,
     Obj,
     _split_image,
     components_of,
     container_env,
     controller_args,
+    copy_manifests,
+    empty_dirs,
     expand,
     one,
     pod_spec,
+    render_components,
     render_kustomization,
+    worker_image,
     workloads,
 )
 
@@ -40,62 +48,11 @@ WORKER_IMAGE = "esd-sweep"  # the image names in the manifests, before `images:`
 CONTROLLER_IMAGE = "esd-sweep-controller"
 
 
-
-# -- a renderer for the kustomize subset the manifests use ----------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # -- helpers for the checks -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[Obj]]:
     return {name: render_kustomization(path) for name, path in KUSTOMIZATIONS.items()}
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # -- schemas --------------------------------------------------------------------------------
@@ -183,23 +140,77 @@ def test_namespace_enforces_restricted_pod_security(rendered: dict[str, list[Obj
     assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
 
 
-@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
-def test_images_are_pinned_and_agree(rendered: dict[str, list[Obj]], name: str) -> None:
-    """Every image has a version tag (never :latest or none), and the worker image the
-    controller passes to its Jobs (--image) is the one `images:` pins."""
+def _pinned() -> dict[str, str]:
+    """The images `images:` in the base names, as kustomize writes them."""
     base = yaml.safe_load((MANIFESTS / "base" / "kustomization.yaml").read_text())
-    pinned = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in base["images"]}
-    for workload in workloads(rendered[name]):
+    return {i["name"]: i["newName"] + (f"@{i['digest']}" if "digest" in i
+                                       else f":{i['newTag']}") for i in base["images"]}
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_images_are_pinned_and_named_once(rendered: dict[str, list[Obj]], name: str) -> None:
+    """Every image has a version tag or a digest (never :latest or none) and is one that
+    `images:` pins, and the worker image the controller passes to its Jobs (--image, which
+    kustomize cannot see) is `images:`'s too, through ESD_WORKER_IMAGE."""
+    pinned = _pinned()
+    objs = rendered[name]
+    for workload in [*workloads(objs), *(o for o in objs if o["kind"] == "PodTemplate")]:
         for container in pod_spec(workload)["containers"]:
             _, suffix = _split_image(container["image"])
             assert re.fullmatch(r":v?\d+\.\d+\.\d+\S*|@sha256:[0-9a-f]{64}", suffix), \
                 container["image"]
             assert container["image"] in pinned.values()
     for kind in ("Job", "CronJob"):
-        if any(o["kind"] == kind for o in rendered[name]):
-            args, container = controller_args(rendered[name], kind)
+        if any(o["kind"] == kind for o in objs):
+            args, container = controller_args(objs, kind)
             assert container["image"] == pinned[CONTROLLER_IMAGE]
-            assert f"--image={pinned[WORKER_IMAGE]}" in args
+            assert "--image=$(ESD_WORKER_IMAGE)" in args
+            env = container_env(container, objs, "esd-sweep")
+            assert env["ESD_WORKER_IMAGE"] == worker_image(objs) == pinned[WORKER_IMAGE]
+
+
+def test_the_registry_is_written_once() -> None:
+    """No file of manifests/ but the base's kustomization.yaml names the registry: a new tag
+    or digest is one edit."""
+    registry = _pinned()[WORKER_IMAGE].split("/", 1)[0]
+    naming = [p.relative_to(MANIFESTS) for p in MANIFESTS.rglob("*.yaml")
+              if registry in p.read_text()]
+    assert naming == [Path("base/kustomization.yaml")]
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+@pytest.mark.parametrize("pin", [{"newTag": "0.2.0"}, {"digest": DIGEST}],
+                         ids=["tag", "digest"])
+def test_a_pinned_worker_image_reaches_the_controller(tmp_path: Path,
+                                                      pin: dict[str, str]) -> None:
+    """A user's pin in `images:`, by tag or by digest, is the image the controller's real CLI
+    gets as --image and puts in the worker Jobs (schema-valid), and the exporter's."""
+    from controller.backends.kubernetes.common.jobs import build_job
+    from controller.cli import build_parser, settings_from_args
+
+    repo = "registry.example.org/team/esd-sweep"
+    images = [{"name": WORKER_IMAGE, "newName": repo, **pin},
+              {"name": CONTROLLER_IMAGE, "newName": repo + "-controller", "newTag": "0.2.0"}]
+    want = repo + (f"@{DIGEST}" if "digest" in pin else ":0.2.0")
+    objs = render_components(("gpu-exporter",),
+                             manifests=copy_manifests(tmp_path, images=images))
+    for kind in ("Job", "CronJob"):
+        args, container = controller_args(objs, kind)
+        env = container_env(container, objs, "esd-sweep")
+        assert env["ESD_WORKER_IMAGE"] == want
+        settings = settings_from_args(build_parser().parse_args(
+            [expand(a, env) for a in args][1:]))
+        assert settings.cluster.image == want
+    assert pod_spec(one(objs, "DaemonSet"))["containers"][0]["image"] == want
+    job = build_job(
+        model_ref="Qwen/Qwen2.5-0.5B", model_key="qwen-qwen2-5-0-5b-0123456789", relation="",
+        source_model=None, output_url=settings.output,
+        settings=settings.cluster.job_settings(run_id="pin", instance="pin", gpus_per_job=1))
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == want
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(job, version, strict=True)
 
 
 def test_cronjob_runs_the_same_controller_as_the_job(rendered: dict[str, list[Obj]]) -> None:
@@ -256,18 +267,25 @@ def test_model_list_example_loads() -> None:
     assert models.problems == ()
 
 
-@pytest.mark.parametrize("name", ["default", "kueue", "autoscaling", "dcgm-exporter", "eks",
-                                  "gke"])
-def test_gpu_exporter_daemonset(rendered: dict[str, list[Obj]], name: str) -> None:
-    """What NVML needs without taking a GPU: NVIDIA runtime, all devices visible, no
-    nvidia.com/gpu request; on GPU nodes only, tolerating their taint; the node name from the
-    downward API (Jobs prefer nodes by it). With dcgm-exporter or no-telemetry, none."""
-    objs = rendered[name]
-    daemonsets = [o for o in objs if o["kind"] == "DaemonSet"]
-    if {"dcgm-exporter", "no-telemetry"} & set(components_of(name)):
-        assert daemonsets == []
-        return
+def test_shipped_kustomizations_install_no_exporter(rendered: dict[str, list[Obj]]) -> None:
+    """Shards (the default mode, every shipped kustomization's) read no GPU telemetry: no
+    exporter DaemonSet, and the controller is told so (no exporter pods looked for)."""
+    for name, objs in rendered.items():
+        assert not [o for o in objs if o["kind"] == "DaemonSet"], name
+        if any(o["kind"] == "Job" for o in objs) and name != "dcgm-exporter":
+            args, _ = controller_args(objs, "Job")
+            assert "--no-telemetry" in args, name
+            assert not [a for a in args if a.startswith(("--telemetry-", "--shard-size"))]
+
+
+def test_gpu_exporter_daemonset() -> None:
+    """With components/gpu-exporter: what NVML needs without taking a GPU: NVIDIA runtime,
+    all devices visible, no nvidia.com/gpu request; on GPU nodes only, tolerating their
+    taint; the node name from the downward API (Jobs prefer nodes by it); in the sweep's
+    namespace (a component's objects miss the base's namespace transformer)."""
+    objs = render_components(("gpu-exporter",))
     ds = one(objs, "DaemonSet", "esd-gpu-exporter")
+    assert ds["metadata"]["namespace"] == "esd-sweep"
     pod = pod_spec(ds)
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "esd-gpu-exporter"
@@ -302,6 +320,8 @@ def test_gpu_exporter_daemonset(rendered: dict[str, list[Obj]], name: str) -> No
 
     assert flags["--telemetry-selector"] == DEFAULT_TELEMETRY_SELECTOR
     assert port["containerPort"] == DEFAULT_TELEMETRY_PORT
+    # Telemetry places one Job per model only: the component runs that mode.
+    assert "--shard-size=1" in args and "--no-telemetry" not in args
 
 
 def test_gpu_exporter_args_parse() -> None:
@@ -309,7 +329,7 @@ def test_gpu_exporter_args_parse() -> None:
     entrypoint turns `gpu-exporter ARGS` into `esd-sweep gpu-exporter ARGS`)."""
     from controller.cli import build_parser
 
-    ds = one(render_kustomization(MANIFESTS / "base"), "DaemonSet")
+    ds = one(render_components(("gpu-exporter",)), "DaemonSet")
     args = pod_spec(ds)["containers"][0]["args"]
     parsed = build_parser().parse_args(args)  # "gpu-exporter" is the subcommand's name
     assert parsed.port == 9400
@@ -322,6 +342,8 @@ def test_dcgm_overlay_points_at_the_gpu_operator(rendered: dict[str, list[Obj]])
     args, _ = controller_args(objs, "Job")
     assert "--telemetry-selector=app=nvidia-dcgm-exporter" in args
     assert "--telemetry-namespace=gpu-operator" in args
+    assert "--shard-size=1" in args and "--no-telemetry" not in args
+    assert not [o for o in objs if o["kind"] == "DaemonSet"]
     role = one(objs, "Role", "esd-sweep-telemetry-reader")
     assert role["metadata"]["namespace"] == "gpu-operator"
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
@@ -374,7 +396,8 @@ def test_controller_args_parse_with_the_real_cli(
     components = components_of(name)
     assert (cluster.kueue_queue is not None) == ("kueue" in components)
     assert (cluster.allow_pending and cluster.do_not_disrupt) == ("autoscaling" in components)
-    assert cluster.telemetry == ("no-telemetry" not in components)
+    assert cluster.telemetry == bool(TELEMETRY & set(components))
+    assert cluster.priority_class == "esd-sweep-batch"
     job = build_job(
         model_ref="Qwen/Qwen2.5-0.5B", model_key="qwen-qwen2-5-0-5b-0123456789", relation="",
         source_model=None, output_url=settings.output,
@@ -384,6 +407,7 @@ def test_controller_args_parse_with_the_real_cli(
         kubernetes_validate.validate(job, version, strict=True)
     # The worker pods use what these manifests and the Secret templates define.
     pod = job["spec"]["template"]["spec"]
+    assert pod["priorityClassName"] == one(objs, "PriorityClass")["metadata"]["name"]
     assert pod["serviceAccountName"] in {
         o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in pod["containers"][0]["env"]
@@ -391,3 +415,76 @@ def test_controller_args_parse_with_the_real_cli(
     assert refs == {s["metadata"]["name"] for s in render_kustomization(
         KUSTOMIZATIONS["secrets"])}
 
+
+
+# -- cluster-wide objects, labels, the store, metrics, volumes ------------------------------
+
+def test_worker_priority_class(rendered: dict[str, list[Obj]]) -> None:
+    """Below the default 0 (ordinary workloads preempt a sweep pod, which a shard survives:
+    its podFailurePolicy ignores DisruptionTarget), not below the cluster autoscaler's
+    --expendable-pods-priority-cutoff (-10: pending pods under it trigger no scale-up); never
+    preempting; cluster-scoped, so kustomize must not give it a namespace."""
+    from controller.backends.kubernetes.common.jobs import pod_failure_policy
+    from controller.backends.kubernetes.sharded.indexed import shard_failure_policy
+
+    pc = one(rendered["default"], "PriorityClass")
+    assert pc["apiVersion"] == "scheduling.k8s.io/v1"
+    assert "namespace" not in pc["metadata"]
+    assert -10 <= pc["value"] < 0 and pc["value"] == -5
+    assert pc["preemptionPolicy"] == "Never" and pc["globalDefault"] is False
+    for policy in (shard_failure_policy(), pod_failure_policy()):  # a shard's, a model's
+        assert policy["rules"][0] == {
+            "action": "Ignore",
+            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+
+
+def test_version_label_is_pyprojects(rendered: dict[str, list[Obj]]) -> None:
+    """app.kubernetes.io/version on every object of the base (and the exporter), equal to
+    pyproject.toml's version, and in no selector (a selector is immutable)."""
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    objs = [*rendered["default"], one(render_components(("gpu-exporter",)), "DaemonSet")]
+    for obj in objs:
+        labels = obj["metadata"].get("labels") or {}
+        assert labels.get("app.kubernetes.io/version") == version, obj["metadata"]["name"]
+        assert labels.get("app.kubernetes.io/part-of") == "esd-sweep"
+        selector = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        assert "app.kubernetes.io/version" not in selector
+
+
+def test_store_is_aws_s3_unless_an_overlay_merges_an_endpoint() -> None:
+    """The base names no endpoint (AWS S3); an S3-compatible store's overlay adds one with
+    configMapGenerator behavior: merge (as docs/kubernetes.md shows), keeping the rest."""
+    base = one(render_kustomization(MANIFESTS / "base"), "ConfigMap", "esd-sweep-s3")
+    assert "AWS_ENDPOINT_URL" not in base["data"]
+    objs = render_components((), extra=[
+        "configMapGenerator:", "  - name: esd-sweep-s3", "    namespace: esd-sweep",
+        "    behavior: merge", "    literals:", "      - AWS_ENDPOINT_URL=http://minio.minio:9000"])
+    merged = one(objs, "ConfigMap", "esd-sweep-s3")
+    assert merged["data"] == {**base["data"], "AWS_ENDPOINT_URL": "http://minio.minio:9000"}
+    _, container = controller_args(objs, "Job")
+    env = container_env(container, objs, "esd-sweep")
+    assert env["AWS_ENDPOINT_URL"] == "http://minio.minio:9000"
+
+
+def test_controller_serves_metrics(rendered: dict[str, list[Obj]]) -> None:
+    """The controller serves its metrics on every interface (Prometheus scrapes the pod IP)
+    at the port its container names, and says so in the prometheus.io annotations."""
+    from controller.cli import build_parser
+
+    for kind in ("Job", "CronJob"):
+        args, container = controller_args(rendered["default"], kind)
+        parsed = build_parser().parse_args(args[1:])
+        assert (parsed.metrics_port, parsed.metrics_address) == (9090, "0.0.0.0")
+        (port,) = container["ports"]
+        assert (port["name"], port["containerPort"]) == ("metrics", parsed.metrics_port)
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_every_empty_dir_has_a_size_limit(rendered: dict[str, list[Obj]], name: str) -> None:
+    """An emptyDir without sizeLimit may fill the node's disk (test_kustomize.py checks every
+    combination of the components too)."""
+    found = [(o["metadata"]["name"], where, volume) for o in rendered[name]
+             for where, volume in empty_dirs(o)]
+    assert found or name in ("secrets",)
+    for obj_name, where, volume in found:
+        assert volume.get("sizeLimit"), f"{obj_name}{where}"

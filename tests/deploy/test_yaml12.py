@@ -23,6 +23,7 @@ from controller.backends.kubernetes.common.jobs import JobSettings, build_job
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job
 from esd_worker.core.models.naming import model_key, split_model_ref
+from tests.support.kustomize import KUSTOMIZATIONS, kustomize_text
 
 RUN = "20261123T070501Z-3fa9c2"
 OUTPUT = "s3://esd-results/atlas"
@@ -154,3 +155,12 @@ def test_keys_and_plain_words_stay_readable() -> None:
                  '        - "--evals-thresh"', '        - "1e-05"', "  backoffLimit: 3",
                  "      automountServiceAccountToken: false"):
         assert f"\n{line}\n" in text, line
+
+
+@pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
+def test_rendered_manifests_read_the_same_in_yaml_12_and_11(name: str) -> None:
+    """What `kubectl apply -k` sends (kustomize's output) means the same to a YAML 1.2 reader
+    and to PyYAML: no label value (the version), annotation ("true", "9090") or priority
+    that one reader takes for a number or a bool and the other for a string."""
+    text = kustomize_text(str(KUSTOMIZATIONS[name]))
+    assert read_yaml12(text) == [d for d in yaml.safe_load_all(text) if d is not None]

@@ -44,10 +44,12 @@ KUSTOMIZATIONS = {
     "secrets": MANIFESTS / "secrets",
 }
 
-# Every component, and the groups of which one at most may be stacked (each of the
-# telemetry components replaces the base's exporter DaemonSet).
+# Every component, and the groups of which one at most may be stacked (each telemetry
+# component replaces the base's --no-telemetry). TELEMETRY: the components that turn GPU
+# telemetry on (and with it one Job per model, the mode that reads it).
 COMPONENTS = tuple(sorted(p.name for p in COMPONENTS_DIR.iterdir() if p.is_dir()))
-EXCLUSIVE = (frozenset({"dcgm-exporter", "no-telemetry"}),)
+TELEMETRY = frozenset({"gpu-exporter", "dcgm-exporter"})
+EXCLUSIVE = (TELEMETRY,)
 
 Obj = dict[str, Any]
 
@@ -84,10 +86,15 @@ def read_yaml12(text: str) -> list[Obj]:
 
 
 @functools.cache
+def kustomize_text(path: str) -> str:
+    """What `kubectl kustomize path` prints (the YAML stream `kubectl apply -k` sends)."""
+    return subprocess.run([find_kubectl(), "kustomize", path], check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+@functools.cache
 def _kustomize(path: str) -> tuple[str, ...]:
-    out = subprocess.run([find_kubectl(), "kustomize", path], check=True,
-                         capture_output=True, text=True, timeout=60).stdout
-    return tuple(json.dumps(d) for d in read_yaml12(out))
+    return tuple(json.dumps(d) for d in read_yaml12(kustomize_text(path)))
 
 
 def render_kustomization(path: Path) -> list[Obj]:
@@ -95,12 +102,14 @@ def render_kustomization(path: Path) -> list[Obj]:
     return [json.loads(d) for d in _kustomize(str(path))]
 
 
-def render_components(components: Sequence[str]) -> list[Obj]:
-    """The base with these components stacked, as a user's own kustomization would."""
+def render_components(components: Sequence[str], *, manifests: Path = MANIFESTS,
+                      extra: Sequence[str] = ()) -> list[Obj]:
+    """The base with these components stacked, as a user's own kustomization would (of
+    `manifests`: a copy, see copy_manifests); extra: more lines of that kustomization."""
     with tempfile.TemporaryDirectory() as tmp:
-        rel = os.path.relpath(MANIFESTS, tmp)
+        rel = os.path.relpath(manifests, tmp)
         lines = ["apiVersion: kustomize.config.k8s.io/v1beta1", "kind: Kustomization",
-                 "resources:", f"  - {rel}/base"]
+                 "resources:", f"  - {rel}/base", *extra]
         if components:
             lines += ["components:", *(f"  - {rel}/components/{c}" for c in components)]
         (Path(tmp) / "kustomization.yaml").write_text("\n".join(lines) + "\n")
@@ -109,6 +118,19 @@ def render_components(components: Sequence[str]) -> list[Obj]:
     if out.returncode != 0:
         raise AssertionError(f"kubectl kustomize with {list(components)}: {out.stderr}")
     return copy.deepcopy(read_yaml12(out.stdout))
+
+
+def copy_manifests(dest: Path, *, images: list[Obj] | None = None) -> Path:
+    """manifests/ copied under dest, with the base's `images:` replaced by `images` (as a
+    user pins their own); the copy's path."""
+    out = dest / "manifests"
+    shutil.copytree(MANIFESTS, out)
+    if images is not None:
+        path = out / "base" / "kustomization.yaml"
+        (doc,) = read_yaml12(path.read_text())
+        doc["images"] = images
+        path.write_text(json.dumps(doc, indent=1))  # JSON is YAML
+    return out
 
 
 def _split_image(image: str) -> tuple[str, str]:
@@ -140,10 +162,34 @@ def one(objs: list[Obj], kind: str, name: str | None = None) -> Obj:
 
 
 def pod_spec(obj: Obj) -> Obj:
-    """The pod spec of a Job, CronJob or DaemonSet."""
+    """The pod spec of a Job, CronJob, DaemonSet or PodTemplate."""
+    if obj["kind"] == "PodTemplate":
+        template: Obj = obj["template"]["spec"]
+        return template
     spec = obj["spec"]["jobTemplate"]["spec"] if obj["kind"] == "CronJob" else obj["spec"]
     pod: Obj = spec["template"]["spec"]
     return pod
+
+
+def worker_image(objs: list[Obj]) -> str:
+    """The worker image as rendered: the base's PodTemplate esd-sweep-worker, where the
+    `images:` transformer writes it."""
+    (container,) = pod_spec(one(objs, "PodTemplate", "esd-sweep-worker"))["containers"]
+    image: str = container["image"]
+    return image
+
+
+def empty_dirs(node: Any, where: str = "") -> Iterator[tuple[str, Obj]]:
+    """(path, emptyDir) of every emptyDir volume anywhere under node."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "emptyDir":
+                yield where, value
+            else:
+                yield from empty_dirs(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from empty_dirs(value, f"{where}/{i}")
 
 
 def workloads(objs: list[Obj]) -> list[Obj]:
