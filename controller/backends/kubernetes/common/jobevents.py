@@ -19,7 +19,7 @@ import datetime
 import logging
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from controller.backends.kubernetes.common.errors import KubeError
@@ -57,6 +57,13 @@ def event_message(text: str) -> str:
     if len(data) <= MESSAGE_BYTES:
         return line
     return data[:MESSAGE_BYTES - 3].decode("utf-8", "ignore") + "…"
+
+
+def failure_line(error: str, tail: Sequence[str]) -> str:
+    """A failure's error and its log's last line (what a person looks at first), as the
+    run's log shows them."""
+    last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+    return f"{error} | {last}" if last and last not in error else error
 
 
 def build_event(job: Mapping[str, Any], *, type_: str, reason: str, message: str,

@@ -23,7 +23,11 @@ from controller.backends.kubernetes.common.diagnosis import (
     pod_sort_key,
     seconds_between,
 )
-from controller.backends.kubernetes.common.jobevents import JobEventRecorder, foreign
+from controller.backends.kubernetes.common.jobevents import (
+    JobEventRecorder,
+    failure_line,
+    foreign,
+)
 from controller.backends.kubernetes.common.kueue import queued_workloads
 from controller.backends.kubernetes.common.names import JOB_NAME_LABEL
 from controller.backends.kubernetes.common.placement import Placement
@@ -103,7 +107,8 @@ class JobEvents:
         if self.recorder is not None:
             self.recorder.warning(job, "ModelFailed", (
                 f"model {model.row.ref} failed after {max(model.tries, 1)} Job(s) ("
-                f"{'retryable' if diagnosis.retryable else 'permanent'}): {diagnosis.error}"))
+                f"{'retryable' if diagnosis.retryable else 'permanent'}): "
+                f"{failure_line(diagnosis.error, diagnosis.tail)}"))
         table.finish(model, "failed", diagnosis, duration)
 
     def _diagnose(self, job: Mapping[str, Any]) -> Diagnosis:

@@ -26,7 +26,11 @@ from controller.backends.kubernetes.common.diagnosis import (
     is_unschedulable,
     job_condition,
 )
-from controller.backends.kubernetes.common.jobevents import JobEventRecorder, foreign
+from controller.backends.kubernetes.common.jobevents import (
+    JobEventRecorder,
+    failure_line,
+    foreign,
+)
 from controller.backends.kubernetes.common.kueue import queued_workloads
 from controller.backends.kubernetes.common.names import (
     CLASS_LABEL,
@@ -310,7 +314,8 @@ def _shard_events(events: JobEventRecorder, run: IndexedRun,
     fail must not write thousands of Events)."""
     for index, models, diagnosis in failed[:SHARD_EVENTS_PER_JOB]:
         events.warning(run.job, "ShardFailed", f"shard {index} of class {run.class_name} "
-                       f"({models} model(s)) failed: {diagnosis.error}")
+                       f"({models} model(s)) failed: "
+                       f"{failure_line(diagnosis.error, diagnosis.tail)}")
     rest = failed[SHARD_EVENTS_PER_JOB:]
     if rest:
         shown = ", ".join(str(index) for index, _, _ in rest[:20])
@@ -318,7 +323,7 @@ def _shard_events(events: JobEventRecorder, run: IndexedRun,
         events.warning(run.job, "ShardFailed", (
             f"{len(rest)} more shard(s) of class {run.class_name} "
             f"({sum(m for _, m, _ in rest)} model(s)) failed: indexes {shown}{more}; the "
-            f"first: {rest[0][2].error}"))
+            f"first: {failure_line(rest[0][2].error, rest[0][2].tail)}"))
 
 
 def _device_error(error: str) -> Diagnosis:
