@@ -12,7 +12,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +29,7 @@ from controller.backends.kubernetes.common.jobevents import (
     MESSAGE_BYTES,
     JobEventRecorder,
     build_event,
+    event_message,
     foreign,
 )
 from controller.backends.kubernetes.common.names import CLASS_LABEL, job_name
@@ -296,3 +300,17 @@ def test_a_model_that_fails_for_good_is_a_warning_on_its_job(
     assert failed["involvedObject"]["uid"] == jobs[job_name(bad.key)]["metadata"]["uid"]
     assert failed["message"].startswith(f"model {bad.ref} failed after 1 Job(s) (permanent): ")
     assert_valid_and_clean(sim, [failed])
+
+
+def test_a_secret_given_through_the_environment_is_in_no_message() -> None:
+    """A token of no known shape, known only as HF_TOKEN's value (the controller's
+    environment, from a Secret), is redacted from an Event's message. In a process of its
+    own: the redactor reads the environment once, when first used."""
+    code = ("import os\n"
+            "from controller.backends.kubernetes.common.jobevents import event_message\n"
+            "print(event_message('hub said 401 for ' + os.environ['HF_TOKEN'] + ' twice'))")
+    env = {**os.environ, "HF_TOKEN": "plain-secret-of-no-shape-42"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    assert out.strip() == "hub said 401 for [REDACTED] twice"
+    assert event_message("nothing secret here") == "nothing secret here"
