@@ -34,6 +34,13 @@ from botocore.utils import parse_timestamp
 
 from esd_worker.core.errors import StoreError, StorePermanentError, WorkerError
 from esd_worker.core.redact import without_userinfo
+from esd_worker.core.store.s3dialect import (
+    add_gcs_preconditions,
+    checksum_settings,
+    conditions,
+    is_aws_endpoint,
+    version_token,
+)
 from esd_worker.core.store.stores import READ_PART, Store, normalize_key
 
 log = logging.getLogger(__name__)
@@ -92,7 +99,9 @@ def make_client() -> Any:
 
     botocore itself reads AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 (or `endpoint_url` in the
     profile), AWS_RETRY_MODE (standard unless set; adaptive allowed) and AWS_MAX_ATTEMPTS;
-    here only what the user left unset gets a value.
+    here only what the user left unset gets a value. An endpoint that is not AWS's gets
+    checksums only where required (AWS_REQUEST_CHECKSUM_CALCULATION and
+    AWS_RESPONSE_CHECKSUM_VALIDATION, when set, still decide).
     """
     _quiet_wire_logs()
     try:
@@ -109,7 +118,14 @@ def make_client() -> Any:
             read_timeout=READ_TIMEOUT_S,
             max_pool_connections=MAX_POOL_CONNECTIONS,
         )
-        return boto3.session.Session(botocore_session=core).client("s3", config=config)
+        session = boto3.session.Session(botocore_session=core)
+        client = session.client("s3", config=config)
+        if is_aws_endpoint(client.meta.endpoint_url):
+            return client
+        # Another S3-compatible store (GCS, MinIO, R2, Ceph): no default checksums, which
+        # they refuse or mishandle (esd_worker.core.store.s3dialect).
+        return session.client(
+            "s3", config=config.merge(Config(**checksum_settings(core.get_scoped_config()))))
     except ProfileNotFound as e:
         raise StorePermanentError(
             f"AWS profile {e.kwargs.get('profile')!r} (AWS_PROFILE) is not in the AWS config "
@@ -164,6 +180,10 @@ class S3Store(Store):
             max_concurrency=4,
         )
         self._bucket_seen = False  # set once the bucket is known to exist
+        # Beside S3's conditions, GCS's own precondition header to any endpoint not AWS's.
+        self._gcs_headers = not is_aws_endpoint(self._client.meta.endpoint_url)
+        if self._gcs_headers:
+            add_gcs_preconditions(self._client)
 
     @property
     def endpoint(self) -> str:
@@ -303,10 +323,13 @@ class S3Store(Store):
     # Conditional access (controller.output.lease): the store, not a read-then-write, decides who
     # wins when two writers race. AWS S3 takes If-None-Match / If-Match on PUT and If-Match
     # on DELETE (which also needs s3:GetObject), and so does moto's server, the tests' double;
-    # a store that ignores them writes unconditionally, and then nothing is decided.
+    # GCS takes its own x-goog-if-generation-match (s3dialect; tests/support/gcsproxy.py is
+    # its double). A store that ignores both writes unconditionally: nothing is decided.
 
     def get_versioned(self, key: str) -> Versioned | None:
-        """The value of key with its ETag and age, or None when the key does not exist.
+        """The value of key with its version token and age, or None when the key does not
+        exist. The token is what put_if / delete_if compare: the ETag, or on GCS the
+        object's generation (s3dialect.version_token).
 
         Age: seconds since the object was last written, by the store's own clock (the
         reply's Date less the object's Last-Modified; this machine's clock only when the
@@ -317,13 +340,13 @@ class S3Store(Store):
         if got is None:
             return None
         data, response = got
-        return Versioned(data, str(response["ETag"]), _age_s(response))
+        return Versioned(data, version_token(response), _age_s(response))
 
     def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
         """Write key only while it is absent (etag None) or still the version `etag`: the new
-        ETag, or None when the store refused because another writer got there first."""
+        version token, or None when the store refused because another writer got there first."""
         name = self._object_key(key)
-        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        condition = conditions(etag, gcs_headers=self._gcs_headers)
         try:
             response = self._client.put_object(Bucket=self.bucket, Key=name, Body=data,
                                                **condition)
@@ -333,14 +356,15 @@ class S3Store(Store):
             self._fail(e, f"write {name}")
         except _BOTO_ERRORS as e:
             self._fail(e, f"write {name}")
-        return str(response["ETag"])
+        return version_token(response)
 
     def delete_if(self, key: str, etag: str) -> bool:
         """Delete key only while it is the version `etag`; False when it is not (another
         writer replaced or deleted it)."""
         name = self._object_key(key)
         try:
-            self._client.delete_object(Bucket=self.bucket, Key=name, IfMatch=etag)
+            self._client.delete_object(Bucket=self.bucket, Key=name,
+                                       **conditions(etag, gcs_headers=self._gcs_headers))
         except ClientError as e:
             if _refused(e, etag):
                 return False

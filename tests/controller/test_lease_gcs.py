@@ -1,0 +1,133 @@
+"""The S3 lease and a whole sweep on Google Cloud Storage's XML API dialect: real boto3
+through tests/support/gcsproxy.py (GCS's checksum refusals and generation preconditions,
+S3's If-None-Match / If-Match on writes ignored) in front of moto's server.
+
+On a store that ignored the lease's conditions two sweeps would both "win"; these tests
+hold the lease to GCS's own precondition header (esd_worker.core.store.s3dialect).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from controller.output.lease import (
+    HELD,
+    Held,
+    LeaseHeldError,
+    ObjectLease,
+    Owner,
+    decide,
+    make_owner,
+    observe,
+    take_lease,
+)
+from esd_worker.core.models.naming import model_key
+from esd_worker.core.store.layout import LEASE_KEY
+from tests.support import REPO_ROOT
+from tests.support.builders import make_gpt2
+from tests.support.gcsproxy import GcsProxy, serve_gcs
+from tests.support.s3server import make_store
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[GcsProxy]:
+    yield from serve_gcs()
+
+
+def _owner(ttl_s: float = 10.0) -> Owner:
+    return make_owner(command="esd-sweep run", run_id="r", ttl_s=ttl_s)
+
+
+def test_the_lease_is_taken_renewed_and_released(gcs: GcsProxy) -> None:
+    """Taken, renewed past three TTLs (its version changes), held against a contender all
+    along, and gone once released."""
+    store = make_store(gcs.upstream)
+    lease = take_lease(store, command="esd-sweep run", run_id="a", ttl_s=1.0)
+    assert isinstance(lease, ObjectLease)
+    first = lease.etag
+    time.sleep(3.0)
+    seen = observe(store)
+    assert seen is not None and seen.owner is not None
+    assert seen.owner.token == lease.owner.token and seen.etag != first
+    assert decide(seen) == HELD and not lease.lost
+    with pytest.raises(LeaseHeldError, match="in use by another sweep"):
+        take_lease(store, command="esd-sweep run", run_id="b", ttl_s=1.0)
+    lease.release()
+    assert observe(store) is None
+    assert gcs.refused == []
+
+
+def test_two_sweeps_racing_for_a_free_lease_exactly_one_wins(gcs: GcsProxy) -> None:
+    """Both see the lease free, then both write at once: GCS's generation-0 precondition
+    lets one through; the other, looking again, finds it held by the winner."""
+    store = make_store(gcs.upstream)
+    a, b = _owner(), _owner()
+    barrier = threading.Barrier(2)
+
+    def claim(owner: Owner) -> ObjectLease | Held | None:
+        barrier.wait()
+        return ObjectLease.claim(store, owner, None, renew=False)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(claim, [a, b]))
+    won = [r for r in results if isinstance(r, ObjectLease)]
+    assert len(won) == 1 and results.count(None) == 1
+    loser = b if won[0].owner is a else a
+    assert isinstance(ObjectLease.attempt(store, loser), Held)
+    won[0].release()
+    assert observe(store) is None
+
+
+def test_a_lease_replaced_behind_its_back_is_lost_and_left_alone(gcs: GcsProxy) -> None:
+    """Another holder's write replaces the lease: the renewal's generation no longer
+    matches, so the sweep learns it lost the lease, and its release deletes nothing."""
+    store = make_store(gcs.upstream)
+    stale = ObjectLease.claim(store, _owner(ttl_s=0.6), None)
+    assert isinstance(stale, ObjectLease)
+    record = json.loads(stale.owner.to_json()) | {"token": "someone-else"}
+    store.put_bytes(LEASE_KEY, json.dumps(record).encode())
+    deadline = time.monotonic() + 10
+    while not stale.lost:
+        assert time.monotonic() < deadline, "the renewal never noticed"
+        time.sleep(0.05)
+    stale.release()
+    seen = observe(store)
+    assert seen is not None and seen.owner is not None and seen.owner.token == "someone-else"
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_into_gcs(gcs: GcsProxy, tmp_path: Path) -> None:
+    """`esd-sweep run` (local backend, one tiny GPT-2) with AWS_ENDPOINT_URL at GCS and
+    AWS_REGION=auto: the model's files, summary.csv and a run report land under the
+    prefix, nothing is refused, and the lease is gone afterwards."""
+    model = make_gpt2(tmp_path / "m0", seed=0)
+    models = tmp_path / "models.csv"
+    models.write_text(f"model_id\n{model}\n")
+    server = gcs.upstream
+    bucket = server.new_bucket()
+    url = server.url(bucket, "sweeps/g")
+    argv = [sys.executable, "-m", "controller.cli", "run", "--model-list", str(models),
+            "--output-dir", url, "--device", "cpu", "--cpu-workers", "1",
+            "--retry-backoff", "0.1"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600,
+                          env=gcs.env(HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr
+    assert gcs.refused == []
+    keys = set(server.keys(bucket, "sweeps/g/"))
+    key = model_key(str(model))
+    assert {f"sweeps/g/{key}/{name}" for name in ("layers.csv", "eigs.npz", "result.json")} <= keys
+    assert f"sweeps/g/{LEASE_KEY}" not in keys
+    assert any(k.startswith("sweeps/g/runs/") for k in keys)
+    summary = server.client().get_object(Bucket=bucket, Key="sweeps/g/summary.csv")
+    assert len(list(csv.DictReader(io.StringIO(summary["Body"].read().decode())))) == 1
