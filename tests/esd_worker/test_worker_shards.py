@@ -21,6 +21,7 @@ import pytest
 
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.store.layout import failure_key, marker_key, shard_key, shard_prefix
+from esd_worker.core.store.progressdoc import EXITED, ShardProgressDoc
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import LocalStore
 from tests.support import REPO_ROOT
@@ -81,6 +82,12 @@ def test_the_index_picks_the_shard(llama_dir: Path, gpt2_dir: Path, tmp_path: Pa
         for ref in refs:
             assert store.exists(marker_key(model_key(ref))) is (index == taken), ref
     assert statuses(run.stdout) == {model_key(shards[taken][0]): "done"}
+    # The pod's supervisor left the shard's progress document next to its list, final.
+    doc = ShardProgressDoc.from_json((folder / f"{taken}.progress.json").read_bytes())
+    assert (doc.index, doc.class_name, doc.models, doc.done, doc.state, doc.exit_code) == (
+        taken, "shards", 1, 1, EXITED, 0)
+    assert doc.device_busy_s > 0 and doc.in_progress is None
+    assert not (folder / f"{1 - taken}.progress.json").exists()
 
 
 @pytest.mark.parametrize(("argv", "index_env", "fragments"), [
