@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from controller.output.lease import LEASE_TTL_S
+from tests.support.kubesim import K8S_VERSIONS
 from tests.support.kustomize import (
     _BINDINGS,
     KUSTOMIZATIONS,
@@ -42,7 +43,6 @@ from tests.support.kustomize import (
     workloads,
 )
 
-K8S_VERSIONS = ("1.31.0", "1.37.0")
 PLACEHOLDER = "REPLACE_ME"
 WORKER_IMAGE = "esd-sweep"  # the image names in the manifests, before `images:` pins them
 CONTROLLER_IMAGE = "esd-sweep-controller"

@@ -93,7 +93,13 @@ from kmock._internal import rendering
 from kubernetes import client as k8s
 from kubernetes_validate import utils as kv_utils
 
-K8S_VERSION = "1.31.0"  # the oldest Kubernetes the Jobs are validated for (podFailurePolicy GA)
+from controller.backends.kubernetes.common.jobs import min_kubernetes
+
+# The oldest Kubernetes the Jobs are validated for (jobs.MIN_KUBERNETES: podFailurePolicy
+# GA), and the newest whose strict schemas kubernetes-validate ships.
+K8S_VERSION = f"{min_kubernetes()}.0"
+NEWEST_K8S_VERSION = "1.37.0"
+K8S_VERSIONS = (K8S_VERSION, NEWEST_K8S_VERSION)
 BYPASS_HEADER = "X-Kubesim-Bypass"  # requests with it skip faults and downtime (the simulator)
 MERGE_PATCH = "application/merge-patch+json"
 

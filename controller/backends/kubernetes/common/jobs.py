@@ -30,38 +30,42 @@ from controller.backends.kubernetes.common.names import (
     check_ref,
     is_dns_label,
     is_dns_subdomain,
+    is_extended_resource,
     is_label_key,
     is_label_value,
     job_name,
     model_key_label,
     output_annotation,
+    version_label,
 )
 from controller.backends.kubernetes.common.quantities import quantity_problem
+from controller.backends.kubernetes.common.workerenv import (
+    CACHE_DIR,
+    TMP_DIR,
+    env_problems,
+    worker_env,
+)
 from esd_worker.core.command.invocation import MODEL, WorkerInvocation
 from esd_worker.core.errors import EXIT_CLASSES, EXIT_PERMANENT, EXIT_USAGE
 from esd_worker.core.models.naming import split_model_ref
-from esd_worker.core.redact import has_userinfo
 
 CONTAINER_NAME = "worker"
+# What worker pods request by default; MIG slices are other extended resources
+# (nvidia.com/mig-1g.10gb, …) on nodes that still carry the nvidia.com/gpu taint.
 GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TAINT = "nvidia.com/gpu"
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-
-CACHE_DIR = "/cache"
-HF_HOME = "/cache/hf"
-TMP_DIR = "/tmp"
 RUN_AS_USER = 1000
+# The oldest Kubernetes esd-sweep runs on, stated once: podFailurePolicy, which every worker
+# Job relies on, is GA from 1.31 (1.29 and 1.30 are out of upstream and cloud support). The
+# sharded mode refuses older API servers; the tests validate against its strict schemas.
+MIN_KUBERNETES = (1, 31)
+TMP_SIZE = "1Gi"  # /tmp (HOME, TMPDIR): small files only; downloads go to the cache volume
+PART_OF = "esd-sweep"  # app.kubernetes.io/part-of of every worker Job and pod
 
-_ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 _RELATION = re.compile(r"[a-z]{0,32}")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-# Env names set here or from Secrets, which --env must not override.
-_RESERVED_ENV = frozenset({
-    "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN", "HF_HOME", "HOME", "TMPDIR", "XDG_CACHE_HOME", "NODE_NAME",
-})
-# Names that say "this is a credential": those belong in a Secret, not in the Job object.
-_SECRETISH_ENV = re.compile(r"(?i)(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|PRIVATE_KEY|API_KEY)")
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,17 @@ class JobSettings:
     image: container image with `esd-worker` on PATH. namespace: where the Jobs go.
     run_id: this run (label `esd-sweep/run`); sweep_name: label `app.kubernetes.io/instance`
     (default: run_id). Both must be valid label values (≤ 63 chars).
-    gpus_per_job: `nvidia.com/gpu` requested and limited per pod (default 1; 0: a CPU-only
-    Job, no GPU request and no GPU toleration). cpu_request, memory_request: Kubernetes
-    quantities (defaults "2", "16Gi"); memory_limit: None = the memory request (every worker
-    pod has a limit: see _resources); ephemeral_storage_request: None = none (the HF cache
-    emptyDir lives on it). It also bounds the cache emptyDir (sizeLimit): a pod whose
-    downloads outgrow it is evicted instead of filling the node's disk, an eviction counted
-    as a failure (no DisruptionTarget) that the worker's hard download budget
-    (--cache-budget: the request less the headroom) prevents.
+    gpus_per_job: `gpu_resource` requested and limited per pod (default 1; 0: a CPU-only
+    Job, no GPU request, no GPU toleration, NVIDIA_VISIBLE_DEVICES=void).
+    gpu_resource: the extended resource a GPU is (nvidia.com/gpu, or a MIG slice such as
+    nvidia.com/mig-1g.10gb); the toleration stays nvidia.com/gpu's.
+    cpu_request, memory_request: Kubernetes quantities (defaults "2", "16Gi");
+    memory_limit: None = the memory request (every worker pod has a limit: see _resources);
+    ephemeral_storage_request: None = none (the HF cache emptyDir lives on it). It also
+    bounds the cache emptyDir (sizeLimit): a pod whose downloads outgrow it is evicted
+    instead of filling the node's disk, an eviction counted as a failure (no
+    DisruptionTarget) that the worker's hard download budget (--cache-budget: the request
+    less the headroom) prevents.
     backoff_limit: pod failures counted before the Job fails (default 3; disruptions:
     preemptions, drains, node-pressure evictions, do not count, see pod_failure_policy).
     active_deadline_s: seconds a worker pod may run once it is on a node (the pod's
@@ -88,7 +95,8 @@ class JobSettings:
     node_selector, priority_class, service_account, image_pull_secrets: passed to the pod.
     tolerations: (key, value or None, effect) each: the pods tolerate these taints too (GPU
     pools with custom taints); value None tolerates any value (operator Exists).
-    hf_token_secret: "secret-name:key" holding the HF token (env HF_TOKEN, by reference).
+    hf_token_secret: "secret-name:key" holding the HF token (env HF_TOKEN, by reference,
+    required: a missing Secret or key keeps the pod from starting, see workerenv).
     s3_secret: a Secret with keys AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optionally
     AWS_SESSION_TOKEN (by reference; absent keys leave room for IRSA / pod identity).
     env: extra non-secret environment (e.g. AWS_ENDPOINT_URL, AWS_REGION); names that look
@@ -108,6 +116,7 @@ class JobSettings:
     run_id: str
     sweep_name: str | None = None
     gpus_per_job: int = 1
+    gpu_resource: str = GPU_RESOURCE
     cpu_request: str = "2"
     memory_request: str = "16Gi"
     memory_limit: str | None = None
@@ -147,6 +156,9 @@ class JobSettings:
         if isinstance(self.gpus_per_job, bool) or not isinstance(self.gpus_per_job, int) \
                 or self.gpus_per_job < 0:
             out.append(f"gpus_per_job: {self.gpus_per_job!r} must be an integer ≥ 0")
+        if not is_extended_resource(self.gpu_resource):
+            out.append(f"gpu_resource: {self.gpu_resource!r} is not an extended resource "
+                       "name (DOMAIN/NAME, e.g. nvidia.com/gpu, nvidia.com/mig-1g.10gb)")
         for name, quantity in (
             ("cpu_request", self.cpu_request), ("memory_request", self.memory_request),
             ("memory_limit", self.memory_limit),
@@ -190,20 +202,7 @@ class JobSettings:
             if not sep or not is_dns_subdomain(name) or not _SECRET_KEY.fullmatch(key):
                 out.append(f"hf_token_secret: {self.hf_token_secret!r} must be "
                            "SECRET-NAME:KEY (e.g. hf-token:token)")
-        for key, value in self.env.items():
-            if not _ENV_NAME.fullmatch(key):
-                out.append(f"env: {key!r} is not an environment variable name")
-            elif key in _RESERVED_ENV:
-                out.append(f"env: {key} is set by esd-sweep (secrets go in hf_token_secret "
-                           "or s3_secret)")
-            elif _SECRETISH_ENV.search(key):
-                out.append(f"env: {key} looks like a credential: put it in a Secret, "
-                           "not in the Job")
-            if not isinstance(value, str) or _CONTROL.search(value):
-                out.append(f"env: the value of {key} must be a single-line string")
-            elif has_userinfo(value):  # the value is not repeated
-                out.append(f"env: {key} holds user:password@, readable in the Job: give the "
-                           "URL without it, S3 keys in --s3-secret, the token in --hf-token-secret")
+        out.extend(env_problems(self.env))
         if self.kueue_queue is not None and not (self.kueue_queue
                                                  and is_label_value(self.kueue_queue)):
             out.append(f"kueue_queue: {self.kueue_queue!r} is not a valid label value")
@@ -214,12 +213,20 @@ class JobSettings:
         return out
 
 
+def min_kubernetes() -> str:
+    """MIN_KUBERNETES as people write it: "1.31"."""
+    return ".".join(map(str, MIN_KUBERNETES))
+
+
 def sweep_labels(settings: JobSettings) -> dict[str, str]:
-    """The labels every worker Job of a run carries, per-model or sharded (app, sweep, run)."""
+    """The labels every worker Job of a run and its pods carry, per-model or sharded: the
+    recommended app.kubernetes.io ones (name, instance, component, managed-by, part-of,
+    version) and the run's."""
     return {
         "app.kubernetes.io/name": APP_NAME,
         INSTANCE_LABEL: settings.instance,
         "app.kubernetes.io/component": COMPONENT, MANAGED_BY_LABEL: APP_NAME,
+        "app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/version": version_label(),
         RUN_LABEL: settings.run_id,
     }
 
@@ -282,32 +289,6 @@ def pod_failure_policy() -> dict[str, Any]:
     }
 
 
-def _env(settings: JobSettings) -> list[dict[str, Any]]:
-    env: list[dict[str, Any]] = [
-        {"name": "HF_HOME", "value": HF_HOME},
-        {"name": "HOME", "value": TMP_DIR},  # the root filesystem is read-only
-        {"name": "TMPDIR", "value": TMP_DIR},
-        {"name": "XDG_CACHE_HOME", "value": f"{CACHE_DIR}/xdg"},
-        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        # The worker's log names its node: a broken GPU is the node's fault, not a model's.
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-    ]
-    # Secrets by reference only. optional: a public model needs no token (a gated one then
-    # fails with a clear "gated without token" record), and without static S3 keys boto3
-    # falls back to IRSA / pod identity / instance roles.
-    if settings.hf_token_secret:
-        name, _, key = settings.hf_token_secret.partition(":")
-        env.append({"name": "HF_TOKEN", "valueFrom": {
-            "secretKeyRef": {"name": name, "key": key, "optional": True}}})
-    if settings.s3_secret:
-        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-            env.append({"name": key, "valueFrom": {
-                "secretKeyRef": {"name": settings.s3_secret, "key": key, "optional": True}}})
-    env.extend({"name": k, "value": v} for k, v in sorted(settings.env.items()))
-    return env
-
-
 def _resources(settings: JobSettings) -> dict[str, Any]:
     requests: dict[str, str] = {"cpu": settings.cpu_request, "memory": settings.memory_request}
     limits: dict[str, str] = {}
@@ -321,8 +302,8 @@ def _resources(settings: JobSettings) -> dict[str, Any]:
     limits["memory"] = settings.memory_limit or settings.memory_request
     if settings.gpus_per_job > 0:
         # Extended resources cannot be overcommitted: request == limit.
-        requests[GPU_RESOURCE] = str(settings.gpus_per_job)
-        limits[GPU_RESOURCE] = str(settings.gpus_per_job)
+        requests[settings.gpu_resource] = str(settings.gpus_per_job)
+        limits[settings.gpu_resource] = str(settings.gpus_per_job)
     out: dict[str, Any] = {"requests": requests}
     if limits:
         out["limits"] = limits
@@ -346,7 +327,8 @@ def pod_spec(args: list[str], settings: JobSettings,
         "name": CONTAINER_NAME,
         "image": settings.image,
         "args": args,
-        "env": _env(settings),
+        "env": worker_env(gpus=settings.gpus_per_job, hf_token_secret=settings.hf_token_secret,
+                          s3_secret=settings.s3_secret, env=settings.env),
         "resources": _resources(settings),
         "securityContext": {
             "runAsNonRoot": True,
@@ -386,7 +368,7 @@ def pod_spec(args: list[str], settings: JobSettings,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "tmp", "emptyDir": {}}, cache],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": TMP_SIZE}}, cache],
     }
     if settings.active_deadline_s is not None:
         # The pod's deadline, not the Job's: a Job's runs from its creation (or Kueue's
@@ -396,7 +378,7 @@ def pod_spec(args: list[str], settings: JobSettings,
                    else {"key": key, "operator": "Equal", "value": value, "effect": effect}
                    for key, value, effect in settings.tolerations]
     if settings.gpus_per_job > 0:
-        tolerations.insert(0, {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+        tolerations.insert(0, {"key": GPU_TAINT, "operator": "Exists", "effect": "NoSchedule"})
     if tolerations:
         spec["tolerations"] = tolerations
     if settings.node_selector:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
+from controller import __version__
 from controller.backends.kubernetes.common.errors import JobSpecError
 
 APP_NAME = "esd-sweep"
@@ -62,6 +63,22 @@ def is_dns_subdomain(value: str) -> bool:
 def is_label_value(value: str) -> bool:
     """Kubernetes label value: empty, or ≤ 63 of A-Z a-z 0-9 - _ . with alphanumeric ends."""
     return isinstance(value, str) and len(value) <= 63 and bool(_LABEL_VALUE.fullmatch(value))
+
+
+def version_label(version: str | None = None) -> str:
+    """The app.kubernetes.io/version label: the package version (default controller's),
+    its characters a label value does not allow ("+" of a local version) as "-", cut to 63."""
+    value = re.sub(r"[^-A-Za-z0-9_.]", "-", __version__ if version is None else version)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+def is_extended_resource(value: str) -> bool:
+    """An extended resource name as the API server checks it (nvidia.com/gpu,
+    nvidia.com/mig-1g.10gb): DOMAIN/NAME, not in the kubernetes.io domain, and
+    "requests.DOMAIN/NAME" a qualified name (the ResourceQuota key of it)."""
+    if not isinstance(value, str) or "/" not in value or "kubernetes.io/" in value:
+        return False
+    return not value.startswith("requests.") and is_label_key("requests." + value)
 
 
 def is_label_key(value: str) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controller import __version__
-from controller.backends.kubernetes.common.jobs import JobSettings
+from controller.backends.kubernetes.common.jobs import GPU_RESOURCE, JobSettings
 from controller.backends.kubernetes.common.resources import ResourceClass, disk_for, memory_for
 from esd_worker.core.command.flags import (
     DAY_S,
@@ -66,7 +66,9 @@ class ClusterSettings:
     image: the worker image (`esd-worker` on PATH). node_selector, priority_class,
     service_account (default esd-sweep-worker), hf_token_secret (NAME:KEY), s3_secret,
     hf_cache_pvc, image_pull_secrets, tolerations ((key, value or None, effect) each),
-    cpu_request: passed to each Job. memory_request / ephemeral_storage_request: Kubernetes
+    cpu_request: passed to each Job. gpu_resource: the extended resource worker pods
+    request for a GPU (nvidia.com/gpu, or a MIG slice: nvidia.com/mig-1g.10gb); the one
+    --max-parallel and the doctor count. memory_request / ephemeral_storage_request: Kubernetes
     quantities, or AUTO (the default): sized from the weights' bytes (common.resources
     .memory_for, disk_for) per model, or per resource class for shards.
     job_deadline_s: activeDeadlineSeconds of each worker pod, counted once it is on a node
@@ -110,6 +112,7 @@ class ClusterSettings:
     image_pull_secrets: tuple[str, ...] = ()
     tolerations: tuple[tuple[str, str | None, str], ...] = ()
     cpu_request: str = "2"
+    gpu_resource: str = GPU_RESOURCE
     memory_request: str = AUTO
     ephemeral_storage_request: str = AUTO
     job_deadline_s: int | None = None
@@ -176,7 +179,8 @@ class ClusterSettings:
         deadline = PER_MODEL_DEADLINE_S if self.job_deadline_s is None else self.job_deadline_s
         job = JobSettings(
             image=self.image, namespace=self.namespace, run_id=run_id, sweep_name=instance,
-            gpus_per_job=gpus_per_job, cpu_request=self.cpu_request,
+            gpus_per_job=gpus_per_job, gpu_resource=self.gpu_resource,
+            cpu_request=self.cpu_request,
             backoff_limit=self.backoff_limit, active_deadline_s=deadline,
             ttl_after_finished_s=self.ttl_after_finished_s,
             node_selector=dict(self.node_selector), priority_class=self.priority_class,
@@ -246,7 +250,7 @@ _JOB_FIELD_FLAGS = {
     "active_deadline_s:": "--active-deadline:", "gpus_per_job:": "--gpus-per-job:",
     "ephemeral_storage_request:": "--ephemeral-storage-request:",
     "ttl_after_finished_s:": "--ttl-after-finished:", "tolerations:": "--toleration:",
-    "image_pull_secrets:": "--image-pull-secret:",
+    "image_pull_secrets:": "--image-pull-secret:", "gpu_resource:": "--gpu-resource:",
 }
 
 
@@ -293,6 +297,9 @@ def add_cluster_flags(g: Any) -> None:
     add_flag(g, "--hf-cache-pvc", metavar="CLAIM",
              help="PersistentVolumeClaim shared as the HF cache (default: emptyDir per pod)")
     add_flag(g, "--cpu-request", default="2", metavar="Q", help="CPU request (default 2)")
+    add_flag(g, "--gpu-resource", default=GPU_RESOURCE, metavar="NAME",
+             help=f"the extended resource pods request per GPU (default {GPU_RESOURCE}; a "
+             "MIG slice: nvidia.com/mig-1g.10gb); --max-parallel counts it")
     add_flag(g, "--memory-request", default=AUTO, metavar="Q|auto",
              help="memory request (default auto: sized from the weights' bytes, 4Gi plus "
              "0.4 x the model; 7Gi for models up to 8 GB)")
@@ -310,8 +317,8 @@ def add_cluster_flags(g: Any) -> None:
              help="models per shard at most (default 0: auto, shards balanced by bytes, up "
              "to 1000 models each); 1: one Job per model instead of Indexed Jobs")
     add_flag(g, "--max-parallel", type=int_in(1, MAX_JOBS), default=100, metavar="GPUS",
-             help="sharded runs: GPUs (CPU-only: pods) in use at once, all classes "
-             "(default 100)")
+             help="sharded runs: GPUs (--gpu-resource; CPU-only: pods) in use at once, all "
+             "classes (default 100)")
     add_flag(g, "--hub-rate", type=HUB_RATE, default=3.0, metavar="PER_S",
              help="hub requests per second for the whole sweep, shared by its pods "
              "(default 3: the hub's free tier allows 1000 per 5 minutes)")
@@ -341,7 +348,7 @@ def add_cluster_flags(g: Any) -> None:
     add_flag(g, "--telemetry-url", action="append", default=[], metavar="URL",
              help="scrape these /metrics URLs instead of exporter pods (repeatable)")
     add_flag(g, "--no-telemetry", action="store_true",
-             help="no GPU telemetry: Jobs only request nvidia.com/gpu")
+             help="no GPU telemetry: Jobs only request --gpu-resource")
     add_flag(g, "--pending-timeout", type=float_in(0, WEEK_S, above=True, unit="seconds"),
              default=600.0, metavar="S",
              help="report why a Job is not running after S seconds; sharded runs: a class "
@@ -383,7 +390,8 @@ def cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterS
         service_account=args.service_account or None, hf_token_secret=token,
         s3_secret=args.s3_secret, hf_cache_pvc=args.hf_cache_pvc,
         image_pull_secrets=tuple(args.image_pull_secret), tolerations=tuple(tolerations),
-        cpu_request=args.cpu_request, memory_request=args.memory_request,
+        cpu_request=args.cpu_request, gpu_resource=args.gpu_resource,
+        memory_request=args.memory_request,
         ephemeral_storage_request=args.ephemeral_storage_request,
         job_deadline_s=args.active_deadline, ttl_after_finished_s=args.ttl_after_finished,
         max_active_jobs=args.max_active_jobs,

@@ -18,8 +18,10 @@ from typing import Any
 from controller.backends.kubernetes.common.errors import JobSpecError
 from controller.backends.kubernetes.common.jobs import (
     CONTAINER_NAME,
+    MIN_KUBERNETES,
     JobSettings,
     job_object,
+    min_kubernetes,
     pod_annotations,
     pod_argv,
     pod_spec,
@@ -56,10 +58,10 @@ _NOT_NAME = re.compile(r"[^a-z0-9-]")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 # backoffLimitPerIndex and the FailIndex action: beta and on by default from 1.29, GA in
-# 1.33. An older API server drops the fields it does not know: the Job would be created
-# without per-index limits and with a policy it cannot act on.
+# 1.33; podFailurePolicy GA in 1.31, the minimum (jobs.MIN_KUBERNETES). An older API server
+# drops the fields it does not know: the Job would be created without per-index limits and
+# with a policy it cannot act on.
 KUEUE_MIN_PARALLELISM = "kueue.x-k8s.io/job-min-parallelism"
-MIN_SERVER_VERSION = (1, 29)
 _VERSION = re.compile(r"v?(\d+)\.(\d+)")
 
 
@@ -258,10 +260,9 @@ def server_too_old(git_version: str) -> str | None:
     if match is None:
         return None
     found = (int(match[1]), int(match[2]))
-    if found >= MIN_SERVER_VERSION:
+    if found >= MIN_KUBERNETES:
         return None
     shown = re.sub(r"[^\x21-\x7e]", "?", git_version.strip())[:64]
-    need = ".".join(map(str, MIN_SERVER_VERSION))
-    return (f"Kubernetes {shown} is too old for sharded runs: Indexed Jobs with "
-            f"backoffLimitPerIndex and podFailurePolicy FailIndex need {need} or newer; "
-            "upgrade the cluster, or run with --shard-size 1 (one Job per model)")
+    return (f"Kubernetes {shown} is too old: esd-sweep needs Kubernetes "
+            f"{min_kubernetes()} or newer (podFailurePolicy, Indexed Jobs with "
+            "backoffLimitPerIndex); upgrade the cluster")

@@ -227,7 +227,7 @@ def test_dry_run_prints_valid_jobs_and_creates_nothing(
         env = doc["spec"]["template"]["spec"]["containers"][0]["env"]
         token = next(e for e in env if e["name"] == "HF_TOKEN")
         assert token["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token",
-                                                      "optional": True}
+                                                      "optional": False}
         assert doc["spec"]["suspend"] is True
     assert sim.count("create", "jobs") == 0
 

@@ -46,8 +46,8 @@ from esd_worker.core.errors import (
     EXIT_USAGE,
 )
 from esd_worker.core.models.naming import model_key
+from tests.support.kubesim import K8S_VERSIONS
 
-K8S_VERSIONS = ("1.31.0", "1.37.0")
 RUN = "20261123T070501Z-3fa9c2"
 OUTPUT = "s3://esd-results/atlas"
 SHARDS = f"{OUTPUT}/_shards/{RUN}/gpu1"
@@ -367,10 +367,10 @@ def test_same_pod_as_per_model_jobs() -> None:
 ], ids=["no-disk-request", "disk-request", "pvc"])
 def test_cache_size_limit(settings: dict[str, Any], cache: dict[str, Any]) -> None:
     """The download cache's emptyDir is capped at the disk request (the kubelet evicts a pod
-    that outgrows it); /tmp is not, and a PVC is not an emptyDir."""
+    that outgrows it); /tmp has its own small cap, and a PVC is not an emptyDir."""
     volumes = {v["name"]: v for v in pod_of(make_indexed(**settings))["volumes"]}
     assert volumes["cache"] == cache
-    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
 
 
 def test_kueue() -> None:
@@ -479,8 +479,8 @@ def test_every_problem_at_once_and_run_ids_agree() -> None:
     ("v1.27.16+k3s1", True),
     ("v1.9.11", True),
     ("1.28", True),
-    ("v1.29.0", False),
-    ("v1.30.5-gke.1014001", False),
+    ("v1.29.0", True),
+    ("v1.30.5-gke.1014001", True),
     ("v1.31.0+k3s1", False),
     ("v1.33.1", False),
     ("v2.0.0", False),
@@ -490,11 +490,11 @@ def test_every_problem_at_once_and_run_ids_agree() -> None:
     ("vX.Y", False),
 ])
 def test_server_too_old(version: str, too_old: bool) -> None:
-    """Versions compare as numbers (1.9 < 1.29 < 1.100); what does not parse never blocks a
-    run. The message names the version, the minimum and both ways out."""
+    """Versions compare as numbers (1.9 < 1.31 < 1.100); what does not parse never blocks a
+    run. The message names the version, the minimum (jobs.MIN_KUBERNETES) and the way out."""
     message = server_too_old(version)
     assert (message is not None) is too_old
     if message is not None:
-        assert version in message and "1.29" in message
-        assert "upgrade" in message and "--shard-size 1" in message
+        assert version in message and "needs Kubernetes 1.31 or newer" in message
+        assert "upgrade" in message
         assert "\n" not in message

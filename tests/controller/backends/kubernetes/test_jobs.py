@@ -25,6 +25,7 @@ from controller.backends.kubernetes.common.errors import JobSpecError
 from controller.backends.kubernetes.common.jobs import (
     JobSettings,
     build_job,
+    min_kubernetes,
     pod_failure_policy,
 )
 from controller.backends.kubernetes.common.names import (
@@ -39,7 +40,7 @@ from esd_worker.core.command.invocation import MODEL, WorkerInvocation
 from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.models.naming import model_key, split_model_ref
 
-OLDEST = "1.31.0"
+OLDEST = f"{min_kubernetes()}.0"
 NEWEST = all_versions()[-1]
 SECRET_VALUES = ("hf_SuperSecretToken1234567890", "AKIAABCDEFGHIJKLMNOP",
                  "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY")
@@ -142,7 +143,7 @@ def test_security_context(built: dict[str, Any]) -> None:
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     assert mounts == {"/tmp": "tmp", "/cache": "cache"}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {}}
+    assert volumes["tmp"] == {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}
     env = {e["name"]: e for e in container["env"]}
     assert env["HF_HOME"]["value"] == "/cache/hf"
     # The Downward API gives the worker its node's name, which its log and errors name.
@@ -165,7 +166,10 @@ def test_no_secret_values_anywhere(built: dict[str, Any]) -> None:
                                  "AWS_SESSION_TOKEN"):
                 assert "value" not in entry
                 assert set(entry["valueFrom"]) == {"secretKeyRef"}
-                assert entry["valueFrom"]["secretKeyRef"]["optional"] is True
+                # The token is required (a misnamed Secret must stop the pod, not hide as
+                # "no token"); the S3 keys optional (IRSA / pod identity stand in).
+                optional = entry["valueFrom"]["secretKeyRef"]["optional"]
+                assert optional is (entry["name"] != "HF_TOKEN")
         assert not any(a.startswith(("hf_", "AKIA")) for a in container["args"])
 
 
@@ -378,6 +382,7 @@ def test_settings_problems_name_every_field() -> None:
         image="", namespace="ESD", run_id="bad run", gpus_per_job=-1, cpu_request="two",
         memory_limit="16 GB", backoff_limit=-1, node_selector={"pool": "a b"},
         priority_class="Low", hf_token_secret="no-colon", s3_secret="S3!",
+        gpu_resource="gpu",
         env={"HF_TOKEN": "x", "MY_API_KEY": "y", "OK": "multi\nline", "NODE_NAME": "n"},
         kueue_queue="",
         worker=WorkerInvocation(MODEL, log_format="xml"),
@@ -385,7 +390,7 @@ def test_settings_problems_name_every_field() -> None:
     text = "\n".join(settings.problems())
     for name in ("image", "namespace", "run_id", "gpus_per_job", "cpu_request",
                  "memory_limit", "backoff_limit", "node_selector", "priority_class",
-                 "hf_token_secret", "s3_secret", "env: HF_TOKEN", "env: MY_API_KEY",
+                 "hf_token_secret", "s3_secret", "gpu_resource", "env: HF_TOKEN", "env: MY_API_KEY",
                  "env: the value of OK", "env: NODE_NAME", "kueue_queue", "log_format"):
         assert name in text, name
     with pytest.raises(JobSpecError, match="namespace"):
