@@ -1,13 +1,16 @@
 """Why a worker Job failed or is not running, from the objects the API returns (pure).
 
 Owns reading Job conditions, pods and events into a Diagnosis (error "Class: what
-happened", retryable or not) or a one-line pending reason. The worker's exit codes mean
-what esd_worker.core.errors.classify_exit says; this module adds what only Kubernetes knows
-(OOMKilled, disruptions, evictions, deadlines, scheduling). Does not fetch anything.
+happened", retryable or not), a one-line pending reason, or the line that ends a run
+whose pods can never start (config_error: a required Secret missing). The worker's exit
+codes mean what esd_worker.core.errors.classify_exit says; this module adds what only
+Kubernetes knows (OOMKilled, disruptions, evictions, deadlines, scheduling, a pod's config
+refused). Does not fetch anything.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -150,6 +153,39 @@ def describe_pending(
     if not pods:
         return "no pod created yet (see the Job's events; a ResourceQuota may be full)"
     return "pending: the scheduler has not placed the pod yet"
+
+
+_NO_SECRET = re.compile(r'secret "(?P<name>[^"]+)" not found')
+_NO_KEY = re.compile(r"couldn't find key (?P<key>\S+) in Secret (?P<ns>[^/\s]+)/(?P<name>\S+)")
+
+
+def config_error(pods: Sequence[Mapping[str, Any]], *, namespace: str,
+                 hf_token_secret: str | None) -> str | None:
+    """One line when a worker pod can never start as it is: its container waits in
+    CreateContainerConfigError (a required Secret or key missing, a config the kubelet
+    refuses), which no wait mends; None otherwise. hf_token_secret ("NAME:KEY", the one
+    required Secret of a worker pod) words the line for --hf-token-secret."""
+    for pod in sorted(pods, key=pod_sort_key, reverse=True):
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") != "CreateContainerConfigError":
+                continue
+            message = str(waiting.get("message") or "")
+            token = (hf_token_secret or "").partition(":")[0]
+            missing = _NO_SECRET.search(message)
+            no_key = _NO_KEY.search(message)
+            if missing and missing["name"] == token:
+                return (f"Secret {token} (--hf-token-secret) not found in namespace "
+                        f"{namespace}: create it (docs/kubernetes.md), or drop "
+                        "--hf-token-secret if no model in the list is gated")
+            if no_key and no_key["name"] == token:
+                return (f"Secret {token} (--hf-token-secret) in namespace {namespace} has no "
+                        f"key {no_key['key']}: add it, or name the key as --hf-token-secret "
+                        f"{token}:KEY")
+            name = (pod.get("metadata") or {}).get("name")
+            return (f"pod {name} cannot start: CreateContainerConfigError: "
+                    f"{message or 'the kubelet refused its configuration'}")
+    return None
 
 
 # Events an autoscaler puts on a pod it is bringing a node up for (cluster-autoscaler,

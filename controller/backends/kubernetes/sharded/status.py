@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from controller.backends.kubernetes.common.diagnosis import (
     Diagnosis,
+    config_error,
     describe_pending,
     diagnose_failure,
     is_unschedulable,
@@ -38,6 +39,7 @@ from controller.backends.kubernetes.common.names import (
     RUN_LABEL,
 )
 from controller.backends.kubernetes.common.settings import ClusterSettings
+from controller.errors import InfrastructureError
 from esd_worker.core.errors import EXIT_DEVICE, ModelListError
 from esd_worker.core.models.modellist import ModelRow, read_model_list
 from esd_worker.core.store.layout import shard_key
@@ -209,6 +211,13 @@ class IndexedRun:
         a timeout later."""
         if self.finished or self.ready:
             return None
+        if self.active:  # a pod that can never start (a Secret missing) ends the run now
+            line = config_error(kube.list_pods(settings.namespace, f"{JOB_NAME_LABEL}={self.name}"),
+                                namespace=settings.namespace,
+                                hf_token_secret=settings.hf_token_secret)
+            if line is not None:
+                kube.delete_job(settings.namespace, self.name)
+                raise InfrastructureError(f"{line} (Job {self.name} deleted)")
         timeout = settings.pending_timeout_s
         since = self._explained_at if self._explained_at is not None else self.created_at
         explain = since is not None and now - since >= timeout
