@@ -122,13 +122,18 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/nodes": kmock.ResourceInfo(
         kind="Node", singular="node", namespaced=False, subresources={"status"},
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
+    # Secrets: the doctor reads the ones --hf-token-secret / --s3-secret name; the kubelet
+    # (JobSimulator.start_container) resolves a pod's secretKeyRefs against them.
+    "v1/secrets": kmock.ResourceInfo(
+        kind="Secret", singular="secret", namespaced=True,
+        verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
     "authorization.k8s.io/v1/selfsubjectaccessreviews": kmock.ResourceInfo(
         kind="SelfSubjectAccessReview", singular="selfsubjectaccessreview", namespaced=False,
         verbs={"create"}),
 }
 _API_VERSION = {"jobs": "batch/v1", "pods": "v1", "events": "v1",
                 "workloads": "kueue.x-k8s.io/v1beta2", "nodes": "v1",
-                "selfsubjectaccessreviews": "authorization.k8s.io/v1"}
+                "selfsubjectaccessreviews": "authorization.k8s.io/v1", "secrets": "v1"}
 # Custom resources: kubernetes-validate has no schema for them (the CRD's own validation is
 # Kueue's business), so the simulator stores them as written.
 _UNVALIDATED_GROUPS = frozenset({"kueue.x-k8s.io"})
@@ -1391,6 +1396,51 @@ class JobSimulator:
             "reportingComponent": component,
         }
         self._core.create_namespaced_event(self.namespace, body, _preload_content=False)
+
+    def missing_secret(self, pod: Mapping[str, Any]) -> str | None:
+        """The kubelet's message when a required (not optional) secretKeyRef of the pod's
+        containers names a Secret or key the namespace lacks; None when all resolve."""
+        for container in pod["spec"]["containers"]:
+            for entry in container.get("env") or []:
+                ref = (entry.get("valueFrom") or {}).get("secretKeyRef")
+                if not ref or ref.get("optional"):
+                    continue
+                try:
+                    secret = self._doc(self._core.read_namespaced_secret(
+                        ref["name"], self.namespace, _preload_content=False))
+                except k8s.ApiException as e:
+                    if e.status != 404:
+                        raise
+                    return f'secret "{ref["name"]}" not found'
+                if ref["key"] not in (secret.get("data") or {}) | (
+                        secret.get("stringData") or {}):
+                    return (f"couldn't find key {ref['key']} in Secret "
+                            f"{self.namespace}/{ref['name']}")
+        return None
+
+    def start_container(self, name: str) -> dict[str, Any]:
+        """The kubelet starts the pod's worker container (as `run`), unless a required
+        Secret or key its env names is missing: then the container waits in
+        CreateContainerConfigError with the kubelet's message, the pod Pending, scheduled
+        and never ready."""
+        pod = self._active_pod(name)
+        if pod is None:
+            self.start(name)
+            pod = self._active_pod(name)
+        assert pod is not None
+        message = self.missing_secret(pod)
+        if message is None:
+            return self.run(name)
+        container = pod["spec"]["containers"][0]
+        self._patch_pod(pod["metadata"]["name"], {
+            "phase": "Pending",
+            "conditions": [_condition("PodScheduled", ""), _condition("Ready", "", status="False")],
+            "containerStatuses": [{
+                "name": container["name"], "image": container["image"], "imageID": "",
+                "ready": False, "restartCount": 0, "started": False,
+                "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                      "message": message}}}]})
+        return self._patch_job(name, {"active": 1, "ready": 0})
 
     def run(self, name: str, *, node: str | None = None) -> dict[str, Any]:
         """The pod is scheduled on a node and its worker container runs."""

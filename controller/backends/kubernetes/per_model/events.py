@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from controller.backends.kubernetes.common.diagnosis import (
     Diagnosis,
+    config_error,
     describe_pending,
     diagnose_failure,
     job_condition,
@@ -33,6 +34,7 @@ from controller.backends.kubernetes.common.names import JOB_NAME_LABEL
 from controller.backends.kubernetes.common.placement import Placement
 from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.per_model.state import ModelState, ModelTable
+from controller.errors import InfrastructureError
 
 if TYPE_CHECKING:
     from controller.backends.kubernetes.common.client import KubeClient
@@ -158,6 +160,21 @@ class JobEvents:
             ) is None:
                 self.on_deleted({"metadata": {"name": model.name}, "status": {}})
 
+    def _check_config(self, ns: str) -> None:
+        """End the run at once when the oldest waiting Job's pod can never start (a required
+        Secret missing: CreateContainerConfigError): every waiting Job shares its spec, so
+        they are deleted (a later run must not adopt them) and no pending timeout waited."""
+        waiting = [m for k in self.table.waiting if (m := self.table.models[k]).name]
+        if not waiting:
+            return
+        oldest = min(waiting, key=lambda m: m.submitted_at)
+        line = config_error(self.kube.list_pods(ns, f"{JOB_NAME_LABEL}={oldest.name}"),
+                            namespace=ns, hf_token_secret=self.settings.hf_token_secret)
+        if line is not None:
+            for model in waiting:
+                self.kube.delete_job(ns, str(model.name))
+            raise InfrastructureError(f"{line} ({len(waiting)} Job(s) not started deleted)")
+
     def check_pending(self, now: float) -> None:
         """Explain Jobs not running after pending_timeout_s (each at most once per timeout)."""
         timeout = self.settings.pending_timeout_s
@@ -165,6 +182,7 @@ class JobEvents:
             return
         self._next_pending_check = now + min(timeout / 4, 30.0)
         ns = self.settings.namespace
+        self._check_config(ns)
         for key in list(self.table.waiting):
             model = self.table.models[key]
             if model.name is None:
