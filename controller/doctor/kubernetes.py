@@ -8,9 +8,12 @@ Owns the cluster's checks, in order:
   namespace (CONTROLLER_PERMISSIONS: what KubeClient calls, as manifests/base/rbac.yaml
   grants it), the exporter pods' listing in the telemetry namespace, and Kueue Workloads with
   --kueue-queue; the missing ones are named;
-- kube-nodes: nodes (those matching --node-selector) with allocatable nvidia.com/gpu; none is
-  a failure unless --device cpu. The controller's Role grants no node access (the sweep
+- kube-nodes: nodes (those matching --node-selector) with allocatable --gpu-resource
+  (nvidia.com/gpu, or a MIG slice such as nvidia.com/mig-1g.10gb); none is a failure unless
+  --device cpu. The controller's Role grants no node access (the sweep
   needs none), so "cannot list nodes" is reported, not failed;
+- kube-secrets: the Secrets --hf-token-secret and --s3-secret name, with their keys
+  (controller.doctor.secrets);
 - kube-telemetry: the GPU exporters the sweep would scrape (--telemetry-url, or the running
   pods of --telemetry-selector at --telemetry-port), scraped once each.
 
@@ -44,11 +47,11 @@ from controller.backends.kubernetes.common.placement import exporter_targets
 from controller.backends.kubernetes.common.settings import ClusterSettings, cluster_from_args
 from controller.backends.kubernetes.common.telemetry import NodeGpu, TelemetryError, scrape
 from controller.doctor.checks import FAIL, INFO, PASS, SKIP, Check
+from controller.doctor.secrets import check_secrets
 from controller.errors import SweepError
 
 # A doctor answers in seconds: two tries, then the API counts as unreachable.
 DOCTOR_RETRY = RetryPolicy(attempts=2, base_s=0.2, max_s=1.0, deadline_s=15.0)
-GPU_RESOURCE = "nvidia.com/gpu"
 _SHOWN = 5  # nodes / exporters named in a line
 
 
@@ -72,6 +75,7 @@ CONTROLLER_PERMISSIONS: tuple[Permission, ...] = (
     Permission("list", "pods"),
     Permission("get", "pods/log"),
     Permission("list", "events"),
+    Permission("create", "events"),  # the sweep's Events on its Jobs (common.jobevents)
 )
 # In the telemetry namespace: the exporter pods are listed to find their IPs.
 TELEMETRY_PERMISSIONS = (Permission("list", "pods"),)
@@ -111,7 +115,7 @@ def kube_checks(settings: ClusterSettings, *, device: str,
 
 
 def _not_checked() -> Iterator[Check]:
-    for name in ("kube-rbac", "kube-nodes", "kube-telemetry"):
+    for name in ("kube-rbac", "kube-nodes", "kube-secrets", "kube-telemetry"):
         yield Check(name, SKIP, "not checked: the API server cannot be used (see kube-api)")
 
 
@@ -132,6 +136,7 @@ def _cluster_checks(kube: KubeClient, settings: ClusterSettings,
                 f"{version or '(version not given)'}, namespace {settings.namespace}")
     yield check_rbac(kube, settings, device)
     yield check_nodes(kube, settings, device)
+    yield check_secrets(kube, settings)
     yield check_telemetry(kube, settings, device)
 
 
@@ -211,8 +216,8 @@ def list_nodes(kube: KubeClient, label_selector: str) -> list[dict[str, Any]]:
     return items
 
 
-def _allocatable_gpus(node: dict[str, Any]) -> int:
-    value = ((node.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE, "0")
+def _allocatable_gpus(node: dict[str, Any], resource: str) -> int:
+    value = ((node.get("status") or {}).get("allocatable") or {}).get(resource, "0")
     try:
         return int(float(str(value)))
     except ValueError:
@@ -230,18 +235,21 @@ def check_nodes(kube: KubeClient, settings: ClusterSettings, device: str) -> Che
     except KubeError as e:
         return Check("kube-nodes", FAIL, f"cannot list nodes: {e}",
                      "try again; `kubectl get nodes` shows whether the API answers")
-    gpus = {str((n.get("metadata") or {}).get("name")): _allocatable_gpus(n) for n in nodes}
+    resource = settings.gpu_resource
+    gpus = {str((n.get("metadata") or {}).get("name")): _allocatable_gpus(n, resource)
+            for n in nodes}
     with_gpus = {name: count for name, count in gpus.items() if count > 0}
     if not with_gpus:
-        found = f"none of the {len(nodes)} node(s){where} has allocatable {GPU_RESOURCE}"
+        found = f"none of the {len(nodes)} node(s){where} has allocatable {resource}"
         if device == "cpu":
             return Check("kube-nodes", INFO, f"{found}: fine with --device cpu")
         return Check("kube-nodes", FAIL, found, "install the NVIDIA device plugin (or the GPU "
-                     "operator) on the GPU nodes, fix --node-selector, or use --device cpu")
+                     "operator; MIG: its mig.strategy mixed) on the GPU nodes, fix "
+                     "--node-selector or --gpu-resource, or use --device cpu")
     shown = ", ".join(f"{name} {count}" for name, count in list(with_gpus.items())[:_SHOWN])
     more = ", …" if len(with_gpus) > _SHOWN else ""
     return Check("kube-nodes", PASS, f"{len(with_gpus)} of {len(nodes)} node(s){where} expose "
-                 f"{GPU_RESOURCE}: {sum(with_gpus.values())} GPU(s) allocatable "
+                 f"{resource}: {sum(with_gpus.values())} GPU(s) allocatable "
                  f"({shown}{more})")
 
 
@@ -252,7 +260,8 @@ def _telemetry_skipped(settings: ClusterSettings, device: str) -> str | None:
     """Why the sweep would read no telemetry (None: it would), as controller.backends
     .kubernetes.placement decides."""
     if not settings.telemetry:
-        return "--no-telemetry: Jobs only request nvidia.com/gpu and the scheduler places them"
+        return (f"--no-telemetry: Jobs only request {settings.gpu_resource} and the "
+                "scheduler places them")
     if device == "cpu":
         return "not used with --device cpu (pods request no GPU)"
     if settings.kueue_queue:

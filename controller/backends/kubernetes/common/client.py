@@ -236,8 +236,7 @@ class KubeClient:
     # -- the one place that retries ------------------------------------------------------
 
     def _call(self, op: _Op, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """fn(*args, **kwargs), retried on 429/5xx/connection errors (not with _once=True),
-        errors mapped."""
+        """fn(*args, **kwargs), retried on 429/5xx/connection errors unless _once=True."""
         once = kwargs.pop("_once", False)
         kwargs.setdefault("_request_timeout", (self.connect_timeout_s, self.request_timeout_s))
         started = time.monotonic()
@@ -264,9 +263,7 @@ class KubeClient:
             elapsed = time.monotonic() - started
             out_of_time = (self.retry.deadline_s is not None
                            and elapsed >= self.retry.deadline_s)
-            if once:
-                raise error from cause
-            if attempt >= self.retry.attempts or out_of_time:
+            if once or attempt >= self.retry.attempts or out_of_time:
                 raise KubeUnavailableError(
                     f"{error} (gave up after {attempt} tries in {elapsed:.1f} s)",
                     status=error.status) from cause
@@ -311,7 +308,7 @@ class KubeClient:
         ResourceVersionExpired: list again from the start.
         """
         op = _Op("list", "jobs", "batch", namespace)
-        return self._list(op, self._batch.list_namespaced_job, namespace,
+        return _pages(self._call, op, self._batch.list_namespaced_job, namespace,
                           label_selector=label_selector, page_size=page_size)
 
     def watch_jobs(
@@ -390,7 +387,7 @@ class KubeClient:
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Pods matching the selector (e.g. `batch.kubernetes.io/job-name=NAME`)."""
         op = _Op("list", "pods", "", namespace)
-        items, _ = self._list(op, self._core.list_namespaced_pod, namespace,
+        items, _ = _pages(self._call, op, self._core.list_namespaced_pod, namespace,
                               label_selector=label_selector)
         return items
 
@@ -412,15 +409,19 @@ class KubeClient:
     def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
         """core/v1 Events matching the field selector (e.g. `involvedObject.name=POD`)."""
         op = _Op("list", "events", "", namespace)
-        items, _ = self._list(op, self._core.list_namespaced_event, namespace,
+        items, _ = _pages(self._call, op, self._core.list_namespaced_event, namespace,
                               field_selector=field_selector)
         return items
 
+    def _list(self, op: _Op, fn: Callable[..., Any], namespace: str, *, page_size: int = 500,
+              **selectors: str) -> tuple[list[dict[str, Any]], str]:
+        """Every item of a list and its resourceVersion (the doctor lists nodes with it)."""
+        return _pages(self._call, op, fn, namespace, page_size=page_size, **selectors)
+
     def create_event(self, namespace: str, body: Mapping[str, Any]) -> None:
-        """Create a core/v1 Event, tried once within 5 s: events are best effort, and a
-        retry would slow the run (common.jobevents)."""
-        op = _Op("create", "events", "", namespace)
-        _json(self._call(op, self._core.create_namespaced_event, namespace, dict(body),
+        """Create a core/v1 Event, tried once within 5 s (best effort: common.jobevents)."""
+        _json(self._call(_Op("create", "events", "", namespace),
+                         self._core.create_namespaced_event, namespace, dict(body),
                          _preload_content=False, _once=True,
                          _request_timeout=(min(self.connect_timeout_s, 5.0), 5.0)))
 
@@ -430,28 +431,30 @@ class KubeClient:
         pages = functools.partial(self._custom.list_namespaced_custom_object, KUEUE_GROUP,
                                   KUEUE_VERSION, plural="workloads")
         try:
-            return self._list(op, pages, namespace, label_selector=label_selector)[0]
+            return _pages(self._call, op, pages, namespace, label_selector=label_selector)[0]
         except KubeNotFoundError:
             return []
 
-    def _list(
-        self, op: _Op, fn: Callable[..., Any], namespace: str, *, page_size: int = 500,
-        **selectors: str,
-    ) -> tuple[list[dict[str, Any]], str]:
-        items: list[dict[str, Any]] = []
-        token: str | None = None
-        version = ""
-        while True:
-            kwargs: dict[str, Any] = dict(selectors, limit=page_size, _preload_content=False)
-            if token:
-                kwargs["_continue"] = token
-            doc = _json(self._call(op, fn, namespace, **kwargs))
-            items.extend(doc.get("items") or [])
-            meta = doc.get("metadata") or {}
-            version = version or str(meta.get("resourceVersion") or "")
-            token = meta.get("continue") or None
-            if not token:
-                return items, version
+
+def _pages(
+    call: Callable[..., Any], op: _Op, fn: Callable[..., Any], namespace: str, *,
+    page_size: int = 500, **selectors: str,
+) -> tuple[list[dict[str, Any]], str]:
+    """Every item of a list, page by page through `call` (KubeClient._call); its version."""
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    version = ""
+    while True:
+        kwargs: dict[str, Any] = dict(selectors, limit=page_size, _preload_content=False)
+        if token:
+            kwargs["_continue"] = token
+        doc = _json(call(op, fn, namespace, **kwargs))
+        items.extend(doc.get("items") or [])
+        meta = doc.get("metadata") or {}
+        version = version or str(meta.get("resourceVersion") or "")
+        token = meta.get("continue") or None
+        if not token:
+            return items, version
 
 
 def _in_cluster() -> bool:

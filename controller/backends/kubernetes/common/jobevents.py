@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from controller.backends.kubernetes.common.errors import KubeError
 from esd_worker.core.echo import echo
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 COMPONENT = "esd-sweep-controller"  # source.component / reportingComponent of every Event
 MAX_EVENTS = 300  # Events a run sends at most (a sweep of failures must not flood etcd)
 MESSAGE_BYTES = 1024  # the API's bound on a message (UTF-8 bytes)
+E = TypeVar("E", bound=Mapping[str, Any])
 INSTANCE_CHARS = 128  # the API's bound on reportingInstance
 FAILURES_BEFORE_GIVING_UP = 3  # failed creates in a row after which no more are tried
 
@@ -89,7 +90,7 @@ def build_event(job: Mapping[str, Any], *, type_: str, reason: str, message: str
     }
 
 
-def foreign(events: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+def foreign(events: Iterable[E]) -> list[E]:
     """The events some other component wrote (the scheduler's, the Job controller's): what
     explains a Job, without the controller's own milestones."""
     return [e for e in events if (e.get("source") or {}).get("component") != COMPONENT

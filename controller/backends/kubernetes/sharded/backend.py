@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TextIO
@@ -37,6 +36,13 @@ from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.budgets import DownloadBudgets
 from controller.backends.kubernetes.sharded.devicefaults import DeviceFaults
 from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
+from controller.backends.kubernetes.sharded.milestones import (
+    NO_WAIT,
+    STOPPED,
+    Finished,
+    announce,
+    ended,
+)
 from controller.backends.kubernetes.sharded.plan import default_classes
 from controller.backends.kubernetes.sharded.progress import ShardProgressReader
 from controller.backends.kubernetes.sharded.sharding import ClassShards, write_shards
@@ -193,8 +199,9 @@ class ShardedBackend:
              progress: Progress | None) -> list[Outcome]:
         kube = self._client()
         self.events = self.devices.events = JobEventRecorder(kube)
-        self._check_server(kube)
-        self.attached = self._unfinished(kube)
+        _check_server(kube)
+        self.attached = _unfinished(kube, self.settings.namespace, self.instance,
+                                    self.spec.run_id)
         # Sharded now, not after the attached Jobs end: what they do not hold, if any.
         remaining, attached = _not_held(work, self.store, self.attached)
         shards = self._shard(remaining, self.store)
@@ -206,50 +213,22 @@ class ShardedBackend:
             self.left_running = [r.name for r in following]
             log.info("--no-wait: %d Indexed Job(s) created; a later run re-attaches to them",
                      len(self.runs))
-            self._ended(following, "ended without waiting for its Jobs (--no-wait): a "
-                        "later run re-attaches")
+            ended(self.events, self.spec.run_id, following, NO_WAIT)
             return []
         followed = self._follow(kube, following, progress)
         self.runs = following[len(self.attached):]  # and any Job made while following
         if not followed:
-            self._ended(following, "stopped: its Jobs keep running (the next run re-attaches)")
+            ended(self.events, self.spec.run_id, following, STOPPED)
             return []
-        for r in following:
-            if r.state != "Deleted" and self.events is not None:
-                self.events.normal(r.job, "ClassComplete", _class_line(r))
         failures = ShardFailures(kube, self.store, self.settings, following, self.events)
-        tally: Counter[str] = Counter()
-
-        def counted(outcome: Outcome) -> None:
-            tally[outcome.status] += 1
-            on_outcome(outcome)
-
-        outcomes = store_outcomes(work, self.store, self.spec.run_id, failures, counted,
+        with Finished(self.events, self.spec.run_id, following, on_outcome) as counted:
+            return store_outcomes(work, self.store, self.spec.run_id, failures, counted,
                                   too_big=self.budgets.errors, attached=attached)
-        self._ended(following, f"finished: {tally['done']} model(s) done, "
-                    f"{tally['failed']} failed")
-        return outcomes
-
-    def _ended(self, runs: list[IndexedRun], how: str) -> None:
-        """SweepFinished on each of the run's Jobs still there."""
-        for r in runs:
-            if r.state != "Deleted" and self.events is not None:
-                self.events.normal(r.job, "SweepFinished", f"run {self.spec.run_id} {how}")
 
     def _client(self) -> KubeClient:
         if self.kube is None:
             raise SweepError("the kubernetes backend has no client (built for a dry run)")
         return self.kube
-
-    def _check_server(self, kube: KubeClient) -> None:
-        too_old = server_too_old(kube.server_version())
-        if too_old:
-            raise SweepError(too_old)
-
-    def _unfinished(self, kube: KubeClient) -> list[IndexedRun]:
-        items, _ = kube.list_jobs(self.settings.namespace, sharded_selector(self.instance))
-        runs = [IndexedRun.from_job(job) for job in items]
-        return [r for r in runs if not r.finished and r.run_id != self.spec.run_id]
 
     def _shard(self, work: Work, store: Store) -> list[ClassShards]:
         shards = write_shards(
@@ -304,10 +283,7 @@ class ShardedBackend:
                 "one Job per model with --shard-size 1")
         log.info("job=%s class=%s: %d shard(s), %d model(s), %d pod(s) at once", name,
                  c.cls.name, c.shards, c.models, c.parallelism)
-        if self.events is not None:
-            self.events.normal(created, "ShardsCreated", (
-                f"class {c.cls.name}: {c.shards} shard(s) of {c.models} model(s), "
-                f"{c.parallelism} pod(s) at once (run {self.spec.run_id})"))
+        announce(self.events, created, c, self.spec.run_id)
         return self.devices.track(IndexedRun.from_job(created, per_shard=c.per_shard), c, pods)
 
     def _follow(self, kube: KubeClient, runs: list[IndexedRun],
@@ -382,14 +358,18 @@ def _give_up(kube: KubeClient, namespace: str, stuck: IndexedRun, runs: list[Ind
         "--toleration) and run again")
 
 
-def _class_line(r: IndexedRun) -> str:
-    """A finished Job's ClassComplete message: its shards (and the models they hold) by how
-    they ended (a done shard's models may hold failures of their own: the store has them)."""
-    replaced = (f", {len(r.replaced)} run again by a replacement Job ({r.models_replaced} "
-                "model(s))" if r.replaced else "")
-    return (f"class {r.class_name}: Job {r.state or 'finished'}: {len(r.completed)} of "
-            f"{r.completions} shard(s) done ({r.models_done} model(s)), "
-            f"{len(r.failed) - len(r.replaced)} failed ({r.models_failed} model(s)){replaced}")
+def _unfinished(kube: KubeClient, namespace: str, instance: str,
+                run_id: str) -> list[IndexedRun]:
+    """The sweep's Indexed Jobs of earlier runs that are still running (re-attached to)."""
+    items, _ = kube.list_jobs(namespace, sharded_selector(instance))
+    runs = [IndexedRun.from_job(job) for job in items]
+    return [r for r in runs if not r.finished and r.run_id != run_id]
+
+
+def _check_server(kube: KubeClient) -> None:
+    too_old = server_too_old(kube.server_version())
+    if too_old:
+        raise SweepError(too_old)
 
 
 def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,

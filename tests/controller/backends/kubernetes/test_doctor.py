@@ -92,12 +92,12 @@ def test_healthy_cluster(healthy: KubeSim, exporter_port: int,
     code, lines = doctor([], exporter_port, capsys)
     assert code == 0, lines
     assert list(lines) == ["gpus", "worker", "store", "hf-token", "kube-api", "kube-rbac",
-                           "kube-nodes", "kube-telemetry"]
+                           "kube-nodes", "kube-secrets", "kube-telemetry"]
     assert lines["gpus"].startswith("– gpus: not this machine's")
     assert lines["kube-api"].startswith(f"✓ kube-api: {healthy.url} answers")
     assert "Kubernetes v1.31.0, namespace esd" in lines["kube-api"]
     assert lines["kube-rbac"] == ("✓ kube-rbac: allowed: create, get, list, watch, delete "
-                                  "jobs.batch; list pods; get pods/log; list events in "
+                                  "jobs.batch; list pods; get pods/log; list, create events in "
                                   "namespace esd")
     assert lines["kube-nodes"] == ("✓ kube-nodes: 1 of 2 node(s) expose nvidia.com/gpu: 8 "
                                    "GPU(s) allocatable (node-a 8)")
@@ -135,8 +135,8 @@ def test_telemetry_namespace_of_its_own(sim: KubeSim, exporter_port: int,
     argv = ["--telemetry-namespace", "gpu-operator"]
     code, lines = doctor(argv, exporter_port, capsys)
     assert code == 0, lines
-    assert lines["kube-rbac"].endswith("list events in namespace esd; list pods in namespace "
-                                       "gpu-operator")
+    assert lines["kube-rbac"].endswith("list, create events in namespace esd; list pods in "
+                                       "namespace gpu-operator")
     sim.forbid("list", "pods", namespace="gpu-operator")
     code, lines = doctor(argv, exporter_port, capsys)
     assert code == 1
