@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.support.kubesim import StrictValidator
+from tests.support.kubesim import K8S_VERSIONS, StrictValidator
 from tests.support.kustomize import (
     COMPONENTS,
     EXCLUSIVE,
@@ -32,7 +32,6 @@ from tests.support.kustomize import (
     worker_image,
 )
 
-K8S_VERSIONS = ("1.31.0", "1.37.0")
 VALIDATORS = {v: StrictValidator(v) for v in K8S_VERSIONS}
 COMBINATIONS = list(combinations())
 
