@@ -32,6 +32,11 @@
 #      |Δα|/α of every layer against float64 (the old float32 eigensolver, the worker's
 #      float64 solve on the device and on the host). ~6 minutes on an H100 with the
 #      checkpoint written, ~7 without.
+#   9. bench_watch_gpu.py (issue 33): one shard pod (`esd-worker --shards`, supervisor and
+#      child) over four 8-block Llama-shaped models with its progress document polled as
+#      the controller reads it, NVML's utilisation sampled beside it (the document's
+#      device-busy share against the GPU's own), and `esd-sweep run --metrics-port` scraped
+#      over HTTP while it runs. ~1-2 minutes. SMOKE9=1: the same on the CPU, tiny models.
 # Every result lands in $OUT: gpu_checks.json, pytest_spectra.txt, bench_worker.json,
 # bench_worker_cold.json, bench_sweep_gpu.json, bench_multi_gpu.json, bench_feed.json and
 # the logs.
@@ -48,6 +53,7 @@ STEPS=${STEPS:-1 8}
 if [ -n "${SMOKE:-}" ]; then  # the CPU: step 8's code paths on a small checkpoint
   STEPS=8 CKPT=${SMOKE_CKPT:-/tmp/esd-bench/tiny}
 fi
+if [ -n "${SMOKE9:-}" ]; then STEPS=9; fi  # the CPU: step 9 on tiny models
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -236,6 +242,19 @@ if [ -n "${SMOKE:-}" ]; then
 else
   "$PY" benchmarks/bench_feed.py --ckpt "$CKPT" --device cuda --models 3 \
     --json "$OUT/bench_feed.json" 2>&1 | tee "$OUT/bench_feed.log"
+fi
+fi
+
+
+if want 9; then
+step "9. bench_watch_gpu.py: a shard pod's progress document and the run's /metrics on the GPU"
+if [ -n "${SMOKE9:-}" ]; then
+  "$PY" benchmarks/bench_watch_gpu.py --device cpu --models 2 --blocks 2 --hidden 256 \
+    --intermediate 688 --vocab 1000 --ckpt /tmp/esd-bench/watch-tiny \
+    --json "$OUT/bench_watch_gpu.json" 2>&1 | tee "$OUT/bench_watch_gpu.log"
+else
+  "$PY" benchmarks/bench_watch_gpu.py --device cuda --json "$OUT/bench_watch_gpu.json" \
+    2>&1 | tee "$OUT/bench_watch_gpu.log"
 fi
 fi
 
