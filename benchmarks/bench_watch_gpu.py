@@ -22,6 +22,7 @@ Two things an operator reads while a sweep runs, measured against the GPU itself
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -109,7 +110,7 @@ def shard(listed: Path, root: Path, device: str) -> dict[str, Any]:
         stderr = proc.stderr.read() if proc.stderr else ""
     wall = time.perf_counter() - t0
     final = json.loads(doc_path.read_text()) if doc_path.exists() else {}
-    gaps = [b["t_s"] - a["t_s"] for a, b in zip(updates, updates[1:], strict=False)]
+    gaps = [b["t_s"] - a["t_s"] for a, b in itertools.pairwise(updates)]
     share = (round(final["device_busy_s"] / final["worker_s"], 3)
              if final.get("worker_s") else None)
     return {
