@@ -76,6 +76,7 @@ CONTROLLER_PERMISSIONS: tuple[Permission, ...] = (
     Permission("get", "pods/log"),
     Permission("list", "events"),
     Permission("create", "events"),  # the sweep's Events on its Jobs (common.jobevents)
+    Permission("get", "podtemplates"),  # the worker image (--worker-template)
 )
 # In the telemetry namespace: the exporter pods are listed to find their IPs.
 TELEMETRY_PERMISSIONS = (Permission("list", "pods"),)

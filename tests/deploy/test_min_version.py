@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from controller.backends.kubernetes.common.jobs import MIN_KUBERNETES, min_kubernetes
-from controller.backends.kubernetes.sharded.indexed import server_too_old
+from controller.backends.kubernetes.common.wiring import server_too_old
 from tests.support import REPO_ROOT
 from tests.support.kubesim import K8S_VERSION, K8S_VERSIONS
 

@@ -127,13 +127,19 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/secrets": kmock.ResourceInfo(
         kind="Secret", singular="secret", namespaced=True,
         verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
+    # The worker's PodTemplate (manifests/base/worker-image.yaml): --worker-template reads
+    # the worker image from it.
+    "v1/podtemplates": kmock.ResourceInfo(
+        kind="PodTemplate", singular="podtemplate", namespaced=True,
+        verbs={"create", "delete", "get", "list", "patch", "update", "watch"}),
     "authorization.k8s.io/v1/selfsubjectaccessreviews": kmock.ResourceInfo(
         kind="SelfSubjectAccessReview", singular="selfsubjectaccessreview", namespaced=False,
         verbs={"create"}),
 }
 _API_VERSION = {"jobs": "batch/v1", "pods": "v1", "events": "v1",
                 "workloads": "kueue.x-k8s.io/v1beta2", "nodes": "v1",
-                "selfsubjectaccessreviews": "authorization.k8s.io/v1", "secrets": "v1"}
+                "selfsubjectaccessreviews": "authorization.k8s.io/v1", "secrets": "v1",
+                "podtemplates": "v1"}
 # Custom resources: kubernetes-validate has no schema for them (the CRD's own validation is
 # Kueue's business), so the simulator stores them as written.
 _UNVALIDATED_GROUPS = frozenset({"kueue.x-k8s.io"})

@@ -3,11 +3,10 @@
 Owns talking to the API server: retries (429, 5xx, connection errors: bounded exponential
 backoff with full jitter, in `_call` and nowhere else), the mapping of API errors to this
 backend's exception family (401/403 name the missing RBAC verb), 409-on-create as "exists",
-410 Gone as ResourceVersionExpired (the family lives in
-controller.backends.kubernetes.common.errors,
-importable without `kubernetes`). The only module that imports `kubernetes`. Does not build
-Jobs (controller.backends.kubernetes.common.jobs) or decide anything. Objects go in and come out as
-plain dicts (JSON as the API sends it), never client models.
+410 Gone as ResourceVersionExpired (the family lives in common.errors, importable without
+`kubernetes`). The only module that imports `kubernetes`. Does not build Jobs (common.jobs)
+or decide anything. Objects go in and come out as plain dicts (JSON as the API sends it),
+never client models.
 """
 
 from __future__ import annotations
@@ -191,7 +190,8 @@ def _json(resp: Any) -> Any:
 
 
 class KubeClient:
-    """The sweep's calls to the Kubernetes API (jobs, pods, logs, events) with retries.
+    """The sweep's calls to the Kubernetes API (jobs, pods, logs, events, the worker's
+    PodTemplate) with retries.
 
     Build it from a `kubernetes.client.Configuration` (tests point `.host` at a mock
     server) or with `load_client()`. `request_timeout_s` bounds every non-watch call;
@@ -199,14 +199,9 @@ class KubeClient:
     """
 
     def __init__(
-        self,
-        configuration: k8s.Configuration,
-        *,
-        retry: RetryPolicy | None = None,
-        request_timeout_s: float = 30.0,
-        connect_timeout_s: float = 10.0,
-        default_namespace: str | None = None,
-        sleep: Callable[[float], None] = time.sleep,
+        self, configuration: k8s.Configuration, *, retry: RetryPolicy | None = None,
+        request_timeout_s: float = 30.0, connect_timeout_s: float = 10.0,
+        default_namespace: str | None = None, sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
     ) -> None:
         cfg = copy.deepcopy(configuration)
@@ -290,13 +285,20 @@ class KubeClient:
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The Job as a dict, or None when there is none of that name."""
-        op = _Op("get", "jobs", "batch", namespace)
+        return self._read(_Op("get", "jobs", "batch", namespace),
+                          self._batch.read_namespaced_job, name)
+
+    def read_pod_template(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The v1 PodTemplate as a dict (the worker image: --worker-template), or None."""
+        return self._read(_Op("get", "podtemplates", "", namespace),
+                          self._core.read_namespaced_pod_template, name)
+
+    def _read(self, op: _Op, fn: Callable[..., Any], name: str) -> dict[str, Any] | None:
         try:
-            resp = self._call(op, self._batch.read_namespaced_job, name, namespace,
-                              _preload_content=False)
+            doc: dict[str, Any] = _json(self._call(op, fn, name, op.namespace,
+                                                   _preload_content=False))
         except KubeNotFoundError:
             return None
-        doc: dict[str, Any] = _json(resp)
         return doc
 
     def list_jobs(
@@ -386,10 +388,8 @@ class KubeClient:
 
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         """Pods matching the selector (e.g. `batch.kubernetes.io/job-name=NAME`)."""
-        op = _Op("list", "pods", "", namespace)
-        items, _ = _pages(self._call, op, self._core.list_namespaced_pod, namespace,
-                              label_selector=label_selector)
-        return items
+        return self._list(_Op("list", "pods", "", namespace), self._core.list_namespaced_pod,
+                          namespace, label_selector=label_selector)[0]
 
     def read_pod_log(self, namespace: str, name: str, tail_lines: int = 50) -> str:
         """The last `tail_lines` lines of the pod's worker log; "" when the pod is gone or
@@ -408,10 +408,9 @@ class KubeClient:
 
     def list_events(self, namespace: str, field_selector: str) -> list[dict[str, Any]]:
         """core/v1 Events matching the field selector (e.g. `involvedObject.name=POD`)."""
-        op = _Op("list", "events", "", namespace)
-        items, _ = _pages(self._call, op, self._core.list_namespaced_event, namespace,
-                              field_selector=field_selector)
-        return items
+        return self._list(_Op("list", "events", "", namespace),
+                          self._core.list_namespaced_event, namespace,
+                          field_selector=field_selector)[0]
 
     def _list(self, op: _Op, fn: Callable[..., Any], namespace: str, *, page_size: int = 500,
               **selectors: str) -> tuple[list[dict[str, Any]], str]:

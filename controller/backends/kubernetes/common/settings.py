@@ -63,7 +63,10 @@ class ClusterSettings:
 
     namespace: where the Jobs go (default esd-sweep); kube_context: kubeconfig context
     (None: the current one, or the pod's service account in a cluster).
-    image: the worker image (`esd-worker` on PATH). node_selector, priority_class,
+    image: the worker image (`esd-worker` on PATH). worker_template: a PodTemplate in
+    `namespace` whose `worker` container's image replaces `image` once a client is open
+    (common.wiring.with_template_image; the manifests' esd-sweep-worker, which kustomize's
+    `images:` rewrites). node_selector, priority_class,
     service_account (default esd-sweep-worker), hf_token_secret (NAME:KEY), s3_secret,
     hf_cache_pvc, image_pull_secrets, tolerations ((key, value or None, effect) each),
     cpu_request: passed to each Job. gpu_resource: the extended resource worker pods
@@ -103,6 +106,7 @@ class ClusterSettings:
     namespace: str = DEFAULT_NAMESPACE
     kube_context: str | None = None
     image: str = field(default_factory=default_image)
+    worker_template: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
     priority_class: str | None = None
     service_account: str | None = DEFAULT_SERVICE_ACCOUNT
@@ -274,9 +278,14 @@ def add_cluster_flags(g: Any) -> None:
              help=f"namespace of the Jobs (default {DEFAULT_NAMESPACE})")
     add_flag(g, "--kube-context", metavar="NAME",
              help="kubeconfig context (default: the current one; in a pod: its service account)")
-    add_flag(g, "--image", default=os.environ.get("ESD_IMAGE") or default_image(),
-             help="worker image with esd-worker (default: env ESD_IMAGE, else "
+    # No default here: cluster_from_args tells an --image given from none (which
+    # --worker-template refuses), then falls back to ESD_IMAGE and the built-in tag.
+    add_flag(g, "--image", help="worker image with esd-worker (default: env ESD_IMAGE, else "
              f"{default_image()})")
+    add_flag(g, "--worker-template", metavar="NAME",
+             help="take the worker image from this PodTemplate in --namespace (its `worker` "
+             "container), read when the run starts: the manifests' esd-sweep-worker, whose "
+             "image kustomize's `images:` sets (not with --image)")
     add_flag(g, "--node-selector", action="append", default=[], metavar="KEY=VALUE",
              help="only nodes with this label (repeatable)")
     add_flag(g, "--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT",
@@ -381,11 +390,16 @@ def cluster_from_args(args: argparse.Namespace, problems: list[str]) -> ClusterS
                             "(e.g. dedicated=gpu:NoSchedule)")
         else:
             tolerations.append((key, value if has_value else None, effect))
+    if args.image and args.worker_template:
+        problems.append("give --image or --worker-template, not both (the template names "
+                        "the worker image)")
+    image = args.image or os.environ.get("ESD_IMAGE") or default_image()
     token = args.hf_token_secret
     if token and ":" not in token:
         token = f"{token}:token"
     cluster = ClusterSettings(
-        namespace=args.namespace, kube_context=args.kube_context, image=args.image,
+        namespace=args.namespace, kube_context=args.kube_context, image=image,
+        worker_template=args.worker_template or None,
         node_selector=selector, priority_class=args.priority_class,
         service_account=args.service_account or None, hf_token_secret=token,
         s3_secret=args.s3_secret, hf_cache_pvc=args.hf_cache_pvc,

@@ -30,10 +30,12 @@ from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.common.telemetry import scrape
 from controller.backends.kubernetes.common.watch import JobWatcher, WatchQueue
 from controller.backends.kubernetes.common.wiring import (
+    check_server,
     client_for,
     sweep_gpu_counts,
     sweep_job_settings,
     sweep_sizer,
+    with_template_image,
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.per_model.events import JobEvents
@@ -112,8 +114,9 @@ class KubernetesBackend:
         job_settings = sweep_job_settings(settings, spec)
         sizer = sweep_sizer(settings.cluster)
         with client_for(settings, kube) as (client, own):
+            cluster, job_settings = with_template_image(settings, job_settings, client)
             return cls(
-                settings.cluster, client, job_settings=job_settings,
+                cluster, client, job_settings=job_settings,
                 output_url=spec.store_url, gpus_per_job=job_settings.gpus_per_job,
                 max_retries=spec.max_retries, adopt_complete=not spec.overwrite,
                 threshold_mib=settings.gpu.threshold_mib, max_checks=settings.gpu.max_checks,
@@ -223,6 +226,8 @@ class KubernetesBackend:
              progress: Progress | None) -> list[Outcome]:
         if self.kube is None:
             raise SweepError("the kubernetes backend has no client (built for a dry run)")
+        if self._parts is None:  # once per backend (its parts are built on its first run)
+            check_server(self.kube)
         cpu0 = time.thread_time()
         table = self.table
         table.on_outcome, table.progress = on_outcome, progress

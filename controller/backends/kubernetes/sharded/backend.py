@@ -27,15 +27,17 @@ from controller.backends.kubernetes.common.names import RUN_LABEL, sharded_selec
 from controller.backends.kubernetes.common.resources import ResourceClass, cache_budget
 from controller.backends.kubernetes.common.settings import ClusterSettings
 from controller.backends.kubernetes.common.wiring import (
+    check_server,
     client_for,
     sweep_gpu_counts,
     sweep_job_settings,
     sweep_sizer,
+    with_template_image,
 )
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.budgets import DownloadBudgets
 from controller.backends.kubernetes.sharded.devicefaults import DeviceFaults
-from controller.backends.kubernetes.sharded.indexed import build_indexed_job, server_too_old
+from controller.backends.kubernetes.sharded.indexed import build_indexed_job
 from controller.backends.kubernetes.sharded.milestones import (
     NO_WAIT,
     STOPPED,
@@ -127,6 +129,7 @@ class ShardedBackend:
                                   large_bytes=cluster.large_model_bytes)
         sizer = sweep_sizer(cluster)
         with client_for(settings, kube) as (client, own):
+            cluster, job_settings = with_template_image(settings, job_settings, client)
             return cls(cluster, client, spec=spec, job_settings=job_settings,
                        store=open_store(spec.store_url), classes=classes, size=sizer.size,
                        size_report=sizer.log_stats, base_size=sizer.base_size,
@@ -199,7 +202,7 @@ class ShardedBackend:
              progress: Progress | None) -> list[Outcome]:
         kube = self._client()
         self.events = self.devices.events = JobEventRecorder(kube)
-        _check_server(kube)
+        check_server(kube)
         self.attached = _unfinished(kube, self.settings.namespace, self.instance,
                                     self.spec.run_id)
         # Sharded now, not after the attached Jobs end: what they do not hold, if any.
@@ -364,12 +367,6 @@ def _unfinished(kube: KubeClient, namespace: str, instance: str,
     items, _ = kube.list_jobs(namespace, sharded_selector(instance))
     runs = [IndexedRun.from_job(job) for job in items]
     return [r for r in runs if not r.finished and r.run_id != run_id]
-
-
-def _check_server(kube: KubeClient) -> None:
-    too_old = server_too_old(kube.server_version())
-    if too_old:
-        raise SweepError(too_old)
 
 
 def store_outcomes(work: Work, store: Store, run_id: str, failures: ShardFailures,

@@ -1,11 +1,11 @@
 """The Indexed Job of a sharded run: one per resource class, one completion index per shard.
 
 Owns what a sharded worker Job looks like (its name, the worker's mode, the per-index
-podFailurePolicy, the labels and annotations a controller finds it by) and the oldest API
-server that runs it. Pure: dicts out, no client. Does not cut the shards or write them to
-the store (the shard lists' keys are esd_worker.core.store.layout's), submit or watch Jobs, or read
-per-model outcomes (those are in the store). The pod is the per-model Jobs' pod
-(jobs.pod_spec); label keys are names'; worker exit codes esd_worker.core.errors'.
+podFailurePolicy, the labels and annotations a controller finds it by). Pure: dicts out, no
+client. Does not check the API server's version (common.wiring.check_server), cut the shards
+or write them to the store (the shard lists' keys are esd_worker.core.store.layout's), submit
+or watch Jobs, or read per-model outcomes (those are in the store). The pod is the per-model
+Jobs' pod (jobs.pod_spec); label keys are names'; worker exit codes esd_worker.core.errors'.
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from typing import Any
 from controller.backends.kubernetes.common.errors import JobSpecError
 from controller.backends.kubernetes.common.jobs import (
     CONTAINER_NAME,
-    MIN_KUBERNETES,
     JobSettings,
     job_object,
-    min_kubernetes,
     pod_annotations,
     pod_argv,
     pod_spec,
@@ -62,7 +60,6 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # drops the fields it does not know: the Job would be created without per-index limits and
 # with a policy it cannot act on.
 KUEUE_MIN_PARALLELISM = "kueue.x-k8s.io/job-min-parallelism"
-_VERSION = re.compile(r"v?(\d+)\.(\d+)")
 
 
 def indexed_job_name(run_id: str, class_name: str) -> str:
@@ -250,19 +247,3 @@ def avoid_nodes_affinity(nodes: Sequence[str]) -> dict[str, Any]:
     avoid = {"key": HOSTNAME_KUBERNETES_LABEL, "operator": "NotIn", "values": sorted(set(nodes))}
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [avoid]}]}}}
-
-
-def server_too_old(git_version: str) -> str | None:
-    """Why an API server of `git_version` (its /version gitVersion, e.g. v1.28.3-eks-abc)
-    cannot run sharded Jobs, in one line; None when it can or the version does not parse
-    (an odd build string must not block a run the server may well accept)."""
-    match = _VERSION.match(git_version.strip()) if isinstance(git_version, str) else None
-    if match is None:
-        return None
-    found = (int(match[1]), int(match[2]))
-    if found >= MIN_KUBERNETES:
-        return None
-    shown = re.sub(r"[^\x21-\x7e]", "?", git_version.strip())[:64]
-    return (f"Kubernetes {shown} is too old: esd-sweep needs Kubernetes "
-            f"{min_kubernetes()} or newer (podFailurePolicy, Indexed Jobs with "
-            "backoffLimitPerIndex); upgrade the cluster")

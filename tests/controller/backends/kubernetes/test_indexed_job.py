@@ -28,13 +28,13 @@ from controller.backends.kubernetes.common.names import (
     sharded_selector,
     sweep_selector,
 )
+from controller.backends.kubernetes.common.wiring import server_too_old
 from controller.backends.kubernetes.common.yamlout import jobs_to_yaml
 from controller.backends.kubernetes.sharded.indexed import (
     MAX_CLASS,
     MAX_COMPLETIONS,
     build_indexed_job,
     indexed_job_name,
-    server_too_old,
     shard_failure_policy,
 )
 from esd_worker.core.command.invocation import MODEL, BatchOptions, WorkerInvocation
