@@ -91,10 +91,12 @@ def test_every_combination_renders_and_validates(combo: tuple[str, ...]) -> None
     assert (cluster.telemetry_namespace == "gpu-operator") == ("dcgm-exporter" in combo)
     daemonsets = [o for o in objs if o["kind"] == "DaemonSet"]
     assert bool(daemonsets) == ("gpu-exporter" in combo)
-    # The worker image is `images:`'s, in the controller's --image and the exporter alike.
-    assert cluster.image == worker_image(objs) != "esd-sweep"
+    # The worker image is `images:`'s, in the PodTemplate the controller reads it from
+    # (--worker-template) and in the exporter alike.
+    assert cluster.worker_template == "esd-sweep-worker"
+    assert worker_image(objs) != "esd-sweep"
     assert [pod_spec(d)["containers"][0]["image"] for d in daemonsets] == (
-        [cluster.image] * len(daemonsets))
+        [worker_image(objs)] * len(daemonsets))
     assert cluster.priority_class == one(objs, "PriorityClass")["metadata"]["name"]
     assert settings.metrics_port == 9090 and settings.metrics_address == "0.0.0.0"
     (port,) = container["ports"]

@@ -32,7 +32,6 @@ from tests.support.kustomize import (
     components_of,
     container_env,
     controller_args,
-    copy_manifests,
     empty_dirs,
     expand,
     one,
@@ -150,8 +149,8 @@ def _pinned() -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(KUSTOMIZATIONS))
 def test_images_are_pinned_and_named_once(rendered: dict[str, list[Obj]], name: str) -> None:
     """Every image has a version tag or a digest (never :latest or none) and is one that
-    `images:` pins, and the worker image the controller passes to its Jobs (--image, which
-    kustomize cannot see) is `images:`'s too, through ESD_WORKER_IMAGE."""
+    `images:` pins, and the controller takes its Jobs' worker image from the PodTemplate
+    `images:` rewrites (--worker-template; tests/deploy/test_worker_image.py runs it)."""
     pinned = _pinned()
     objs = rendered[name]
     for workload in [*workloads(objs), *(o for o in objs if o["kind"] == "PodTemplate")]:
@@ -164,9 +163,9 @@ def test_images_are_pinned_and_named_once(rendered: dict[str, list[Obj]], name: 
         if any(o["kind"] == kind for o in objs):
             args, container = controller_args(objs, kind)
             assert container["image"] == pinned[CONTROLLER_IMAGE]
-            assert "--image=$(ESD_WORKER_IMAGE)" in args
-            env = container_env(container, objs, "esd-sweep")
-            assert env["ESD_WORKER_IMAGE"] == worker_image(objs) == pinned[WORKER_IMAGE]
+            assert "--worker-template=esd-sweep-worker" in args
+            assert not any(a.startswith("--image") for a in args)
+            assert worker_image(objs) == pinned[WORKER_IMAGE]
 
 
 def test_the_registry_is_written_once() -> None:
@@ -176,41 +175,6 @@ def test_the_registry_is_written_once() -> None:
     naming = [p.relative_to(MANIFESTS) for p in MANIFESTS.rglob("*.yaml")
               if registry in p.read_text()]
     assert naming == [Path("base/kustomization.yaml")]
-
-
-DIGEST = "sha256:" + "0123456789abcdef" * 4
-
-
-@pytest.mark.parametrize("pin", [{"newTag": "0.2.0"}, {"digest": DIGEST}],
-                         ids=["tag", "digest"])
-def test_a_pinned_worker_image_reaches_the_controller(tmp_path: Path,
-                                                      pin: dict[str, str]) -> None:
-    """A user's pin in `images:`, by tag or by digest, is the image the controller's real CLI
-    gets as --image and puts in the worker Jobs (schema-valid), and the exporter's."""
-    from controller.backends.kubernetes.common.jobs import build_job
-    from controller.cli import build_parser, settings_from_args
-
-    repo = "registry.example.org/team/esd-sweep"
-    images = [{"name": WORKER_IMAGE, "newName": repo, **pin},
-              {"name": CONTROLLER_IMAGE, "newName": repo + "-controller", "newTag": "0.2.0"}]
-    want = repo + (f"@{DIGEST}" if "digest" in pin else ":0.2.0")
-    objs = render_components(("gpu-exporter",),
-                             manifests=copy_manifests(tmp_path, images=images))
-    for kind in ("Job", "CronJob"):
-        args, container = controller_args(objs, kind)
-        env = container_env(container, objs, "esd-sweep")
-        assert env["ESD_WORKER_IMAGE"] == want
-        settings = settings_from_args(build_parser().parse_args(
-            [expand(a, env) for a in args][1:]))
-        assert settings.cluster.image == want
-    assert pod_spec(one(objs, "DaemonSet"))["containers"][0]["image"] == want
-    job = build_job(
-        model_ref="Qwen/Qwen2.5-0.5B", model_key="qwen-qwen2-5-0-5b-0123456789", relation="",
-        source_model=None, output_url=settings.output,
-        settings=settings.cluster.job_settings(run_id="pin", instance="pin", gpus_per_job=1))
-    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == want
-    for version in K8S_VERSIONS:
-        kubernetes_validate.validate(job, version, strict=True)
 
 
 def test_cronjob_runs_the_same_controller_as_the_job(rendered: dict[str, list[Obj]]) -> None:

@@ -64,6 +64,7 @@ def _event() -> dict[str, Any]:
 CALLS: dict[str, Callable[[KubeClient], Any]] = {
     "create_job": lambda kube: kube.create_job(NS, _job()),
     "read_job": lambda kube: kube.read_job(NS, "esd-missing-0123456789"),
+    "read_pod_template": lambda kube: kube.read_pod_template(NS, "esd-sweep-worker"),
     "list_jobs": lambda kube: kube.list_jobs(NS, managed_selector()),
     "watch_jobs": lambda kube: list(kube.watch_jobs(NS, managed_selector(), None, timeout_s=1)),
     "delete_job": lambda kube: kube.delete_job(NS, "esd-missing-0123456789"),

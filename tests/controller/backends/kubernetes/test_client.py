@@ -277,6 +277,8 @@ PERMISSIONS = [
      "cannot get pods/log in namespace esd: add verb get on pods/log"),
     ("list", "events", lambda k: k.list_events(NS, "involvedObject.name=p"),
      "cannot list events in namespace esd: add verb list on events"),
+    ("get", "podtemplates", lambda k: k.read_pod_template(NS, "esd-sweep-worker"),
+     "cannot get podtemplates in namespace esd: add verb get on podtemplates"),
 ]
 
 
