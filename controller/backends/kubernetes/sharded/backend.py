@@ -43,6 +43,7 @@ from controller.backends.kubernetes.sharded.milestones import (
     STOPPED,
     Finished,
     announce,
+    completed,
     ended,
 )
 from controller.backends.kubernetes.sharded.plan import default_classes
@@ -113,6 +114,7 @@ class ShardedBackend:
         self.runs: list[IndexedRun] = []  # this run's Jobs
         self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
         self.left_running: list[str] = []
+        self._complete: set[str] = set()  # the Jobs whose ClassComplete went out
         # The running shards' progress documents: per-model counts, read every 30 s.
         self.shard_progress = ShardProgressReader(store)
         self.devices = DeviceFaults(settings.namespace, store, run_id=spec.run_id,
@@ -307,6 +309,8 @@ class ShardedBackend:
                     raise _give_up(kube, self.settings.namespace, r, runs, stuck, self.events)
             runs.extend(self.devices.follow(  # indexes whose GPU broke run again elsewhere
                 kube, runs, self._clock(), lambda c, pods: self._create(kube, c, pods)))
+            # After the replacements: a Job's ClassComplete counts its shards run again.
+            completed(self.events, runs, self._complete)
             if progress is not None:
                 _show(progress, runs, self.shard_progress.poll(runs, self._clock()))
             if all(r.finished for r in runs):

@@ -1,8 +1,8 @@
 """The milestones of a sharded run as Events on its Indexed Jobs: what they say and when.
 
 Owns the Normal Events of the sharded mode: ShardsCreated (a class's Job made: its shards,
-models, pods at once), ClassComplete (each Job, once every Job ended: shards and their
-models by how they ended) and SweepFinished (on each Job still there when the run ends,
+models, pods at once), ClassComplete (each Job once, when the run sees it finished: shards
+and their models by how they ended) and SweepFinished (on each Job still there when the run ends,
 finished, stopped or --no-wait; the run's model counts when it finished). The failures'
 Warnings are sent where they are found (ShardFailed: .status; GPUBroken: .devicefaults;
 Unschedulable: .backend). Sending them, best effort and bounded, is common.jobevents'.
@@ -33,14 +33,22 @@ def announce(events: JobEventRecorder | None, job: Mapping[str, Any], c: ClassSh
             f"{c.parallelism} pod(s) at once (run {run_id})"))
 
 
-def ended(events: JobEventRecorder | None, run_id: str, runs: list[IndexedRun], how: str,
-          *, complete: bool = False) -> None:
-    """At the run's end, on each of its Jobs still there: ClassComplete (complete: every
-    Job has finished) and SweepFinished."""
+def completed(events: JobEventRecorder | None, runs: list[IndexedRun], told: set[str]) -> None:
+    """ClassComplete on each Job finished since the last look (told: the Jobs already
+    counted, updated), so a class that ends early says so while the others still run; none
+    on a Job deleted under the run (nothing to put it on)."""
+    for r in runs:
+        if r.finished and r.name not in told:
+            told.add(r.name)
+            if r.state != "Deleted" and events is not None:
+                events.normal(r.job, "ClassComplete", class_line(r))
+
+
+def ended(events: JobEventRecorder | None, run_id: str, runs: list[IndexedRun],
+          how: str) -> None:
+    """At the run's end, on each of its Jobs still there: SweepFinished."""
     for r in runs:
         if r.state != "Deleted" and events is not None:
-            if complete:
-                events.normal(r.job, "ClassComplete", class_line(r))
             events.normal(r.job, "SweepFinished", f"run {run_id} {how}")
 
 
@@ -56,8 +64,8 @@ def class_line(r: IndexedRun) -> str:
 
 class Finished:
     """The end of a run whose Jobs all finished: a context whose value is on_outcome,
-    counting the outcomes by status on the way; ClassComplete and SweepFinished (with the
-    counts) on each Job once every outcome went out (not when that raised)."""
+    counting the outcomes by status on the way; SweepFinished (with the counts) on each Job
+    once every outcome went out (not when that raised)."""
 
     def __init__(self, events: JobEventRecorder | None, run_id: str, runs: list[IndexedRun],
                  on_outcome: OutcomeCallback) -> None:
@@ -77,4 +85,4 @@ class Finished:
         if kind is None:
             ended(self.events, self.run_id, self.runs, (
                 f"finished: {self.counts['done']} model(s) done, "
-                f"{self.counts['failed']} failed"), complete=True)
+                f"{self.counts['failed']} failed"))

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from controller.backends.kubernetes.common.jobevents import (
 from controller.backends.kubernetes.common.names import CLASS_LABEL, job_name
 from esd_worker.core.errors import EXIT_PERMANENT
 from esd_worker.core.store.stores import Store
-from tests.controller.backends.kubernetes.test_sharded import backend_for, by_status, rows, run
+from tests.controller.backends.kubernetes.test_sharded import GB, backend_for, by_status, rows, run
 from tests.controller.backends.kubernetes.test_sharded_devices import BROKEN, NODES
 from tests.support.cluster import (
     NS,
@@ -44,9 +45,10 @@ from tests.support.cluster import (
     make_backend,
     make_rows,
     run_models,
+    wait_for,
 )
 from tests.support.indexed import Exit, IndexedJobSimulator
-from tests.support.kubesim import K8S_VERSION, KubeSim
+from tests.support.kubesim import K8S_VERSION, KubeSim, job_finished
 from tests.support.shardworker import ShardWorker
 
 # Secrets a failing worker's log may hold: an HF token, a bearer header, S3 credentials in a
@@ -184,6 +186,39 @@ def test_a_broken_gpu_is_a_warning_on_the_job_whose_pod_found_it(
     assert {e["involvedObject"]["uid"] for e in events} == {
         first["metadata"]["uid"], replacement["metadata"]["uid"]}
     assert_valid_and_clean(sim, events)
+
+
+def test_a_class_complete_goes_out_when_its_job_ends_not_when_the_run_does(
+    sim: KubeSim, kube: KubeClient, store: Store,
+) -> None:
+    """gpu-small's Job finishes while gpu-large's pods still wait for a node: its
+    ClassComplete is on it then, once; the run, stopped, tells both SweepFinished and
+    gpu-large no ClassComplete (it never finished)."""
+    indexed = IndexedJobSimulator(sim, namespace=NS)
+    indexed.unschedulable = {"gpu-large": "0/1 nodes are available: 1 Insufficient memory."}
+    backend = backend_for(kube, store)
+    models = [*rows(["ok-0", "ok-1"]), *rows(["big-0"], size=40 * GB)]
+    with indexed.autopilot(ShardWorker(store)):
+        running = threading.Thread(target=run, args=(backend, models, store))
+        running.start()
+        try:
+            (complete,) = wait_for(lambda: [e for e in events_of(sim)
+                                            if e["reason"] == "ClassComplete"], timeout_s=20)
+            jobs = {j["metadata"]["labels"][CLASS_LABEL]: j for j in sim.objects("jobs", NS)}
+            assert complete["involvedObject"]["uid"] == jobs["gpu-small"]["metadata"]["uid"]
+            assert not job_finished(jobs["gpu-large"])  # the run is still following it
+            assert re.fullmatch(r"class gpu-small: Job Complete: (\d+) of \1 shard\(s\) done "
+                                r"\(2 model\(s\)\), 0 failed \(0 model\(s\)\)",
+                                complete["message"]), complete["message"]
+        finally:
+            backend.request_stop()
+            running.join(30)
+    assert not running.is_alive()
+    events = [e for e in events_of(sim) if e["type"] == "Normal"]
+    assert reasons(events, jobs["gpu-small"]["metadata"]["name"]) == [
+        "ClassComplete", "ShardsCreated", "SweepFinished"]
+    assert reasons(events, jobs["gpu-large"]["metadata"]["name"]) == [
+        "ShardsCreated", "SweepFinished"]
 
 
 def test_a_class_no_node_can_run_is_an_unschedulable_warning(
