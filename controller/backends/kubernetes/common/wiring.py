@@ -129,7 +129,8 @@ def with_template_image(settings: SweepSettings, job_settings: JobSettings,
             template = kube.read_pod_template(cluster.namespace, name)
     where = f"PodTemplate {name} in namespace {cluster.namespace} (--worker-template)"
     if template is None:
-        raise SweepError(f"{where} not found: apply the manifests, or give --image")
+        raise SweepError(f"PodTemplate {name} not found in namespace {cluster.namespace} "
+                         "(--worker-template): apply the manifests, or give --image")
     image = template_image(template)
     if image is None:
         raise SweepError(f"{where} has no image (a container named worker, or its only "
