@@ -97,8 +97,8 @@ def test_healthy_cluster(healthy: KubeSim, exporter_port: int,
     assert lines["kube-api"].startswith(f"✓ kube-api: {healthy.url} answers")
     assert "Kubernetes v1.31.0, namespace esd" in lines["kube-api"]
     assert lines["kube-rbac"] == ("✓ kube-rbac: allowed: create, get, list, watch, delete "
-                                  "jobs.batch; list pods; get pods/log; list, create events in "
-                                  "namespace esd")
+                                  "jobs.batch; list pods; get pods/log; list, create events; get "
+                                  "podtemplates in namespace esd")
     assert lines["kube-nodes"] == ("✓ kube-nodes: 1 of 2 node(s) expose nvidia.com/gpu: 8 "
                                    "GPU(s) allocatable (node-a 8)")
     assert lines["kube-telemetry"] == ("✓ kube-telemetry: 1 of 1 exporter(s) answered: 2 GPU(s) "
@@ -135,8 +135,8 @@ def test_telemetry_namespace_of_its_own(sim: KubeSim, exporter_port: int,
     argv = ["--telemetry-namespace", "gpu-operator"]
     code, lines = doctor(argv, exporter_port, capsys)
     assert code == 0, lines
-    assert lines["kube-rbac"].endswith("list, create events in namespace esd; list pods in "
-                                       "namespace gpu-operator")
+    assert lines["kube-rbac"].endswith("list, create events; get podtemplates in namespace "
+                                       "esd; list pods in namespace gpu-operator")
     sim.forbid("list", "pods", namespace="gpu-operator")
     code, lines = doctor(argv, exporter_port, capsys)
     assert code == 1
