@@ -162,8 +162,7 @@ class ShardedBackend:
             out.write(f"# class {c.cls.name}: {c.models} model(s) in {c.shards} shard(s), "
                       f"{c.parallelism} pod(s) at once; shards written to {where}\n")
         out.writelines(f"# {error}\n" for error in self.budgets.errors.values())
-        if jobs:
-            out.write(jobs_to_yaml(jobs))
+        out.write(jobs_to_yaml(jobs) if jobs else "")
         out.flush()
         return len(jobs)
 
@@ -309,8 +308,7 @@ class ShardedBackend:
                     raise _give_up(kube, self.settings.namespace, r, runs, stuck, self.events)
             runs.extend(self.devices.follow(  # indexes whose GPU broke run again elsewhere
                 kube, runs, self._clock(), lambda c, pods: self._create(kube, c, pods)))
-            # After the replacements: a Job's ClassComplete counts its shards run again.
-            completed(self.events, runs, self._complete)
+            completed(self.events, runs, self._complete)  # counts the indexes run again
             if progress is not None:
                 _show(progress, runs, self.shard_progress.poll(runs, self._clock()))
             if all(r.finished for r in runs):
