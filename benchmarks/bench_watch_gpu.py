@@ -91,9 +91,12 @@ def shard(listed: Path, root: Path, device: str) -> dict[str, Any]:
     updates: list[dict[str, Any]] = []
     last_text = ""
     t0 = time.perf_counter()
-    with GpuSampler() as gpu:
+    log_path = root / "shard.log"
+    # The log goes to a file: a pipe read only once the child exits fills up (64 KiB) and
+    # blocks the child's next log line for good.
+    with GpuSampler() as gpu, log_path.open("w") as log_file:
         proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=log_file, text=True)
         while proc.poll() is None:
             time.sleep(0.5)
             try:
@@ -107,7 +110,8 @@ def shard(listed: Path, root: Path, device: str) -> dict[str, Any]:
                                 "done": doc["done"], "in_progress": doc["in_progress"],
                                 "device_busy_s": doc["device_busy_s"],
                                 "worker_s": doc["worker_s"]})
-        stderr = proc.stderr.read() if proc.stderr else ""
+                print(f"shard: {updates[-1]}", flush=True)
+    stderr = log_path.read_text()
     wall = time.perf_counter() - t0
     final = json.loads(doc_path.read_text()) if doc_path.exists() else {}
     gaps = [b["t_s"] - a["t_s"] for a, b in itertools.pairwise(updates)]
@@ -129,6 +133,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _scrape_until_exit(proc: subprocess.Popen[str], port: int, scraped: list[str]) -> None:
+    """/metrics every 0.5 s while `proc` runs (the texts that answered, in order)."""
+    while proc.poll() is None:
+        time.sleep(0.5)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                scraped.append(r.read().decode())
+        except OSError:
+            continue
+        if len(scraped) % 20 == 1:
+            print(f"metrics: scrape {len(scraped)} answered", flush=True)
+
+
 def metrics(listed: Path, root: Path, device: str) -> dict[str, Any]:
     """A local `esd-sweep run --metrics-port` over the list, scraped while it runs."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -138,19 +155,15 @@ def metrics(listed: Path, root: Path, device: str) -> dict[str, Any]:
     port = _free_port()
     argv = [sys.executable, "-m", "controller.cli", "run", "--model-list", str(listed),
             "--output-dir", str(out), "--device", device, "--metrics-port", str(port)]
-    scrapes, last = 0, ""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    while proc.poll() is None:
-        time.sleep(0.5)
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
-                last = r.read().decode()
-                scrapes += 1
-        except OSError:
-            continue
-    stderr = proc.stderr.read() if proc.stderr else ""
+    log_path = root / "metrics-run.log"
+    scraped: list[str] = []
+    with log_path.open("w") as log_file:  # a file, not a pipe: see shard()
+        proc = subprocess.Popen(argv, env=_env(), stdout=subprocess.DEVNULL,
+                                stderr=log_file, text=True)
+        _scrape_until_exit(proc, port, scraped)
+    scrapes, last = len(scraped), (scraped[-1] if scraped else "")
+    stderr = log_path.read_text()
     wall = time.perf_counter() - t0
     seen: dict[str, float] = {}
     for family in text_string_to_metric_families(last):
@@ -185,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                              shard_mb=1024, device=dev)
     root = args.ckpt.parent / (args.ckpt.name + "-watch")
     listed = links(args.ckpt, root, args.models)
+    print(f"checkpoint {facts}; {args.models} links in {root}", flush=True)
     report = {
         "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                     "cpus": os.cpu_count(), "python": platform.python_version(),
