@@ -177,6 +177,17 @@ def metrics(listed: Path, root: Path, device: str) -> dict[str, Any]:
             "stderr_tail": stderr.strip().splitlines()[-3:] if proc.returncode else []}
 
 
+def _gpu_name() -> str | None:
+    """GPU 0's name from NVML (not torch: no CUDA context in this process, see main)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return str(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    except Exception:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", type=Path, default=Path("/tmp/esd-bench/watch"))
@@ -192,15 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from checkpoint_7b import write_checkpoint
 
-    dev = torch.device("cuda" if args.device == "cuda" and torch.cuda.is_available() else "cpu")
+    # Written on the CPU: a CUDA context in this process would hold ~500 MiB of the GPU for
+    # good, and `esd-sweep run` (the gputracker rule: a GPU is free under 500 MiB) would
+    # then wait for it forever (seen on the H100: the metrics run never started a model).
     facts = write_checkpoint(args.ckpt, blocks=args.blocks, hidden=args.hidden,
                              intermediate=args.intermediate, vocab=args.vocab, seed=0,
-                             shard_mb=1024, device=dev)
+                             shard_mb=1024, device=torch.device("cpu"))
     root = args.ckpt.parent / (args.ckpt.name + "-watch")
     listed = links(args.ckpt, root, args.models)
     print(f"checkpoint {facts}; {args.models} links in {root}", flush=True)
     report = {
-        "machine": {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "machine": {"gpu": _gpu_name(),
                     "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "checkpoint": facts, "models": args.models, "device": args.device,
