@@ -162,7 +162,9 @@ def test_the_users_kustomization_renders_with_the_users_values(title: str,
         assert container["image"] == f"{env['REG']}/esd-sweep-controller@{DIGEST_C}"
         expanded = [expand(a, container_env(container, objs, "esd-sweep")) for a in args]
         parsed = build_parser().parse_args(expanded[1:])
-        assert parsed.image == worker, (kind, parsed.image)
+        # The controller reads the worker image from the PodTemplate at run time
+        # (--worker-template), so the user's `images:` is the one place the digest is.
+        assert parsed.worker_template == "esd-sweep-worker" and parsed.image is None, kind
         assert "--kueue-queue=esd-sweep" in expanded
     template = one(objs, "PodTemplate", "esd-sweep-worker")
     assert pod_spec(template)["containers"][0]["image"] == worker
