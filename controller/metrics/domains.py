@@ -9,10 +9,12 @@ The four domains say whose trouble a failure is, so an operator knows where to l
                   too big for the GPU, the host's memory or the disk, no progress in time;
   worker          the worker process: crashed, exited early, rejected its command line,
                   could not start, ended without a result;
-  node            the machine under it: a broken GPU, an eviction or disruption, a kill by
-                  a signal (preemption, the kernel's OOM killer);
+  node            the machine under it: a broken GPU, a kill by a signal that no model
+                  was charged for;
   infrastructure  what every worker shares: network and storage, the cluster's API, Jobs
-                  deleted or refused, quota (Kueue), permissions (RBAC).
+                  deleted or refused, quota (Kueue), permissions (RBAC), and evictions and
+                  disruptions (preemption, spot loss, a drain: the cluster's own reasons,
+                  as docs/design.md "Fault domains" charges them: to nobody).
 A class not listed here is the worker's (an error outside the known handling, as
 WorkerCrashed is).
 """
@@ -47,8 +49,8 @@ DOMAIN_OF: dict[str, str] = {
     "DeadlineExceeded": WORKER,
     "DeviceError": NODE,
     "KilledBySignal": NODE,
-    "Evicted": NODE,
-    "Disrupted": NODE,
+    "Evicted": INFRASTRUCTURE,
+    "Disrupted": INFRASTRUCTURE,
     "TransientError": INFRASTRUCTURE,
     "StoreError": INFRASTRUCTURE,
     "StorePermanentError": INFRASTRUCTURE,

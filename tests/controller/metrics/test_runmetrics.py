@@ -116,7 +116,7 @@ CASES: list[tuple[str, Feed, Expect]] = [
     ("a sharded run's recorded outcomes count as failures but carry no timings",
      _ended((outcome(error="Evicted: node drained", recorded=True), "Evicted: drained", True),
             (outcome("done", exit_code=0, recorded=True), "", False)),
-     {("esd_sweep_failures_total", (("cause", "Evicted"), ("fault_domain", "node"),
+     {("esd_sweep_failures_total", (("cause", "Evicted"), ("fault_domain", "infrastructure"),
                                     ("retryable", "true"))): 1,
       ("esd_sweep_model_attempts_total", ()): 0}),
 ]
@@ -175,7 +175,8 @@ def test_progress_hands_its_updates_to_the_metrics() -> None:
     ("something odd happened", 1, None, "WorkerCrashed", WORKER),
     ("SomeNewClass: unknown to the table", 1, None, "SomeNewClass", WORKER),
     ("DeviceError: GPU lost", 6, None, "DeviceError", NODE),
-    ("Evicted: the kubelet evicted the pod", None, None, "Evicted", NODE),
+    ("Evicted: the kubelet evicted the pod", None, None, "Evicted", INFRASTRUCTURE),
+    ("Disrupted: the node was drained", None, None, "Disrupted", INFRASTRUCTURE),
     ("", 137, None, "KilledBySignal", NODE),
     ("TransientError: connection reset", 4, None, "TransientError", INFRASTRUCTURE),
     ("StoreError: S3 unreachable", 4, None, "StoreError", INFRASTRUCTURE),
