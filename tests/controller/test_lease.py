@@ -367,9 +367,13 @@ def test_an_expired_s3_lease_is_taken_over(s3_server: S3Server, tmp_path: Path) 
 
 
 def test_renewal_keeps_an_s3_lease_past_its_ttl(s3_server: S3Server) -> None:
-    """Held for three TTLs: renewed all along (its ETag changes), so a contender still finds
-    it held and cannot take it; released, it is gone."""
-    store = make_store(s3_server)
+    renewal_keeps_the_lease(make_store(s3_server))
+
+
+def renewal_keeps_the_lease(store: S3Store) -> None:
+    """Held for three TTLs: renewed all along (its version changes), so a contender still
+    finds it held and cannot take it; released, it is gone (any conditional-write store:
+    S3 here, GCS's dialect in test_lease_gcs)."""
     lease = take_lease(store, command="esd-sweep run", run_id="a", ttl_s=1.0)
     assert isinstance(lease, ObjectLease)
     first_etag = lease.etag

@@ -22,18 +22,15 @@ from pathlib import Path
 import pytest
 
 from controller.output.lease import (
-    HELD,
     Held,
-    LeaseHeldError,
     ObjectLease,
     Owner,
-    decide,
     make_owner,
     observe,
-    take_lease,
 )
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.store.layout import LEASE_KEY
+from tests.controller.test_lease import renewal_keeps_the_lease
 from tests.support import REPO_ROOT
 from tests.support.builders import make_gpt2
 from tests.support.gcsproxy import GcsProxy, serve_gcs
@@ -50,21 +47,8 @@ def _owner(ttl_s: float = 10.0) -> Owner:
 
 
 def test_the_lease_is_taken_renewed_and_released(gcs: GcsProxy) -> None:
-    """Taken, renewed past three TTLs (its version changes), held against a contender all
-    along, and gone once released."""
-    store = make_store(gcs.upstream)
-    lease = take_lease(store, command="esd-sweep run", run_id="a", ttl_s=1.0)
-    assert isinstance(lease, ObjectLease)
-    first = lease.etag
-    time.sleep(3.0)
-    seen = observe(store)
-    assert seen is not None and seen.owner is not None
-    assert seen.owner.token == lease.owner.token and seen.etag != first
-    assert decide(seen) == HELD and not lease.lost
-    with pytest.raises(LeaseHeldError, match="in use by another sweep"):
-        take_lease(store, command="esd-sweep run", run_id="b", ttl_s=1.0)
-    lease.release()
-    assert observe(store) is None
+    """As on S3 (test_lease.renewal_keeps_the_lease), with nothing GCS refuses."""
+    renewal_keeps_the_lease(make_store(gcs.upstream))
     assert gcs.refused == []
 
 
