@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,16 +47,16 @@ def links(ckpt: Path, root: Path, n: int) -> Path:
     return listed
 
 
-class RssProbe:
-    """Peak VmHWM / VmRSS (KiB) over the esd-worker processes, sampled from /proc."""
+class Sampler:
+    """A background thread that calls `sample()` every `period_s` between enter and exit."""
+
+    period_s = 0.2
 
     def __init__(self) -> None:
-        self.hwm_kib = 0
-        self.rss_kib = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> RssProbe:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -65,25 +65,40 @@ class RssProbe:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            for proc in Path("/proc").iterdir():
-                if not proc.name.isdigit():
+        while not self._stop.wait(self.period_s):
+            self.sample()
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+class RssProbe(Sampler):
+    """Peak VmHWM / VmRSS (KiB) over the esd-worker processes, sampled from /proc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hwm_kib = 0
+        self.rss_kib = 0
+
+    def sample(self) -> None:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+                if b"esd_worker.cli" not in cmd and b"esd-worker" not in cmd:
                     continue
-                try:
-                    cmd = (proc / "cmdline").read_bytes()
-                    if b"esd_worker.cli" not in cmd and b"esd-worker" not in cmd:
-                        continue
-                    status = (proc / "status").read_text()
-                except OSError:
-                    continue
-                for line in status.splitlines():
-                    key, _, value = line.partition(":")
-                    if key in ("VmHWM", "VmRSS"):
-                        kib = int(value.split()[0])
-                        if key == "VmHWM":
-                            self.hwm_kib = max(self.hwm_kib, kib)
-                        else:
-                            self.rss_kib = max(self.rss_kib, kib)
+                status = (proc / "status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                key, _, value = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    kib = int(value.split()[0])
+                    if key == "VmHWM":
+                        self.hwm_kib = max(self.hwm_kib, kib)
+                    else:
+                        self.rss_kib = max(self.rss_kib, kib)
 
 
 def sweep(listed: Path, out: Path, device: str) -> dict[str, Any]:

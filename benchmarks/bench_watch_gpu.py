@@ -29,7 +29,6 @@ import platform
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -39,40 +38,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_sweep_gpu import links  # noqa: E402
+from bench_sweep_gpu import Sampler, links  # noqa: E402
 
 
 def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
 
 
-class GpuSampler:
-    """NVML's utilisation of GPU 0 every `period_s` (empty on a machine without NVML)."""
+class GpuSampler(Sampler):
+    """NVML's utilisation of GPU 0 every 0.5 s (none on a machine without NVML)."""
 
-    def __init__(self, period_s: float = 0.5) -> None:
+    period_s = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
         self.samples: list[int] = []
-        self._period = period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> GpuSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
+        self._handle: Any = None
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         except Exception:  # no NVML: the CPU smoke run
-            return
-        while not self._stop.wait(self._period):
-            self.samples.append(int(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            self._handle = None
+
+    def sample(self) -> None:
+        if self._handle is not None:
+            import pynvml
+
+            self.samples.append(int(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu))
 
     def mean(self) -> float | None:
         return round(sum(self.samples) / len(self.samples) / 100, 3) if self.samples else None
