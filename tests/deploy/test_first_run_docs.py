@@ -10,7 +10,8 @@ and its statements checked; the eksctl and Karpenter YAML read as YAML 1.2 with 
 checked against allowlists from their reference pages. Commands of programs absent here
 (aws, eksctl, helm, gcloud, docker, kubectl) pass `bash -n` and use only flags of a
 per-program table checked against their documentation; `esd-sweep` lines go through the
-real parser. Not run: anything against a cloud.
+real parser, and EKS's `esd-sweep run … --dry-run` runs for real against moto's S3 server,
+its Jobs validated. Not run: anything against a cloud.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import json
 import re
 import shlex
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ from tests.support.kustomize import (
     pod_spec,
     read_yaml12,
 )
+from tests.support.s3server import S3Server, serve_s3
 
 DOC = REPO_ROOT / "docs" / "kubernetes.md"
 TEXT = DOC.read_text(encoding="utf-8")
@@ -375,3 +379,41 @@ def test_repository_paths_and_one_kubernetes_minimum() -> None:
             assert (REPO_ROOT / path).exists(), path
     assert not re.search(r"≥ ?1\.\d+", TEXT), "a Kubernetes minimum besides Requirements"
     assert TEXT.count("Kubernetes 1.31 or newer") == 1
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[S3Server]:
+    yield from serve_s3()
+
+
+def test_the_documented_dry_run_prints_valid_jobs(s3_server: S3Server, tmp_path: Path) -> None:
+    """EKS step 9's `esd-sweep run … --dry-run`, run for real: the doc's own line with the
+    walkthrough's values, its list in the bucket it names (moto's server standing in for
+    S3; size and shape columns so that nothing asks the hub), and the Jobs it prints are
+    valid under the strict schemas, pinned to the worker's digest, queued for Kueue and
+    requiring the token's Secret."""
+    title = "A first run on EKS"
+    env = run_walkthrough(title, tmp_path)
+    [argv] = [a for a in commands(title) if a[0] == "esd-sweep" and "--dry-run" in a]
+    argv = [re.sub(r"\$(\w+)", lambda m: env[m[1]], a) for a in argv]
+    s3_server.new_bucket(env["BUCKET"])
+    rows = ("model_id,base_model_relation,source_model,size_bytes,num_params,matrix_dim\n"
+            "org/small,,,2000000000,1e9,2048\norg/large,,,40000000000,2e10,6144\n")
+    s3_server.client().put_object(Bucket=env["BUCKET"], Key="lists/models.csv",
+                                  Body=rows.encode())
+    out = subprocess.run(
+        [sys.executable, "-m", "controller.cli", *argv[1:]], capture_output=True, text=True,
+        check=False, timeout=120, cwd=tmp_path,
+        env=s3_server.subprocess_env(HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9",
+                                     PYTHONPATH=str(REPO_ROOT)))
+    assert out.returncode == 0, out.stderr
+    jobs = [o for o in read_yaml12(out.stdout) if o and o.get("kind") == "Job"]
+    assert len(jobs) == 2, [j["metadata"]["name"] for j in jobs]  # gpu-small and gpu-large
+    for job in jobs:
+        for validator in VALIDATORS:
+            assert not validator.errors(job), validator.errors(job)
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "esd-sweep"
+        [container] = pod_spec(job)["containers"]
+        assert container["image"] == f"{env['REG']}/esd-sweep@{env['WORKER_DIGEST']}"
+        token = {e["name"]: e for e in container["env"]}["HF_TOKEN"]["valueFrom"]
+        assert token["secretKeyRef"] == {"name": "hf-token", "key": "token", "optional": False}
