@@ -425,6 +425,21 @@ def test_two_sweeps_racing_for_an_s3_lease_exactly_one_wins(
     won[0].release()
 
 
+def overwritten_behind_its_back(store: S3Store) -> tuple[ObjectLease, str]:
+    """A renewing lease whose object another holder then overwrites: returned once its
+    renewal has noticed (lost), with the other holder's token (S3 here, GCS's dialect in
+    test_lease_gcs)."""
+    stale = ObjectLease.claim(store, _owner(ttl_s=0.6), None)
+    assert isinstance(stale, ObjectLease)
+    record = json.loads(stale.owner.to_json()) | {"token": "someone-else"}
+    store.put_bytes(LEASE_KEY, json.dumps(record).encode())
+    deadline = time.monotonic() + 10
+    while not stale.lost:
+        assert time.monotonic() < deadline, "the renewal never noticed"
+        time.sleep(0.05)
+    return stale, "someone-else"
+
+
 @pytest.mark.parametrize("how", ["taken-over", "overwritten"])
 def test_release_deletes_only_its_own_s3_lease(how: str, s3_server: S3Server) -> None:
     """A sweep whose lease is no longer its own (taken over after it expired, or replaced
@@ -439,15 +454,7 @@ def test_release_deletes_only_its_own_s3_lease(how: str, s3_server: S3Server) ->
         assert isinstance(other, ObjectLease)
         other_token = other.owner.token
     else:
-        stale = ObjectLease.claim(store, _owner(ttl_s=0.6), None)
-        assert isinstance(stale, ObjectLease)
-        other_token = "someone-else"
-        record = json.loads(stale.owner.to_json()) | {"token": other_token}
-        store.put_bytes(LEASE_KEY, json.dumps(record).encode())
-        deadline = time.monotonic() + 10
-        while not stale.lost:
-            assert time.monotonic() < deadline, "the renewal never noticed"
-            time.sleep(0.05)
+        stale, other_token = overwritten_behind_its_back(store)
     stale.release()
     seen = observe(store)
     assert seen is not None and seen.owner is not None and seen.owner.token == other_token

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +28,7 @@ from controller.output.lease import (
 )
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.store.layout import LEASE_KEY
-from tests.controller.test_lease import renewal_keeps_the_lease
+from tests.controller.test_lease import overwritten_behind_its_back, renewal_keeps_the_lease
 from tests.support import REPO_ROOT
 from tests.support.builders import make_gpt2
 from tests.support.gcsproxy import GcsProxy, serve_gcs
@@ -77,17 +75,10 @@ def test_a_lease_replaced_behind_its_back_is_lost_and_left_alone(gcs: GcsProxy) 
     """Another holder's write replaces the lease: the renewal's generation no longer
     matches, so the sweep learns it lost the lease, and its release deletes nothing."""
     store = make_store(gcs.upstream)
-    stale = ObjectLease.claim(store, _owner(ttl_s=0.6), None)
-    assert isinstance(stale, ObjectLease)
-    record = json.loads(stale.owner.to_json()) | {"token": "someone-else"}
-    store.put_bytes(LEASE_KEY, json.dumps(record).encode())
-    deadline = time.monotonic() + 10
-    while not stale.lost:
-        assert time.monotonic() < deadline, "the renewal never noticed"
-        time.sleep(0.05)
+    stale, other_token = overwritten_behind_its_back(store)
     stale.release()
     seen = observe(store)
-    assert seen is not None and seen.owner is not None and seen.owner.token == "someone-else"
+    assert seen is not None and seen.owner is not None and seen.owner.token == other_token
 
 
 @pytest.mark.slow
