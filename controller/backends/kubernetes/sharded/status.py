@@ -211,12 +211,14 @@ class IndexedRun:
         a timeout later."""
         if self.finished or self.ready:
             return None
-        if self.active:  # a pod that can never start (a Secret missing) ends the run now
-            line = config_error(kube.list_pods(settings.namespace, f"{JOB_NAME_LABEL}={self.name}"),
-                                namespace=settings.namespace,
-                                hf_token_secret=settings.hf_token_secret)
+        ns = settings.namespace
+        selector = f"{JOB_NAME_LABEL}={self.name}"
+        # Listed once a poll, and only while pods exist: the same list explains a wait below.
+        pods = kube.list_pods(ns, selector) if self.active else None
+        if pods:  # a pod that can never start (a Secret missing) ends the run now
+            line = config_error(pods, namespace=ns, hf_token_secret=settings.hf_token_secret)
             if line is not None:
-                kube.delete_job(settings.namespace, self.name)
+                kube.delete_job(ns, self.name)
                 raise InfrastructureError(f"{line} (Job {self.name} deleted)")
         timeout = settings.pending_timeout_s
         since = self._explained_at if self._explained_at is not None else self.created_at
@@ -224,8 +226,8 @@ class IndexedRun:
         stuck_for = now - self._stuck_since if self._stuck_since is not None else 0.0
         if not explain and stuck_for < timeout:
             return None
-        ns = settings.namespace
-        pods = kube.list_pods(ns, f"{JOB_NAME_LABEL}={self.name}")
+        if pods is None:
+            pods = kube.list_pods(ns, selector)
         pending = [p for p in pods if (p.get("status") or {}).get("phase") == "Pending"][:1]
         events: list[dict[str, Any]] = []
         for obj in [self.name, *(p["metadata"]["name"] for p in pending)]:
