@@ -19,7 +19,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +31,10 @@ from controller.output.lease import (
     LEASE_TTL_S,
     FileLease,
     Held,
-    LeaseHeldError,
     ObjectLease,
     Owner,
     Seen,
     decide,
-    make_owner,
     observe,
     take_lease,
 )
@@ -46,6 +43,12 @@ from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.s3 import S3Store
 from esd_worker.core.store.stores import LocalStore
 from tests.support import REPO_ROOT
+from tests.support.leasechecks import (
+    overwritten_behind_its_back,
+    owner,
+    race_for_the_lease,
+    renewal_keeps_the_lease,
+)
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 HOLD = textwrap.dedent("""
@@ -139,15 +142,11 @@ def s3_server() -> Iterator[S3Server]:
 # -- the decision (pure) -------------------------------------------------------------------------
 
 
-def _owner(ttl_s: float | None = 10.0) -> Owner:
-    return make_owner(command="esd-sweep run", run_id="r", ttl_s=ttl_s)
-
-
 @pytest.mark.parametrize(("seen", "expected"), [
     (None, FREE),
-    (Seen(_owner(), "e", age_s=0.0), HELD),
-    (Seen(_owner(), "e", age_s=10.5), HELD),  # past the TTL, within a clock tick: not yet
-    (Seen(_owner(), "e", age_s=11.5), EXPIRED),
+    (Seen(owner(), "e", age_s=0.0), HELD),
+    (Seen(owner(), "e", age_s=10.5), HELD),  # past the TTL, within a clock tick: not yet
+    (Seen(owner(), "e", age_s=11.5), EXPIRED),
     (Seen(None, "e", age_s=LEASE_TTL_S), HELD),  # unreadable: the default TTL
     (Seen(None, "e", age_s=LEASE_TTL_S + 2), EXPIRED),
 ], ids=["no-object", "fresh", "within-a-tick", "expired", "garbage-fresh", "garbage-expired"])
@@ -370,27 +369,9 @@ def test_renewal_keeps_an_s3_lease_past_its_ttl(s3_server: S3Server) -> None:
     renewal_keeps_the_lease(make_store(s3_server))
 
 
-def renewal_keeps_the_lease(store: S3Store) -> None:
-    """Held for three TTLs: renewed all along (its version changes), so a contender still
-    finds it held and cannot take it; released, it is gone (any conditional-write store:
-    S3 here, GCS's dialect in test_lease_gcs)."""
-    lease = take_lease(store, command="esd-sweep run", run_id="a", ttl_s=1.0)
-    assert isinstance(lease, ObjectLease)
-    first_etag = lease.etag
-    time.sleep(3.0)
-    seen = observe(store)
-    assert seen is not None and seen.owner is not None
-    assert seen.owner.token == lease.owner.token and seen.etag != first_etag
-    assert decide(seen) == HELD
-    with pytest.raises(LeaseHeldError, match="in use by another sweep"):
-        take_lease(store, command="esd-sweep run", run_id="b", ttl_s=1.0)
-    lease.release()
-    assert observe(store) is None
-
-
 def _expired(store: S3Store) -> Seen:
     """A lease object of a holder that stopped renewing, once expired."""
-    dead = ObjectLease.claim(store, _owner(ttl_s=1.0), None, renew=False)
+    dead = ObjectLease.claim(store, owner(ttl_s=1.0), None, renew=False)
     assert isinstance(dead, ObjectLease)
     time.sleep(3.0)
     seen = observe(store)
@@ -406,38 +387,10 @@ def test_two_sweeps_racing_for_an_s3_lease_exactly_one_wins(
     once. The conditional write lets exactly one through: the other is refused (and, on
     looking again, finds it held by the winner)."""
     store = make_store(s3_server)
-    seen = None if state == FREE else _expired(store)
-    a, b = _owner(), _owner()
-    barrier = threading.Barrier(2)
-
-    def claim(owner: Owner) -> ObjectLease | Held | None:
-        barrier.wait()
-        return ObjectLease.claim(store, owner, seen)
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(claim, [a, b]))
-    won = [r for r in results if isinstance(r, ObjectLease)]
-    assert len(won) == 1 and results.count(None) == 1
-    loser = b if won[0].owner is a else a
-    assert isinstance(ObjectLease.attempt(store, loser), Held)
+    winner = race_for_the_lease(store, None if state == FREE else _expired(store))
     now = observe(store)
-    assert now is not None and now.owner is not None and now.owner.token == won[0].owner.token
-    won[0].release()
-
-
-def overwritten_behind_its_back(store: S3Store) -> tuple[ObjectLease, str]:
-    """A renewing lease whose object another holder then overwrites: returned once its
-    renewal has noticed (lost), with the other holder's token (S3 here, GCS's dialect in
-    test_lease_gcs)."""
-    stale = ObjectLease.claim(store, _owner(ttl_s=0.6), None)
-    assert isinstance(stale, ObjectLease)
-    record = json.loads(stale.owner.to_json()) | {"token": "someone-else"}
-    store.put_bytes(LEASE_KEY, json.dumps(record).encode())
-    deadline = time.monotonic() + 10
-    while not stale.lost:
-        assert time.monotonic() < deadline, "the renewal never noticed"
-        time.sleep(0.05)
-    return stale, "someone-else"
+    assert now is not None and now.owner is not None and now.owner.token == winner.owner.token
+    winner.release()
 
 
 @pytest.mark.parametrize("how", ["taken-over", "overwritten"])
@@ -447,10 +400,10 @@ def test_release_deletes_only_its_own_s3_lease(how: str, s3_server: S3Server) ->
     store = make_store(s3_server)
     other: ObjectLease | Held | None = None
     if how == "taken-over":
-        stale = ObjectLease.claim(store, _owner(ttl_s=1.0), None, renew=False)
+        stale = ObjectLease.claim(store, owner(ttl_s=1.0), None, renew=False)
         assert isinstance(stale, ObjectLease)
         time.sleep(3.0)
-        other = ObjectLease.attempt(store, _owner())
+        other = ObjectLease.attempt(store, owner())
         assert isinstance(other, ObjectLease)
         other_token = other.owner.token
     else:

@@ -12,26 +12,24 @@ import csv
 import io
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from controller.output.lease import (
-    Held,
-    ObjectLease,
-    Owner,
-    make_owner,
     observe,
 )
 from esd_worker.core.models.naming import model_key
 from esd_worker.core.store.layout import LEASE_KEY
-from tests.controller.test_lease import overwritten_behind_its_back, renewal_keeps_the_lease
 from tests.support import REPO_ROOT
 from tests.support.builders import make_gpt2
 from tests.support.gcsproxy import GcsProxy, serve_gcs
+from tests.support.leasechecks import (
+    overwritten_behind_its_back,
+    race_for_the_lease,
+    renewal_keeps_the_lease,
+)
 from tests.support.s3server import make_store
 
 
@@ -40,12 +38,8 @@ def gcs() -> Iterator[GcsProxy]:
     yield from serve_gcs()
 
 
-def _owner(ttl_s: float = 10.0) -> Owner:
-    return make_owner(command="esd-sweep run", run_id="r", ttl_s=ttl_s)
-
-
 def test_the_lease_is_taken_renewed_and_released(gcs: GcsProxy) -> None:
-    """As on S3 (test_lease.renewal_keeps_the_lease), with nothing GCS refuses."""
+    """As on S3 (tests/support/leasechecks.py), with nothing GCS refuses."""
     renewal_keeps_the_lease(make_store(gcs.upstream))
     assert gcs.refused == []
 
@@ -54,20 +48,8 @@ def test_two_sweeps_racing_for_a_free_lease_exactly_one_wins(gcs: GcsProxy) -> N
     """Both see the lease free, then both write at once: GCS's generation-0 precondition
     lets one through; the other, looking again, finds it held by the winner."""
     store = make_store(gcs.upstream)
-    a, b = _owner(), _owner()
-    barrier = threading.Barrier(2)
-
-    def claim(owner: Owner) -> ObjectLease | Held | None:
-        barrier.wait()
-        return ObjectLease.claim(store, owner, None, renew=False)
-
-    with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(claim, [a, b]))
-    won = [r for r in results if isinstance(r, ObjectLease)]
-    assert len(won) == 1 and results.count(None) == 1
-    loser = b if won[0].owner is a else a
-    assert isinstance(ObjectLease.attempt(store, loser), Held)
-    won[0].release()
+    winner = race_for_the_lease(store, None, renew=False)
+    winner.release()
     assert observe(store) is None
 
 
