@@ -29,6 +29,7 @@ from esd_worker.core.errors import (
     WorkerError,
     exit_code_for,
     failure_message,
+    host_out_of_memory,
 )
 from esd_worker.core.logs import setup_logging
 from esd_worker.core.models.naming import folder_warning, normalize_model_ref, symlink_problem
@@ -122,8 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(e, args.model)
         return exit_code_for(e)
     except Exception as e:
-        # A bug, not a model problem: keep the traceback for the failure record.
-        log.exception("unexpected error analysing %s", args.model)
+        # A bug, not a model problem: keep the traceback for the failure record (torch's
+        # host allocator error is no bug: the machine ran out of memory).
+        if not host_out_of_memory(e):
+            log.exception("unexpected error analysing %s", args.model)
         _fail(e, args.model)
         return exit_code_for(e)
     finally:

@@ -122,19 +122,39 @@ def device_fault(error: BaseException) -> bool:
             and not any(t in text for t in OUT_OF_MEMORY_TEXTS))
 
 
+# What torch's host (CPU) allocator says when a tensor cannot be allocated: a RuntimeError
+# ("[enforce fail at alloc_cpu.cpp:...] . DefaultCPUAllocator: can't allocate memory: you
+# tried to allocate N bytes. Error code 12 (Cannot allocate memory)"), not Python's
+# MemoryError, though it is the same trouble: the machine's memory, not the model or a bug.
+HOST_ALLOCATOR_TEXTS = ("defaultcpuallocator: can't allocate memory",)
+
+
+def host_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` says host memory ran out: Python's MemoryError, or torch's host
+    allocator's RuntimeError (HOST_ALLOCATOR_TEXTS). Transient (another attempt, maybe on a
+    larger machine, may succeed), never a bug: the one classification exit_code_for,
+    failure_message and the batch use."""
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, WorkerError) or not isinstance(error, RuntimeError):
+        return False
+    text = str(error).lower()
+    return any(t in text for t in HOST_ALLOCATOR_TEXTS)
+
+
 def exit_code_for(error: BaseException) -> int:
     """The worker's exit code for the error that ended it: the one table on this side.
 
     Its own errors carry theirs; a device fault (device_fault) is EXIT_DEVICE. An interrupt
-    (Ctrl+C; SIGTERM as Terminated) or host memory running out is transient (4): another
-    attempt, maybe elsewhere, may succeed.
+    (Ctrl+C; SIGTERM as Terminated) or host memory running out (host_out_of_memory) is
+    transient (4): another attempt, maybe elsewhere, may succeed.
     Anything else is a bug in the worker: 3, not retried (it would fail the same way).
     """
     if isinstance(error, WorkerError):
         return error.exit_code
     if device_fault(error):
         return EXIT_DEVICE
-    if isinstance(error, KeyboardInterrupt | Terminated | MemoryError):
+    if isinstance(error, KeyboardInterrupt | Terminated) or host_out_of_memory(error):
         return EXIT_TRANSIENT
     return WorkerError.exit_code
 
@@ -201,7 +221,7 @@ def failure_message(error: BaseException, model: str) -> str:
         text = str(error)
     elif isinstance(error, KeyboardInterrupt):
         text = "interrupted; no result written"
-    elif isinstance(error, MemoryError):
+    elif host_out_of_memory(error):
         text = "out of host memory; retry on a larger machine"
     elif device_fault(error):
         text = f"the GPU failed analysing {model} (not the model's fault): {error}"

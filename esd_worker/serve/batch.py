@@ -42,6 +42,7 @@ from esd_worker.core.errors import (
     device_fault,
     exit_code_for,
     failure_message,
+    host_out_of_memory,
 )
 from esd_worker.core.models.naming import is_model_key
 from esd_worker.core.protocol import (
@@ -323,7 +324,7 @@ class Batch:
         code = exit_code_for(e)
         if _cuda_out_of_memory(e):  # the GPU was full: the model's size, retried with more
             code, self.fatal = EXIT_GPU_OOM, True
-        elif not isinstance(e, (WorkerError, MemoryError)):
+        elif not isinstance(e, WorkerError) and not host_out_of_memory(e):
             log.error("unexpected error analysing %s", request.model, exc_info=e)
         message = redact(failure_message(e, request.model))  # stderr is a pod's log
         self.stderr.write(ERROR_PREFIX + message + "\n")

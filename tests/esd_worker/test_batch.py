@@ -196,6 +196,11 @@ def test_each_model_gets_a_start_and_a_result_and_its_log_lines_are_framed(
                      id="gpu-oom"),
         pytest.param(UsageError("bad flag"), 2, False, "UsageError", id="usage"),
         pytest.param(MemoryError(), 4, True, "TransientError", id="host-oom"),
+        # torch's host allocator's own words (tests/esd_worker/test_errors.py provokes them)
+        pytest.param(RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 4611686018427387904 bytes. Error code 12 (Cannot "
+            "allocate memory)"), 4, True, "TransientError", id="torch-host-oom"),
         pytest.param(ZeroDivisionError("bug"), 3, False, "PermanentModelError", id="a-bug"),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from esd_worker.core.errors import (
+    DeviceError,
     GpuOutOfMemoryError,
     PermanentModelError,
     StoreError,
@@ -15,8 +16,25 @@ from esd_worker.core.errors import (
     classify_exit,
     exit_code_for,
     failure_message,
+    host_out_of_memory,
     signal_name,
 )
+
+# torch's host allocator's error, word for word (torch 2.13 on Linux; the number is the
+# request): a RuntimeError, not a MemoryError, though the machine ran out of memory.
+TORCH_HOST_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                  "allocate memory: you tried to allocate 4611686018427387904 bytes. Error "
+                  "code 12 (Cannot allocate memory)")
+
+
+def torch_host_allocation_error() -> RuntimeError:
+    """The error torch itself raises when its host allocator is refused: 2**62 bytes is past
+    any machine's address space, so the request fails at once and touches no memory."""
+    import torch
+
+    with pytest.raises(RuntimeError) as raised:
+        torch.empty(2**62, dtype=torch.uint8)
+    return raised.value
 
 
 @pytest.mark.parametrize(
@@ -27,6 +45,7 @@ from esd_worker.core.errors import (
         pytest.param(3, None, ("PermanentModelError", False), id="permanent"),
         pytest.param(4, None, ("TransientError", True), id="transient"),
         pytest.param(5, None, ("GpuOutOfMemoryError", True), id="gpu-oom"),
+        pytest.param(6, None, ("DeviceError", True), id="device-fault"),
         pytest.param(None, 9, ("KilledBySignal", True), id="sigkill"),
         pytest.param(None, 15, ("KilledBySignal", True), id="sigterm"),
         pytest.param(-9, None, ("KilledBySignal", True), id="popen-negative"),
@@ -62,14 +81,33 @@ def test_signal_name() -> None:
         pytest.param(KeyboardInterrupt(), 4, id="ctrl-c"),
         pytest.param(Terminated("SIGTERM"), 4, id="sigterm"),
         pytest.param(MemoryError(), 4, id="host-memory"),
+        pytest.param(RuntimeError(TORCH_HOST_OOM), 4, id="torch-host-allocator"),
+        pytest.param(DeviceError("CUDA asked for, none usable"), 6, id="device-error"),
+        pytest.param(RuntimeError("CUDA error: an illegal memory access was encountered"), 6,
+                     id="device-fault-text"),
         pytest.param(RuntimeError("bug"), 3, id="bug"),
+        pytest.param(RuntimeError("can't allocate memory for the cache"), 3,
+                     id="bug-not-torch-allocator"),
     ],
 )
 def test_exit_code_for(error: BaseException, code: int) -> None:
     """The worker's one table from the error that ended it to its exit code, and back:
-    each code classifies as retryable exactly when the error was transient."""
+    each code classifies as retryable exactly when the error was transient or the device's
+    (docs/design.md, "Exit codes": 4, 5 and 6 are retried, elsewhere for a 6)."""
     assert exit_code_for(error) == code
-    assert classify_exit(code, None)[1] is (code in (4, 5))
+    assert classify_exit(code, None)[1] is (code in (4, 5, 6))
+
+
+def test_torchs_own_host_allocation_error_is_out_of_host_memory_not_a_bug() -> None:
+    """The error torch raises (not a copy of its text) is the retryable host-memory class:
+    exit 4, retryable, the host-memory line without a traceback's "a bug"; and its text is
+    still the one TORCH_HOST_OOM pins, so the table above tests what torch says."""
+    error = torch_host_allocation_error()
+    assert str(error) == TORCH_HOST_OOM
+    assert host_out_of_memory(error)
+    assert exit_code_for(error) == 4
+    assert classify_exit(exit_code_for(error), None) == ("TransientError", True)
+    assert failure_message(error, "org/m") == "out of host memory; retry on a larger machine"
 
 
 @pytest.mark.parametrize(
@@ -82,6 +120,13 @@ def test_exit_code_for(error: BaseException, code: int) -> None:
         pytest.param(KeyboardInterrupt(), "interrupted; no result written", id="ctrl-c"),
         pytest.param(MemoryError(), "out of host memory; retry on a larger machine",
                      id="host-oom"),
+        pytest.param(RuntimeError(TORCH_HOST_OOM), "out of host memory; retry on a larger "
+                     "machine", id="torch-host-allocator"),
+        pytest.param(DeviceError("the GPU fell off the bus"), "the GPU fell off the bus",
+                     id="device-error"),
+        pytest.param(RuntimeError("CUDA error: unspecified launch failure"), "the GPU failed "
+                     "analysing org/m (not the model's fault): CUDA error: unspecified launch "
+                     "failure", id="device-fault-text"),
         pytest.param(ZeroDivisionError("boom"), "internal error analysing org/m: "
                      "ZeroDivisionError: boom (a bug: see the traceback above)", id="a-bug"),
     ],
