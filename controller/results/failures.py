@@ -1,8 +1,12 @@
 """The store's failures grouped by cause for the report: count per error class and
 retryable, a few example models each, reading at most `max_records` records.
 
-Owns: the grouping. Not owned: the records' format (esd_worker.core.store.records) nor
-their listing (esd_worker.core.store.layout.list_failure_keys); how they are shown (html.py).
+Owns: the grouping, and that every text taken from a record (its error, its model id) is
+held as esd_worker.core.echo shows untrusted text: secrets redacted, control characters
+escaped, bounded, since a record is a worker's (an old or hostile one holds what its writer's
+redaction missed) and the report is the file people share. Not owned: the records' format
+(esd_worker.core.store.records) nor their listing (esd_worker.core.store.layout.list_failure_keys);
+how they are shown (html.py: HTML-escaped there).
 
 Why a cap: at atlas scale a failed sweep may leave hundreds of thousands of records; the
 groups are clear from the first tens of thousands, and the rest are counted by listing only.
@@ -15,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 
+from controller.results.failurelist import ERROR_CHARS, ID_CHARS
+from esd_worker.core.echo import echo
 from esd_worker.core.store.layout import fetch_all, list_failure_keys
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import Store
@@ -41,11 +47,14 @@ class FailureGroups:
         return self.listed - self.read - self.unreadable
 
     def add(self, record: FailureRecord) -> None:
-        group = (record.error, record.retryable)
+        # Echoed here, where the texts enter: every output built from the groups (the
+        # report's page, anything later) then holds only what echo lets through, and two
+        # records that differ only in a secret fall into one group.
+        group = (echo(record.error, limit=ERROR_CHARS), record.retryable)
         self.counts[group] += 1
         kept = self.examples.setdefault(group, [])
         if len(kept) < EXAMPLES:
-            kept.append(record.model)
+            kept.append(echo(record.model, limit=ID_CHARS))
 
     def rows(self) -> list[tuple[str, bool, int, list[str]]]:
         """(error, retryable, count, examples), largest group first."""

@@ -6,7 +6,9 @@ size (a PNG and a quantile table each; the share in WeightWatcher's 2-6 band onl
 band applies, else one line why), the layer alpha by family, top / bottom / outlier lists
 linking to per-model pages, the failures by cause, and how to open the full tables. Its
 size is fixed by groups and N, not by models. Holds no data of its own (overview.py,
-failures.py compute it). Plain HTML, relative links, no JavaScript.
+failures.py compute it). Plain HTML, relative links, no JavaScript. Every text that came
+from a model or a worker (a model id, a family from a config.json) is shown through `shown`:
+esd_worker.core.echo's redaction and control-character escaping, then HTML escaping.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from controller.results.failures import FailureGroups
 from controller.results.overview import GROUPINGS, HEADLINE, Overview
 from controller.results.reportfit import BAND_METRICS, Fit
 from esd_worker.core.command.presets import WW_ALPHA_BAND
+from esd_worker.core.echo import echo
 from esd_worker.core.store.layout import SUMMARY_KEY, TABLES_PREFIX
 
 INDEX_NAME = "index.html"
@@ -37,6 +40,16 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
          ".note{background:#fff6d5;padding:6px 10px;border:1px solid #e6d28a}</style>")
 
 e = html.escape
+# An untrusted text a page shows: a long local path or a page's parameters fit whole; a
+# kilobyte of garbage is cut (echo says how much).
+TEXT_CHARS = 1000
+
+
+def shown(value: object, *, limit: int = TEXT_CHARS) -> str:
+    """Untrusted text (a model id, a text a worker read from a model's files) as page text:
+    secrets redacted and control characters escaped (esd_worker.core.echo), bounded, then
+    HTML-escaped. For text this tool wrote itself `e` is enough."""
+    return e(echo(value, limit=limit))
 
 
 def fmt(value: float | int | None, digits: int = 3) -> str:
@@ -75,7 +88,8 @@ def _quantile_table(grouped: GroupedHistograms, alpha: bool) -> str:
         cols.append(f"α in [{WW_ALPHA_BAND[0]:g}, {WW_ALPHA_BAND[1]:g}]")
     out = ["<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>"]
     for name, hist in grouped.ordered():
-        cells = [f'<td class="l">{e(name)}</td>', f"<td>{hist.count}</td>"]
+        # a family is a config.json's architecture, lower-cased
+        cells = [f'<td class="l">{shown(name)}</td>', f"<td>{hist.count}</td>"]
         cells += [f"<td>{fmt(q)}</td>" for q in hist.quantiles()]
         if alpha:
             cells.append(f"<td>{fmt(hist.band_share(), 2)}</td>")
@@ -87,7 +101,7 @@ def _model_list(title: str, rows: list[tuple[str, float]], names: Mapping[str, s
                 linked: set[str], value: str) -> list[str]:
     out = [f"<h4>{e(title)}</h4>", f"<table><tr><th>#</th><th>model</th><th>{e(value)}</th></tr>"]
     for n, (key, v) in enumerate(rows, start=1):
-        name = e(names.get(key, key))
+        name = shown(names.get(key, key))
         cell = f'<a href="{e(model_link(key))}">{name}</a>' if key in linked else name
         out.append(f'<tr><td>{n}</td><td class="l">{cell}</td><td>{fmt(v)}</td></tr>')
     return [*out, "</table>"]

@@ -24,10 +24,12 @@ from controller.results.html import (
     fit_lines,
     fmt,
     head,
+    shown,
 )
 from controller.results.plots import plot_alpha, plot_esd, plot_vs_base
 from controller.results.reader import ModelResult, read_eigs, warn_damaged
 from controller.results.reportfit import Fit, both
+from esd_worker.core.echo import echo
 from esd_worker.core.store.marker import DamagedResult
 from esd_worker.core.store.stores import Store
 
@@ -49,15 +51,16 @@ def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, 
     """A model's page: its fit, its summary numbers, then its plots (paths relative to the
     page)."""
     out = [
-        *head(f"ESD: {result.model_id}"),
+        *head(f"ESD: {echo(result.model_id)}"),
         '<p><a href="../../index.html">← report</a></p>',
-        f"<h1>{e(result.name)}</h1><p><code>{e(result.key)}</code></p>",
+        f"<h1>{shown(result.name)}</h1><p><code>{shown(result.key)}</code></p>",
         *fit_lines(fit),
         "<table>",
     ]
     for name in PAGE_FIELDS:
         value = row.get(name)
-        cell = fmt(value) if isinstance(value, float) else e("" if value is None else str(value))
+        # the texts are a worker's (ids, a config.json's architecture): shown as untrusted
+        cell = fmt(value) if isinstance(value, float) else shown("" if value is None else value)
         out.append(f'<tr><th>{e(name)}</th><td class="l">{cell}</td></tr>')
     out.append("</table>")
     for label, path in plots.items():

@@ -24,6 +24,7 @@ from controller.results.extras import require
 from controller.results.reader import ModelResult, number
 from controller.results.reportfit import BAND_METRICS, Fit
 from esd_worker.core.command.presets import WW_ALPHA_BAND
+from esd_worker.core.echo import echo
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -163,8 +164,10 @@ def distribution_figure(grouped: GroupedHistograms, title: str, *,
             continue
         edges = hist.edges
         share = hist.counts / hist.count
+        # a family is a config.json's architecture: untrusted text (esd_worker.core.echo)
         ax.stairs(share, edges, lw=2.2 if name == "all" else 1.2,
-                  color="black" if name == "all" else None, label=f"{name} ({hist.count})")
+                  color="black" if name == "all" else None,
+                  label=f"{echo(name, limit=60)} ({hist.count})")
         drawn = True
     if grouped.groups and next(iter(grouped.groups.values())).log:
         ax.set_xscale("log")

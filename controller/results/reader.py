@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from controller.errors import ResultsError
+from esd_worker.core.echo import echo
 from esd_worker.core.models.naming import model_key, split_model_ref
+from esd_worker.core.redact import redact
 from esd_worker.core.store.layout import (
     EIGS_NAME,
     fetch_all,
@@ -107,9 +109,11 @@ class ModelResult:
 
     @property
     def name(self) -> str:
-        """A short name for plots: the last two path segments of the id, @revision kept."""
+        """A short name for plots and pages: the last two path segments of the id, @revision
+        kept; shown as untrusted text (esd_worker.core.echo: a local path may hold an escape
+        sequence, an id a token), redacted before the cut so no part of a secret is kept."""
         rev = self.marker.revision
-        return short_name(self.model_id if not rev else f"{self.model_id}@{rev}")
+        return echo(short_name(redact(self.model_id if not rev else f"{self.model_id}@{rev}")))
 
     @property
     def relation(self) -> str:
