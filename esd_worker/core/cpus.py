@@ -8,13 +8,22 @@ CPUs are used for (esd_worker.analysis.hostsolve, the controller's worker thread
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
 import os
+import threading
 from pathlib import Path
+
+from esd_worker.core.echo import quoted
+
+log = logging.getLogger(__name__)
 
 CPU_SHARE_ENV = "ESD_CPU_SHARE"  # CPUs the controller gives this worker on a shared machine
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# The bad $ESD_CPU_SHARE values already warned about: usable_cpus runs more than once in a
+# process (each GPU worker's share, each analysis), and one line says it.
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 def usable_cpus(*, cgroup: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup"),
@@ -27,9 +36,34 @@ def usable_cpus(*, cgroup: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/s
         cores = float(os.cpu_count() or 1)
     limits = [cores, cgroup_quota(cgroup, proc_cgroup)]
     share = (os.environ if env is None else env).get(CPU_SHARE_ENV, "")
-    with contextlib.suppress(ValueError):  # not a number: no share given
-        limits.append(float(share) if share.strip() else math.inf)
+    given = cpu_share(share)
+    if given is not None:
+        limits.append(given)
+    elif share.strip():
+        _warn_bad_share(share, max(1.0, min(limits)))
     return max(1.0, min(limits))
+
+
+def cpu_share(value: str) -> float | None:
+    """$ESD_CPU_SHARE's CPUs: a finite number above 0; None when unset, blank or anything
+    else (text, nan, inf, 0 or less: no share a controller would give)."""
+    try:
+        share = float(value)
+    except ValueError:
+        return None
+    return share if math.isfinite(share) and share > 0 else None
+
+
+def _warn_bad_share(value: str, cpus: float) -> None:
+    """One warning a process for each bad value: the variable, the value (echoed: it may
+    hold anything, a secret or escape sequences included) and the CPUs used instead."""
+    with _warned_lock:
+        if value in _warned:
+            return
+        _warned.add(value)
+    log.warning("%s=%s is not a number of CPUs above 0: ignored, using %g CPU(s) (the "
+                "cores this process may run on, within its cgroup's CPU quota)",
+                CPU_SHARE_ENV, quoted(value), cpus)
 
 
 def cgroup_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")

@@ -7,6 +7,7 @@ a failing host solve stops the run, and how many host solvers a worker runs by d
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from concurrent.futures import Future
@@ -215,6 +216,37 @@ def test_usable_cpus_is_the_smallest_limit(tmp_path: Path) -> None:
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={}) == cores
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={CPU_SHARE_ENV: "0.5"}) == 1.0
     assert usable_cpus(cgroup=none, proc_cgroup=proc, env={CPU_SHARE_ENV: "x"}) == cores
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        pytest.param("four", "'four'", id="text"),
+        pytest.param("0", "'0'", id="zero"),
+        pytest.param("-2", "'-2'", id="negative"),
+        pytest.param("nan", "'nan'", id="nan"),
+        pytest.param("inf", "'inf'", id="inf"),
+        pytest.param("2\x1b[2J\nWARNING forged", "'2\\x1b[2J\\nWARNING forged'",
+                     id="escapes-on-one-line"),
+    ],
+)
+def test_a_bad_cpu_share_is_ignored_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, value: str, shown: str
+) -> None:
+    """A share that is no number of CPUs above 0 is not silently dropped: one warning line,
+    however often the CPUs are asked for, names the variable, shows the value (escaped: no
+    control byte reaches the log) and the CPUs used instead (affinity and quota alone). The
+    warning is once a process for each value: no other test here uses these values."""
+    none, proc = cgroup(tmp_path, {}, "0::/\n")
+    cores = len(__import__("os").sched_getaffinity(0))
+    env = {CPU_SHARE_ENV: value}
+    with caplog.at_level(logging.WARNING, logger="esd_worker.core.cpus"):
+        got = [usable_cpus(cgroup=none, proc_cgroup=proc, env=env) for _ in range(3)]
+    assert got == [float(cores)] * 3
+    assert [r.getMessage() for r in caplog.records if r.name == "esd_worker.core.cpus"] == [
+        f"ESD_CPU_SHARE={shown} is not a number of CPUs above 0: "
+        f"ignored, using {cores} CPU(s) (the cores this process may run on, within its "
+        "cgroup's CPU quota)"]
 
 
 @pytest.mark.parametrize("flag", [[], ["--host-eigensolvers", "2"]], ids=["default", "two"])
