@@ -28,7 +28,7 @@ from controller.results.tables import Tables
 from esd_sweep.frames import typed, with_ww_columns
 from esd_worker.core.models.modellist import ListFile, ModelRow
 from esd_worker.core.models.naming import ref_key
-from esd_worker.core.store.layout import SUMMARY_KEY, read_marker
+from esd_worker.core.store.layout import SUMMARY_BYTES, SUMMARY_KEY, read_marker
 from esd_worker.core.store.records import read_failures
 from esd_worker.core.store.stores import Store
 
@@ -74,7 +74,7 @@ class Sweep:
 
     def summary(self) -> pd.DataFrame:
         """summary.csv, as the last run or report wrote it (one row per done model)."""
-        data = self.store.get_bytes(SUMMARY_KEY)
+        data = self.store.get_bytes(SUMMARY_KEY, limit=SUMMARY_BYTES)
         if data is None:
             raise FileNotFoundError(f"{SUMMARY_KEY} is not in the store yet: `esd-sweep run` "
                                     "writes it when a run ends; models() reads the same "

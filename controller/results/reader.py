@@ -31,8 +31,13 @@ from esd_worker.core.echo import echo
 from esd_worker.core.models.naming import model_key, split_model_ref
 from esd_worker.core.redact import redact
 from esd_worker.core.store.layout import (
+    DOCUMENT_BYTES,
+    EIGS_BYTES,
     EIGS_NAME,
+    MARKER_BYTES,
+    TABLE_BYTES,
     fetch_all,
+    get_checked,
     is_tag,
     layers_name,
     list_markers,
@@ -70,7 +75,7 @@ def table_name(tag: str | None = None) -> str:
 
 def read_refit_record(store: Store, tag: str) -> dict[str, Any] | None:
     """The record of refit `tag` (None when missing or unreadable)."""
-    data = store.get_bytes(refit_record_key(check_tag(tag)))
+    data = get_checked(store, refit_record_key(check_tag(tag)), DOCUMENT_BYTES)
     if data is None:
         return None
     try:
@@ -170,7 +175,8 @@ def read_model_markers(
             )
         wanted = sorted(asked)
     markers: dict[str, Marker] = {}
-    blobs = fetch_all(store, [marker_key(k) for k in wanted], threads=threads)
+    blobs = fetch_all(store, [marker_key(k) for k in wanted], threads=threads,
+                      limit=MARKER_BYTES)
     for key, data in zip(wanted, blobs, strict=True):
         if data is None:  # deleted since the listing
             continue
@@ -199,7 +205,7 @@ def iter_results(
     for start in range(0, len(order), chunk):
         keys = order[start:start + chunk]
         blobs = fetch_all(store, [model_file_key(k, _table_of(markers[k], tag)) for k in keys],
-                          threads=threads)
+                          threads=threads, limit=TABLE_BYTES)
         for key, data in zip(keys, blobs, strict=True):
             if data is None:
                 missing.append(key)
@@ -275,7 +281,7 @@ def read_eigs(store: Store, result: ModelResult) -> dict[str, np.ndarray] | None
     names is missing, is not what it seals, or is not a readable .npz.
     """
     name = result.marker.eigs_name or EIGS_NAME
-    data = store.get_bytes(model_file_key(result.key, name))
+    data = store.get_bytes(model_file_key(result.key, name), limit=EIGS_BYTES)
     if data is None and result.marker.eigs_name is None:
         return None
     return parse_eigs(result.marker, name, data)

@@ -29,7 +29,9 @@ from controller.results.tables import Tables, rows_of
 from esd_worker.core.command.presets import band_applies, fit_label
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import (
+    SUMMARY_BYTES,
     SUMMARY_KEY,
+    TABLE_BYTES,
     iter_markers,
     model_file_key,
     read_markers,
@@ -71,7 +73,8 @@ TABLE_COLUMNS: tuple[str, ...] = (
 def _stats(row: ModelRow, marker: Marker, store: Store) -> Mapping[str, Any]:
     if marker.summary is not None:
         return marker.summary
-    data = store.get_bytes(model_file_key(marker.model_key or row.key, marker.layers_name))
+    data = store.get_bytes(model_file_key(marker.model_key or row.key, marker.layers_name),
+                           limit=TABLE_BYTES)
     if data is None:
         return {}
     return summarize_layers(layers_from_csv(data))
@@ -317,7 +320,7 @@ def format_summary_table(store: Store, limit: int = 20, *,
     the summary's models were fitted with (a run's): a line above the table says the fit,
     and alpha_in_2_6_share is left out where WeightWatcher's band does not apply (the CSV
     keeps the column)."""
-    parts = store.get_parts(SUMMARY_KEY)
+    parts = store.get_parts(SUMMARY_KEY, limit=SUMMARY_BYTES)
     reader = csv.DictReader(_lines(parts or iter(())))
     head = list(itertools.islice(reader, limit))
     if reader.fieldnames is None:

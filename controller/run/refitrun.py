@@ -33,6 +33,7 @@ from controller.results.refit import refit_rows
 from controller.run.plan import REFIT, ListPlan
 from esd_worker.core.command.flags import FIT_FIELDS
 from esd_worker.core.store.layout import (
+    EIGS_BYTES,
     EIGS_NAME,
     fetch_all,
     marker_key,
@@ -195,7 +196,7 @@ def _fetch(store: Store, keys: list[str]) -> list[tuple[bytes | None, ...]]:
     marker is checked to name the same before they are used)."""
     names = [marker_key(k) for k in keys] + [
         model_file_key(k, name) for name in (LAYERS_NAME, EIGS_NAME) for k in keys]
-    blobs = fetch_all(store, names, threads=FETCH_THREADS)
+    blobs = fetch_all(store, names, threads=FETCH_THREADS, limit=EIGS_BYTES)
     n = len(keys)
     return [(blobs[i], blobs[n + i], blobs[2 * n + i]) for i in range(n)]
 

@@ -17,7 +17,13 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from esd_worker.core.redact import redact, redact_data
-from esd_worker.core.store.layout import RUNS_PREFIX, SUMMARY_KEY, run_report_key
+from esd_worker.core.store.layout import (
+    DOCUMENT_BYTES,
+    RUNS_PREFIX,
+    SUMMARY_KEY,
+    get_checked,
+    run_report_key,
+)
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.stores import Store
 
@@ -141,7 +147,7 @@ def last_bad_nodes(store: Store) -> dict[str, Any] | None:
         return None
     latest = max(keys)
     try:
-        report = json.loads(store.get_bytes(latest) or b"{}")
+        report = json.loads(get_checked(store, latest, DOCUMENT_BYTES) or b"{}")
         nodes = [str(bad["node"]) for bad in report["kubernetes"]["bad_nodes"]]
     except (ValueError, KeyError, TypeError):
         return None

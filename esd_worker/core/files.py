@@ -81,7 +81,7 @@ def open_regular(path: str | os.PathLike[str], flags: int, mode: int = 0o600, *,
     try:
         found = os.fstat(fd)
         if not stat.S_ISREG(found.st_mode):
-            raise NotRegularFileError(path, _describe(found.st_mode))
+            raise NotRegularFileError(path, describe_mode(found.st_mode))
         if owned and found.st_uid != os.geteuid():
             raise NotOwnedFileError(path, found.st_uid)
         os.set_blocking(fd, True)
@@ -156,13 +156,13 @@ def _check_replaceable(path: str | os.PathLike[str]) -> None:
     if stat.S_ISREG(here) or stat.S_ISDIR(here):
         return
     if not stat.S_ISLNK(here):
-        raise NotRegularFileError(path, _describe(here))
+        raise NotRegularFileError(path, describe_mode(here))
     try:
         there = os.stat(path).st_mode
     except FileNotFoundError:
         return  # a dangling link: replaced, its target never created
     if not stat.S_ISREG(there):
-        raise NotRegularFileError(path, f"a symbolic link to {_describe(there)}")
+        raise NotRegularFileError(path, f"a symbolic link to {describe_mode(there)}")
 
 
 def _other_kind(path: str | os.PathLike[str]) -> str | None:
@@ -170,11 +170,12 @@ def _other_kind(path: str | os.PathLike[str]) -> str | None:
     with contextlib.suppress(OSError):
         found = os.lstat(path).st_mode
         if not stat.S_ISREG(found):
-            return _describe(found)
+            return describe_mode(found)
     return None
 
 
-def _describe(mode: int) -> str:
+def describe_mode(mode: int) -> str:
+    """What a file of this st_mode is, as a refusal names it ("a FIFO", "a device")."""
     kinds = [(stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"),
              (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]

@@ -57,7 +57,13 @@ from esd_worker.core.protocol import (
     progress_line,
 )
 from esd_worker.core.redact import redact
-from esd_worker.core.store.layout import attempt_key, check_files, read_marker
+from esd_worker.core.store.layout import (
+    RECORD_BYTES,
+    attempt_key,
+    check_files,
+    get_checked,
+    read_marker,
+)
 from esd_worker.core.store.marker import canonical_parameters
 from esd_worker.core.store.records import (
     FailureRecord,
@@ -394,7 +400,7 @@ class Batch:
         included (earlier starts without an outcome are crashes), and the cause the last one
         ended with when a supervisor wrote it ("": none)."""
         key = attempt_key(request.key)
-        data = self.store.get_bytes(key)
+        data = get_checked(self.store, key, RECORD_BYTES)  # refused: written afresh
         earlier, cause = (0, "") if data is None else self._earlier_starts(key, data)
         starts = 1 + earlier
         note = {"model": request.model, "starts": starts, "run_id": self.settings.run_id,

@@ -64,7 +64,7 @@ from esd_worker.core.errors import (
 )
 from esd_worker.core.models.modellist import read_model_list
 from esd_worker.core.redact import redact
-from esd_worker.core.store.layout import attempt_key
+from esd_worker.core.store.layout import RECORD_BYTES, attempt_key
 from esd_worker.core.store.records import utc_now
 from esd_worker.core.store.stores import Store
 from esd_worker.core.watchdog import DEFAULT_MODEL_TIMEOUT_S, ModelWatch
@@ -372,7 +372,7 @@ class Supervisor:
 
     def _note(self, key: str) -> dict[str, Any] | None:
         try:
-            data = self.store.get_bytes(attempt_key(key))
+            data = self.store.get_bytes(attempt_key(key), limit=RECORD_BYTES)
             note = json.loads(data) if data is not None else None
         except Exception as e:  # the store, or a note that is not one: written afresh
             log.warning("model_key=%s attempt note not read: %s", key, redact(str(e)))

@@ -16,7 +16,7 @@ from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.store.layout import marker_key
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord, write_failure
-from esd_worker.core.store.stores import LocalStore, Store
+from esd_worker.core.store.stores import READ_LIMIT, LocalStore, Store
 
 PARAMS = AnalysisSettings().as_dict()
 OTHER_PARAMS = AnalysisSettings(fix_fingers="DKS").as_dict()
@@ -60,9 +60,9 @@ class CountingStore(LocalStore):
         self.gets: list[str] = []
         self.listings: list[str] = []
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
         self.gets.append(key)
-        return super().get_bytes(key)
+        return super().get_bytes(key, limit=limit)
 
     def list_keys(self, prefix: str = "") -> Iterator[str]:
         self.listings.append(prefix)

@@ -28,7 +28,7 @@ from esd_worker.core.store.layout import FAILURES_PREFIX, write_model_result
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import FETCH_BATCH, FailureRecord, write_failure
-from esd_worker.core.store.stores import LocalStore, Store
+from esd_worker.core.store.stores import READ_LIMIT, LocalStore, Store
 from tests.support import REPO_ROOT
 from tests.support.s3server import S3Server, serve_s3
 
@@ -248,10 +248,10 @@ class CountingStore(LocalStore):
         super().__init__(root)
         self.fetched: list[str] = []
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
         if key.startswith(FAILURES_PREFIX):
             self.fetched.append(key)
-        return super().get_bytes(key)
+        return super().get_bytes(key, limit=limit)
 
 
 def test_records_are_read_a_batch_at_a_time_and_only_the_listed_ones(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from esd_worker.core.store.layout import (
 )
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.records import FailureRecord
-from esd_worker.core.store.stores import LocalStore, Store
+from esd_worker.core.store.stores import READ_LIMIT, LocalStore, Store
 from esd_worker.serve.batch import Batch, BatchSettings, Tally
 from esd_worker.serve.inbox import Inbox
 
@@ -356,10 +356,10 @@ class RefusingStore(LocalStore):
         self.model_key = model_key
         self.refuse_writes = False
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
         if key.startswith(self.model_key) or key.endswith(f"/{self.model_key}.json"):
             raise StoreError(f"store unreachable reading {key}")
-        return super().get_bytes(key)
+        return super().get_bytes(key, limit=limit)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         if self.refuse_writes:

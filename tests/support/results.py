@@ -16,7 +16,7 @@ import pytest
 
 from controller.results.reader import ModelResult
 from esd_worker.core.store.marker import Marker
-from esd_worker.core.store.stores import LocalStore
+from esd_worker.core.store.stores import READ_LIMIT, LocalStore
 
 EXAMPLE_DONE = ".example-complete"
 
@@ -133,6 +133,6 @@ class CountingStore(LocalStore):
         super().__init__(root)
         self.got: list[str] = []
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
         self.got.append(key)
-        return super().get_bytes(key)
+        return super().get_bytes(key, limit=limit)

@@ -18,6 +18,9 @@ from typing import IO, TextIO
 
 from esd_worker.core.errors import ModelListError
 
+# A model list kept in a store is read whole: 2M rows are ~200 MB; more is not a list.
+LIST_BYTES = 4 * 2**30
+
 
 def read_url(url: str) -> bytes:
     """The bytes of a list kept in a store: the store is the URL's folder, the key its name.
@@ -30,7 +33,7 @@ def read_url(url: str) -> bytes:
     folder, _, name = url.rstrip("/").rpartition("/")
     if not name or folder.endswith(":/"):
         raise ModelListError(f"model list URL {url} names no file")
-    data = open_store(folder).get_bytes(name)
+    data = open_store(folder).get_bytes(name, limit=LIST_BYTES)
     if data is None:
         raise ModelListError(f"model list not found: {url}")
     return data

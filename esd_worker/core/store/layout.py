@@ -46,9 +46,22 @@ from esd_worker.core.store.marker import (
     MarkerError,
     check_listed,
 )
-from esd_worker.core.store.stores import Store
+from esd_worker.core.store.stores import READ_LIMIT, Store, StoreRefusal
 
 log = logging.getLogger(__name__)
+
+# The most a reader reads of each kind of file (Store.get_bytes' `limit`): far above what
+# the writers write (a marker of a 1,000-layer model is ~1 MB; a failure record keeps a
+# 4 kB stderr tail; a part is a few hundred models, or compact's target of 500k layer
+# rows, a few MB), and far below what would exhaust a machine's memory. Larger is refused
+# with one line, as what is not a regular file is.
+MARKER_BYTES = 32 * 2**20
+RECORD_BYTES = 4 * 2**20  # failure records, attempt notes, progress documents
+DOCUMENT_BYTES = READ_LIMIT  # run reports, refit records
+TABLE_BYTES = 512 * 2**20  # a model's layers.csv (its seal checks the exact size)
+EIGS_BYTES = 8 * 2**30  # a model's eigs.npz, read one model at a time
+PART_BYTES = 2 * 2**30  # a results-table part, held whole while it is read
+SUMMARY_BYTES = 8 * 2**30  # summary.csv: read as a stream, or whole by the Python API
 
 EIGS_NAME = "eigs.npz"
 MARKER_NAME = "result.json"
@@ -236,12 +249,26 @@ def parse_marker(model_key: str, data: bytes | None) -> Marker | None:
 
 
 def read_marker(store: Store, model_key: str) -> Marker | None:
-    """The marker of `model_key`, or None when it is missing or unreadable (see parse_marker)."""
-    return parse_marker(model_key, store.get_bytes(marker_key(model_key)))
+    """The marker of `model_key`, or None when it is missing or unreadable (see parse_marker;
+    a marker the store refuses to read, StoreRefusal, is unreadable: one line)."""
+    return parse_marker(model_key, get_checked(store, marker_key(model_key), MARKER_BYTES))
 
 
-def fetch_all(store: Store, keys: Sequence[str], *, threads: int = 16) -> list[bytes | None]:
-    """The values of `keys` (None where missing), fetched concurrently: stores may be remote.
+def get_checked(store: Store, key: str, limit: int) -> bytes | None:
+    """store.get_bytes(key, limit=limit), with a refused value (not a regular file, or
+    larger than `limit`) logged in one line and read as missing: whoever reads many keys
+    leaves that one out and goes on."""
+    try:
+        return store.get_bytes(key, limit=limit)
+    except StoreRefusal as e:
+        log.warning("%s; left out", e)
+        return None
+
+
+def fetch_all(store: Store, keys: Sequence[str], *, threads: int = 16,
+              limit: int = READ_LIMIT) -> list[bytes | None]:
+    """The values of `keys` (None where missing or refused: get_checked), fetched
+    concurrently: stores may be remote. `limit`: the bound of the kind read (MARKER_BYTES…).
 
     Only the fetches run in the pool; parsing is CPU work that threads would only slow
     down by contending for the GIL (measured: benchmarks/bench_plan.py).
@@ -250,9 +277,9 @@ def fetch_all(store: Store, keys: Sequence[str], *, threads: int = 16) -> list[b
         return []
     workers = max(1, min(threads, len(keys)))
     if workers == 1:
-        return [store.get_bytes(key) for key in keys]
+        return [get_checked(store, key, limit) for key in keys]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(store.get_bytes, keys))
+        return list(pool.map(lambda key: get_checked(store, key, limit), keys))
 
 
 def read_markers(
@@ -260,7 +287,8 @@ def read_markers(
 ) -> dict[str, Marker | None]:
     """model_key → marker (None when missing or unreadable), fetched concurrently."""
     unique = list(dict.fromkeys(keys))
-    blobs = fetch_all(store, [marker_key(key) for key in unique], threads=threads)
+    blobs = fetch_all(store, [marker_key(key) for key in unique], threads=threads,
+                      limit=MARKER_BYTES)
     return {key: parse_marker(key, data) for key, data in zip(unique, blobs, strict=True)}
 
 

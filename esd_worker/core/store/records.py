@@ -17,7 +17,13 @@ from itertools import islice
 from typing import Any
 
 from esd_worker.core.redact import redact
-from esd_worker.core.store.layout import failure_key, fetch_all, list_failure_keys
+from esd_worker.core.store.layout import (
+    RECORD_BYTES,
+    failure_key,
+    fetch_all,
+    get_checked,
+    list_failure_keys,
+)
 from esd_worker.core.store.stores import Store
 
 log = logging.getLogger(__name__)
@@ -127,7 +133,7 @@ def read_failures(store: Store, *, threads: int = 16) -> dict[str, FailureRecord
     """
     keys = list_failure_keys(store)
     where = list(keys.values())
-    blobs = fetch_all(store, where, threads=threads)
+    blobs = fetch_all(store, where, threads=threads, limit=RECORD_BYTES)
     records = {key: _parse(at, data) for key, at, data in zip(keys, where, blobs, strict=True)}
     return {key: record for key, record in records.items() if record is not None}
 
@@ -141,7 +147,8 @@ def iter_failures(store: Store, model_keys: Iterable[str], *, batch: int = FETCH
     keys = iter(model_keys)
     while chunk := list(islice(keys, max(1, batch))):
         where = [failure_key(key) for key in chunk]
-        for key, at, data in zip(chunk, where, fetch_all(store, where, threads=threads),
+        for key, at, data in zip(chunk, where, fetch_all(store, where, threads=threads,
+                                                             limit=RECORD_BYTES),
                                  strict=True):
             record = _parse(at, data)
             if record is not None:
@@ -151,7 +158,7 @@ def iter_failures(store: Store, model_keys: Iterable[str], *, batch: int = FETCH
 def read_failure(store: Store, model_key: str) -> FailureRecord | None:
     """A model's failure record; None when it has none or it cannot be read (logged)."""
     where = failure_key(model_key)
-    return _parse(where, store.get_bytes(where))
+    return _parse(where, get_checked(store, where, RECORD_BYTES))
 
 
 def _parse(where: str, data: bytes | None) -> FailureRecord | None:

@@ -41,7 +41,7 @@ from esd_worker.core.store.s3dialect import (
     is_aws_endpoint,
     version_token,
 )
-from esd_worker.core.store.stores import READ_PART, Store, normalize_key
+from esd_worker.core.store.stores import READ_LIMIT, READ_PART, Store, StoreRefusal, normalize_key
 
 log = logging.getLogger(__name__)
 
@@ -234,29 +234,62 @@ class S3Store(Store):
         except _BOTO_ERRORS as e:
             self._fail(e, f"write {name}")
 
-    def get_bytes(self, key: str) -> bytes | None:
-        got = self._get(key)
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
+        got = self._get(key, limit)
         return None if got is None else got[0]
 
-    def _get(self, key: str) -> tuple[bytes, dict[str, Any]] | None:
+    def _get(self, key: str, limit: int = READ_LIMIT) -> tuple[bytes, dict[str, Any]] | None:
         """The value of key and the GetObject reply, or None when the key does not exist."""
-        got = self._get_object(key)
+        got = self._get_object(key, limit)
         if got is None:
             return None
         name, response = got
         try:
-            data = bytes(response["Body"].read())
+            data = bytes(response["Body"].read(limit + 1))
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
+        finally:
+            response["Body"].close()
+        if len(data) > limit:
+            raise StoreRefusal(f"refused to read s3://{self.bucket}/{name}: more than the "
+                               f"{limit} bytes it may hold")
         return data, response
 
-    def get_parts(self, key: str) -> Iterator[bytes] | None:
-        got = self._get_object(key)
+    def get_parts(self, key: str, *, limit: int = READ_LIMIT) -> Iterator[bytes] | None:
+        got = self._get_object(key, limit)
         return None if got is None else self._read_parts(got[1]["Body"], got[0])
 
-    def _get_object(self, key: str) -> tuple[str, dict[str, Any]] | None:
+    def move(self, key: str, new_key: str) -> None:
+        # A server-side copy, then the delete: nothing passes through this machine.
+        name, target = self._object_key(key), self._object_key(new_key)
+        try:
+            self._client.copy_object(Bucket=self.bucket, Key=target,
+                                     CopySource={"Bucket": self.bucket, "Key": name})
+        except ClientError as e:
+            if _error_code(e) in _NOT_FOUND:
+                return
+            self._fail(e, f"copy {name} to {target}")
+        except _BOTO_ERRORS as e:
+            self._fail(e, f"copy {name} to {target}")
+        self.delete(key)
+
+    def _get_object(self, key: str,
+                    limit: int = READ_LIMIT) -> tuple[str, dict[str, Any]] | None:
         """(the object's name, the GetObject reply, its body unread), or None when the key
-        does not exist; the store error for any other refusal."""
+        does not exist; the store error for any other refusal, StoreRefusal (its body
+        closed unread) when the object is more than `limit` bytes."""
+        got = self._request_object(key)
+        if got is None:
+            return None
+        name, response = got
+        size = response.get("ContentLength")
+        if isinstance(size, int) and size > limit:
+            response["Body"].close()
+            raise StoreRefusal(f"refused to read s3://{self.bucket}/{name}: {size} bytes, "
+                               f"more than the {limit} it may hold")
+        return name, response
+
+    def _request_object(self, key: str) -> tuple[str, dict[str, Any]] | None:
         name = self._object_key(key)
         try:
             response = self._client.get_object(Bucket=self.bucket, Key=name)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import abc
 import errno
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from esd_worker.core.errors import StoreError, StorePathError, WorkerError
-from esd_worker.core.files import write_atomic
+from esd_worker.core.files import describe_mode, write_atomic
 
 # OS errors that say a local folder cannot be used as configured: the same call fails the
 # same way on every retry until a person changes a path or a permission (a file where a
@@ -34,6 +35,18 @@ _PERMANENT_ERRNOS = frozenset({
 
 
 READ_PART = 2**20  # bytes a part of Store.get_parts holds at most
+# What get_bytes reads at most unless its caller names the bound of the kind it reads
+# (esd_worker.core.store.layout: markers, records, parts, summaries): a document of the
+# store's own is a few kB, and a reader must never be walked into reading without end.
+READ_LIMIT = 64 * 2**20
+
+
+class StoreRefusal(StorePathError):
+    """A key whose value a reader will not read: not a regular file (a FIFO would block the
+    reader forever, a link to /dev/zero feed it until memory runs out) or larger than the
+    bound of what it should hold. Its message is one line naming the key and why; a reader
+    treats the key as unreadable (a marker: the model is not done; a record: left out).
+    Permanent: reading it again meets the same thing until a person removes it."""
 
 
 def normalize_key(key: str) -> str:
@@ -63,8 +76,10 @@ class Store(abc.ABC):
         """Write atomically: readers see the old value or the whole new one, never a part."""
 
     @abc.abstractmethod
-    def get_bytes(self, key: str) -> bytes | None:
-        """The value, or None when the key does not exist."""
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
+        """The value, or None when the key does not exist. StoreRefusal, before anything
+        is read, when the value is not a regular file or is more than `limit` bytes: the
+        one door through which every reader of the store comes."""
 
     def put_parts(self, key: str, parts: Iterable[bytes]) -> None:
         """Write the parts joined, as put_bytes does (atomically), holding a bounded share of
@@ -72,12 +87,22 @@ class Store(abc.ABC):
         rows is written as it is made. This default joins them first."""
         self.put_bytes(key, b"".join(parts))
 
-    def get_parts(self, key: str) -> Iterator[bytes] | None:
+    def get_parts(self, key: str, *, limit: int = READ_LIMIT) -> Iterator[bytes] | None:
         """The value in parts of at most READ_PART bytes where the store can (the start of
-        a large value is read without reading it all), or None when the key does not exist.
-        This default is get_bytes' value in one part."""
-        data = self.get_bytes(key)
+        a large value is read without reading it all), or None when the key does not exist;
+        refused as get_bytes refuses, the size bound checked before the first part. This
+        default is get_bytes' value in one part."""
+        data = self.get_bytes(key, limit=limit)
         return None if data is None else iter((data,))
+
+    def move(self, key: str, new_key: str) -> None:
+        """Put the value of `key` under `new_key` and remove `key` (what compact sets aside
+        it never deletes). This default copies through memory; stores override it with
+        their own rename or server-side copy."""
+        data = self.get_bytes(key, limit=2**62)
+        if data is not None:
+            self.put_bytes(new_key, data)
+            self.delete(key)
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool: ...
@@ -147,24 +172,61 @@ class LocalStore(Store):
         except OSError as e:
             raise local_store_error(f"write {path}", e) from e
 
-    def get_bytes(self, key: str) -> bytes | None:
+    def _open(self, key: str, limit: int) -> tuple[BinaryIO, Path] | None:
+        """The key's file opened for reading, checked to be a regular file of at most
+        `limit` bytes; None when there is none. A symlink is followed (a results folder may
+        be assembled from links) but what it names must be a regular file too. O_NONBLOCK:
+        opening a FIFO for reading would otherwise wait for a writer forever."""
         path = self._path(key)
         try:
-            return path.read_bytes()
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise local_store_error(f"read {path}", e) from e
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode):
+                raise StoreRefusal(f"refused to read {path}: it is "
+                                   f"{describe_mode(found.st_mode)}, not a regular file: "
+                                   "fix the output folder (remove it if it is not yours)")
+            if found.st_size > limit:
+                raise StoreRefusal(f"refused to read {path}: {found.st_size} bytes, more "
+                                   f"than the {limit} it may hold")
+            os.set_blocking(fd, True)
+            return os.fdopen(fd, "rb"), path
+        except BaseException:
+            os.close(fd)
+            raise
 
-    def get_parts(self, key: str) -> Iterator[bytes] | None:
-        path = self._path(key)
-        try:
-            f = path.open("rb")
-        except FileNotFoundError:
+    def get_bytes(self, key: str, *, limit: int = READ_LIMIT) -> bytes | None:
+        opened = self._open(key, limit)
+        if opened is None:
             return None
+        f, path = opened
+        with f:
+            try:
+                data = f.read(limit + 1)  # a file that grew since fstat is bounded too
+            except OSError as e:
+                raise local_store_error(f"read {path}", e) from e
+        if len(data) > limit:
+            raise StoreRefusal(f"refused to read {path}: more than the {limit} bytes it "
+                               "may hold")
+        return data
+
+    def get_parts(self, key: str, *, limit: int = READ_LIMIT) -> Iterator[bytes] | None:
+        opened = self._open(key, limit)
+        return None if opened is None else self._read_parts(*opened)
+
+    def move(self, key: str, new_key: str) -> None:
+        path, target = self._path(key), self._path(new_key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, target)
+        except FileNotFoundError:
+            return
         except OSError as e:
-            raise local_store_error(f"read {path}", e) from e
-        return self._read_parts(f, path)
+            raise local_store_error(f"move {path} to {target}", e) from e
 
     @staticmethod
     def _read_parts(f: BinaryIO, path: Path) -> Iterator[bytes]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from controller.backends.kubernetes.sharded.status import IndexedRun, ShardCounts
 from controller.progress import ClassProgress
-from esd_worker.core.store.layout import shard_progress_key
+from esd_worker.core.store.layout import RECORD_BYTES, shard_progress_key
 from esd_worker.core.store.progressdoc import EXITED, RUNNING, ShardProgressDoc
 from esd_worker.core.store.stores import Store
 
@@ -125,7 +125,8 @@ class ShardProgressReader:
         """Shard `index`'s document; None when there is none, or it is not this shard's
         (another run's or index's) or not one (logged once: progress only, never fatal)."""
         try:
-            data = self.store.get_bytes(shard_progress_key(run.run_id, run.class_name, index))
+            data = self.store.get_bytes(shard_progress_key(run.run_id, run.class_name, index),
+                                        limit=RECORD_BYTES)
             if data is None:
                 return None
             doc = ShardProgressDoc.from_json(data)
