@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from esd_worker.core.errors import classify_exit
+from esd_worker.core.redact import redact
 
 MODEL = "model"
 WORKER = "worker"
@@ -69,11 +70,13 @@ _CLASS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def error_class(error: str, exit_code: int | None = None, signal: int | None = None) -> str:
-    """The class of a failure: its error's `<Class>: <what>` prefix, else the one its exit
-    code and signal give (esd_worker.core.errors.classify_exit), as controller.results
-    names causes."""
+    """The class of a failure: its error's `<Class>: <what>` prefix, else (no such prefix, or
+    one that is a secret: esd_worker.core.redact) the one its exit code and signal give
+    (esd_worker.core.errors.classify_exit), as controller.results names causes."""
     named = error.split(":", 1)[0].strip()
-    if _CLASS.fullmatch(named):
+    # A token or key id is an identifier too (`hf_…: …`, `AKIA…`, the HF_TOKEN value): a
+    # label is published on /metrics, so a prefix the redaction owner would hide is no class.
+    if _CLASS.fullmatch(named) and redact(named) == named:
         return named[:CLASS_CHARS]
     return classify_exit(exit_code, signal)[0]
 

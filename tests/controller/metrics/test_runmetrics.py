@@ -21,6 +21,7 @@ from controller.metrics.domains import (
 )
 from controller.metrics.runmetrics import RunMetrics
 from controller.progress import ClassProgress, Progress
+from esd_worker.core import redact as redact_module
 from tests.controller.metrics.scrape import Samples, value
 
 
@@ -141,6 +142,28 @@ def test_killed_by_signal_without_a_class_is_named_from_its_signal() -> None:
     metrics.ended(outcome(exit_code=None, signal=9), "killed (SIGKILL)", True)
     assert value(exported(metrics), "esd_sweep_failures_total", cause="KilledBySignal",
                  fault_domain="node", retryable="true") == 1
+
+
+LIVE_TOKEN = "liveToken0123456789"  # an identifier, no token shape: only HF_TOKEN says so
+
+
+@pytest.mark.parametrize("secret", [
+    pytest.param("hf_" + "Zq9x" * 9, id="hf-token"),
+    pytest.param("AKIA" + "Q7ZB3XK2LMNP4RST", id="aws-key-id"),
+    pytest.param(LIVE_TOKEN, id="hf-token-env-value"),
+])
+def test_an_error_prefixed_by_a_secret_gives_no_label_of_it(
+        secret: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's error that starts `<secret>: …` (a secret is an identifier too): /metrics
+    names the class its exit code gives, never the secret."""
+    monkeypatch.setenv("HF_TOKEN", LIVE_TOKEN)
+    monkeypatch.setattr(redact_module, "_default", None)  # it reads HF_TOKEN on first use
+    metrics = RunMetrics(run_id="r", backend="local", version="1")
+    metrics.ended(outcome(exit_code=1), f"{secret}: hub said 401", False)
+    text = generate_latest(metrics.registry).decode()
+    assert secret not in text
+    assert value(exported(metrics), "esd_sweep_failures_total", cause="WorkerCrashed",
+                 fault_domain="worker", retryable="false") == 1
 
 
 def test_progress_hands_its_updates_to_the_metrics() -> None:
