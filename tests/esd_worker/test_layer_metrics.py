@@ -64,6 +64,29 @@ def test_layer_metrics_hand_computed() -> None:
 
 
 @pytest.mark.parametrize(
+    "evals",
+    [
+        pytest.param([0.0, 0.0, 1.0, 3.0], id="zeros"),
+        pytest.param([0.0, 1e-20, 1.0, 3.0], id="a-nonzero-below-tolerance"),
+    ],
+)
+def test_entropy_of_a_rank_deficient_layer_is_over_ln_of_its_rank(evals: list[float]) -> None:
+    """Four eigenvalues, rank 2: the entropy is normalised by ln R, R = matrix_rank, not by
+    ln of the number of eigenvalues (docs/metrics.md), worked out by hand.
+
+    σ = 1e-10 is below the tolerance √3·4·eps32 ≈ 8e-7, so R = 2 either way; the norm is 4
+    (1e-20 is lost in it). p = (1/4, 3/4) (a p of 2.5e-21 adds ~1e-19), so
+    −Σ p ln p = ln 4 − (3/4) ln 3 ≈ 0.5623 and the entropy is that over ln 2 ≈ 0.8113; over
+    ln 4 (the number of eigenvalues) it would be half that, over ln 3 (the nonzero ones)
+    ≈ 0.5118."""
+    m = layer_metrics(np.array(evals), max_dim=4)
+    assert m["matrix_rank"] == 2
+    assert m["entropy"] == pytest.approx((math.log(4) - 0.75 * math.log(3)) / math.log(2),
+                                         rel=1e-14)
+    assert m["entropy"] == pytest.approx(0.8113, abs=1e-4)  # the hand value, to 4 places
+
+
+@pytest.mark.parametrize(
     ("evals", "max_dim", "rank"),
     [
         ([0.0, 1e-20, 1.0, 4.0], 10, 2),  # σ = 1e-10 < 2·10·eps32 ≈ 2.4e-6: below tolerance

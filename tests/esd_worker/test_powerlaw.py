@@ -210,6 +210,30 @@ def test_xmin_peak_uses_linear_window() -> None:
     assert fit.xmin == want[2]
 
 
+def test_xmin_peak_window_ends_at_one_and_a_half_times_the_peak() -> None:
+    """The window's upper bound is 1.5·p, inclusive: the pick below is the one only that
+    bound gives.
+
+    λ = 1, 1.5, 2, 2.5, 3, 4, 6 with one bin: the fullest bin is the only one, its left
+    edge log10 λ_min = 0, so p = 1 exactly and the candidates are λ_i in [0.95, 1.5]:
+    i = 0 (λ = 1) and i = 1 (λ = 1.5, on the bound). By the spec's formulas (docs/metrics.md),
+    - α_1 = 1 + 6 / Σ_{j≥1} ln(λ_j / 1.5) = 1 + 6 / ln(540 / 1.5⁶) ≈ 2.5549, and
+      D_1 = |1 − (2.5/1.5)^(1−α_1) − 2/6| ≈ 0.2148 (k = 2 is the largest of the six terms);
+    - D_0 ≈ 0.2518 (α_0 ≈ 2.1126): larger, so the fit is λ = 1.5, α_1;
+    - D_2 ≈ 0.1693 at λ = 2 is smaller than both: a bound above 2 would pick it, and a bound
+      below 1.5 (or one that leaves out λ = 1.5·p itself) would pick λ = 1.
+    α_1 is the closed form above; D_1 is the 40-digit brute force (tests/support/spectra.py).
+    """
+    lam = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0]
+    alpha = 1 + 6 / math.log(540 / 1.5**6)
+    fit = fit_power_law(lam, fix_fingers="xmin_peak", bins=1)
+    assert (fit.status, fit.xmin) == ("ok", 1.5)
+    assert fit.alpha == pytest.approx(alpha, rel=1e-12)
+    distance = fit.D
+    assert distance == pytest.approx(brute_alpha_ks(lam, range(1, 2))[1][1], rel=1e-12)
+    assert distance == pytest.approx(0.2148, abs=1e-4)  # the hand value, to 4 places
+
+
 def test_xmin_peak_empty_window_is_fit_failed() -> None:
     """If the only value in the peak window is the largest one, there is no candidate."""
     lam = np.array([1.0, 1000.0, 1000.0])  # fullest bin holds the two 1000s; 1000 is the top
