@@ -109,9 +109,10 @@ def analyse_model(
     resolve: how model references (the model, an adapter's base) become local files; a
     caller that has downloaded them already hands in its own. progress: called as
     progress(layers done, bytes on disk) once the files are there (0 layers; the model's
-    bytes with its base's) and after each layer (bytes None: unchanged): a long-lived
-    worker's heartbeat. done: called with the marker and the layer rows once the marker is
-    written. Returns the marker written (result.json).
+    bytes with its base's), as discovery goes (0 layers, bytes None: often, so it must be
+    cheap) and after each layer (bytes None: unchanged): a long-lived worker's heartbeat.
+    done: called with the marker and the layer rows once the marker is written. Returns the
+    marker written (result.json).
     """
     return analyse_model_with(settings, store=store, model_key=model_key, resolve=resolve,
                               progress=progress, done=done)
@@ -178,7 +179,11 @@ def analyse_model_with(
     from esd_worker.analysis.weights import Checkpoint
 
     memory = held if held is not None and weights_model.source == MEMORY_SOURCE else None
-    opened = memory.checkpoint() if memory else Checkpoint(weights_model.directory)
+    # Discovery beats the heartbeat as it goes (each weight file opened, each module of the
+    # meta model built and mapped): a model of hundreds of blocks can take minutes before its
+    # first layer, and a watch under a short --model-timeout would kill it as hung.
+    beat = None if progress is None else _discovery_beat(progress)
+    opened = memory.checkpoint() if memory else Checkpoint(weights_model.directory, beat=beat)
     with opened as ckpt:
         speculation = None if mode == "off" else Speculation(
             ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, devices[0],
@@ -197,6 +202,7 @@ def analyse_model_with(
                 ckpt,
                 include_embeddings=settings.analysis.include_embeddings,
                 trust_remote_code=settings.trust_remote_code,
+                beat=beat,
             )
         matched: AdapterMatch | None = None
         if adapter is not None:
@@ -287,6 +293,12 @@ def analyse_model_with(
     if done is not None:  # the rows at hand: nobody reads layers.csv back for the tables
         done(marker, job.rows)
     return marker
+
+
+def _discovery_beat(progress: Progress) -> Callable[[], None]:
+    """A beat of `progress` with no layer done yet and the size unchanged (the heartbeat
+    throttles its lines: esd_worker.serve.batch.Heartbeat)."""
+    return lambda: progress(0, None)
 
 
 def _resolve_base(

@@ -4,12 +4,14 @@ transformers import, no meta model. A cold worker's first Llama-family model oth
 layer map is known.
 
 Owns the table of known architectures (the module paths of one block, in the model's module
-order) and the check that a checkpoint is exactly what the table says. Anything else (another
-architecture, a quantized checkpoint, a prefix, an extra or a missing matrix, a tied head that
-the checkpoint also stores) gives None, and discovery builds the model as for every other
-architecture (esd_worker.analysis.layers). Where the table answers, its map is the one
-transformers' meta model gives, layer for layer (tests/esd_worker/test_knownmaps.py builds
-both for every entry).
+order) and the check that a checkpoint is exactly what the table says: every matrix it holds
+(any tensor of two or more dimensions, whatever its name) is one the map names. Anything else
+(another architecture, a quantized checkpoint, a prefix, an extra or a missing matrix, a tied
+head that the checkpoint also stores, a config.json whose block count is not the stored one)
+gives None, and discovery builds the model as for every other architecture
+(esd_worker.analysis.layers), which accounts for each stored matrix or fails the model.
+Where the table answers, its map is the one transformers' meta model gives, layer for layer
+(tests/esd_worker/test_knownmaps.py builds both for every entry).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esd_worker.analysis.layers import EMBEDDING, LINEAR, LayerMap, LayerSpec, matrix_keys
+from esd_worker.analysis.layers import EMBEDDING, LINEAR, LayerMap, LayerSpec
 from esd_worker.analysis.weights import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -64,7 +66,11 @@ def known_layer_map(directory: Path, checkpoint: Checkpoint, *, include_embeddin
     tie = config.get("tie_word_embeddings", known.tie_default)
     names = [f"model.layers.{i}.{path}" for i in range(blocks) for path in known.block]
     want = {f"{name}.weight" for name in names} | {f"{EMBED}.weight"}
-    have = set(matrix_keys(checkpoint, include_embeddings=True))
+    # Every matrix stored, whatever its name (not matrix_keys, which passes over names like
+    # norms'): one the table does not name sends the model to discovery, which accounts
+    # for it or fails the model (esd_worker.analysis.layers.map_modules).
+    have = {key for key in checkpoint.keys()  # noqa: SIM118 - Checkpoint is not a Mapping
+            if len(checkpoint.shape(key)) >= 2}
     head = f"{HEAD}.weight"
     # Tied, the head is the embedding's, as transformers loads it: a stored copy would be a
     # weight the map leaves out, which the model path reports (so it decides then).

@@ -14,7 +14,7 @@ import os
 import pickle
 import re
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +74,10 @@ class Checkpoint:
     memory-mapped where the file format allows it.
     """
 
-    def __init__(self, directory: Path, *, adapter: bool = False) -> None:
+    def __init__(self, directory: Path, *, adapter: bool = False,
+                 beat: Callable[[], None] | None = None) -> None:
+        """`beat`: called once each weight file is open (a sign of progress for the worker's
+        heartbeat: a checkpoint of hundreds of .bin shards loads for a while)."""
         self.directory = directory
         self.format, self.files = find_weight_files(directory, adapter=adapter)
         self._stack = contextlib.ExitStack()
@@ -84,6 +87,8 @@ class Checkpoint:
         try:
             for path in self.files:
                 self._open(path)
+                if beat is not None:
+                    beat()
         except BaseException:
             self._stack.close()
             raise

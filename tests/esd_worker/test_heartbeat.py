@@ -2,23 +2,28 @@
 analysed (its bytes on disk once its files are there, then the layers done so far), so that
 whoever watches the worker (esd_worker.core.watchdog) tells a hung model from a slow one.
 
-The real `esd-worker --models` on a tiny local model in a subprocess, and the throttle with a
-clock the test moves."""
+The real `esd-worker --models` on a tiny local model in a subprocess, the throttle with a
+clock the test moves, and discovery's beats counted by the real watch."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from esd_worker.analysis.analyze import analyse_model
+from esd_worker.core.command.settings import WorkerSettings
 from esd_worker.core.protocol import PROGRESS, parse_event, progress_line
+from esd_worker.core.watchdog import ModelWatch
 from esd_worker.serve.batch import Heartbeat
 from tests.support import REPO_ROOT
-from tests.support.builders import worker_command
+from tests.support.builders import make_gpt2, make_llama, worker_command
 
 
 def test_a_progress_line_reads_back_as_written() -> None:
@@ -97,3 +102,38 @@ def test_a_models_run_beats_between_start_and_result(llama_dir: Path, tmp_path: 
     assert layers == sorted(layers) and layers[-1] > layers[0], layers
     on_disk = sum(p.stat().st_size for p in llama_dir.iterdir() if p.is_file())
     assert {e["bytes"] for e in progress} == {on_disk}
+
+
+def _shards(folder: Path) -> int:
+    return len(list(folder.glob("*.safetensors")))
+
+
+@pytest.mark.parametrize(
+    ("build", "at_least"),
+    [
+        pytest.param(lambda d: make_gpt2(d, n_layer=24), lambda d: 24,
+                     id="meta-model-of-24-blocks"),
+        pytest.param(lambda d: make_llama(d, max_shard_size="20KB"), _shards,
+                     id="known-map-of-many-shards"),
+    ],
+)
+def test_discovery_beats_the_watch(tmp_path: Path, build: Callable[[Path], Path],
+                                   at_least: Callable[[Path], int]) -> None:
+    """Between the model's files being there (the beat with its size) and its first layer,
+    discovery beats the watch as it goes: once a weight file opened, and as the meta model
+    is built and mapped, at least once a block. A model of 700 blocks otherwise sends
+    nothing for minutes, and a watch under a short --model-timeout kills it as hung."""
+    model = build(tmp_path / "model")
+    watch = ModelWatch(floor_s=1.0)
+    watch.start("k", time.monotonic())
+    before_first_layer: list[int] = []  # the watch's beats at each progress with 0 layers
+
+    def progress(layers: int, size_bytes: int | None = None) -> None:
+        watch.beat("k", time.monotonic(), size_bytes)
+        if layers == 0:
+            before_first_layer.append(watch.beats)
+
+    analyse_model(WorkerSettings(model=str(model), output=str(tmp_path / "out"),
+                                 device="cpu"), progress=progress)
+    assert watch.size_bytes is not None and before_first_layer[0] == 1  # the files' size
+    assert len(before_first_layer) - 1 >= at_least(model), before_first_layer

@@ -68,14 +68,19 @@ def _add_tensor(folder: Path, key: str, value: torch.Tensor) -> None:
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("case", ["extra-matrix", "missing-head", "tied-head-stored",
+@pytest.mark.parametrize("case", ["extra-matrix", "extra-matrix-named-like-a-norm",
+                                  "missing-head", "tied-head-stored",
                                   "quantized", "remote-code", "two-architectures",
-                                  "unknown-architecture", "more-blocks-than-stored"])
+                                  "unknown-architecture", "more-blocks-than-stored",
+                                  "fewer-blocks-than-stored"])
 def test_what_the_table_does_not_describe_whole_goes_to_the_model(tmp_path: Path,
                                                                   case: str) -> None:
     folder = saved(tmp_path / "m", "LlamaForCausalLM", tie=case == "tied-head-stored")
     if case == "extra-matrix":
         _add_tensor(folder, "model.layers.0.mlp.extra.weight", torch.ones(4, 4))
+    elif case == "extra-matrix-named-like-a-norm":
+        # Every stored matrix counts, whatever its name says.
+        _add_tensor(folder, "model.layers.0.extra_norm.weight", torch.ones(4, 4))
     elif case == "missing-head":
         from safetensors.torch import load_file, save_file
 
@@ -92,6 +97,8 @@ def test_what_the_table_does_not_describe_whole_goes_to_the_model(tmp_path: Path
         _rewrite(folder, {"architectures": ["LlamaForCausalLM", "LlamaModel"]})
     elif case == "unknown-architecture":
         _rewrite(folder, {"architectures": ["GPT2LMHeadModel"]})
+    elif case == "fewer-blocks-than-stored":
+        _rewrite(folder, {"num_hidden_layers": 1})
     else:
         _rewrite(folder, {"num_hidden_layers": 3})
     with Checkpoint(folder) as ckpt:
