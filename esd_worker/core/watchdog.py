@@ -4,8 +4,9 @@ and the watch kept over the worker's heartbeats.
 Owns the policy, for both who run long-lived workers: the shard pod's supervisor
 (esd_worker.serve.supervisor) and the local backend (controller.backends.local). A worker
 says `start` when a model begins and `progress` as it goes (esd_worker.core.protocol: a
-weight file fetched, a layer analysed); "hung" means no such line for the model's limit,
-never "slow": a 405B model that beats every few seconds runs as long as it needs.
+weight file fetched, a step of the layer discovery, a layer analysed); "hung" means no such
+line for the model's limit, never "slow": a 405B model that beats every few seconds runs as
+long as it needs.
 
 The limit: `--model-timeout` seconds (the floor, default 600), or more for a big model:
 SAFETY × (reading the model at a slow READ_BYTES_PER_S + the eigensolver estimate of

@@ -265,8 +265,9 @@ def add_model_timeout_flag(group: argparse.ArgumentParser | Any) -> None:
     (esd_worker.core.watchdog), which the shard pod's supervisor and the local backend keep."""
     add_flag(group, "--model-timeout", type=float_in(0, WEEK_S, above=True, unit="seconds"),
              default=None, metavar="SECONDS",
-             help="a model that shows no progress (no weight file fetched, no layer analysed) "
-             "for this long, or longer for a big model, is killed as hung and charged one "
+             help="a model that shows no progress (no weight file fetched, no step of its "
+             "layer discovery, no layer analysed) for this long, or longer for a big model, "
+             "is killed as hung and charged one "
              f"attempt (default {DEFAULT_MODEL_TIMEOUT_S:g})")
 
 
