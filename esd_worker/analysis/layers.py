@@ -5,6 +5,7 @@ model that is not analysed), else the model fails (UnexplainedWeights)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import re
@@ -208,9 +209,10 @@ def discover_layers(
     """Map the model's Linear/Conv1D/Conv2d (and optionally Embedding) weights to checkpoint
     keys; without an architecture transformers can build, fall back to tensor names.
 
-    The model is the first class config.json gives (map_modules: its architectures, then the
-    auto classes) that accounts for every matrix the checkpoint holds; when none does, the
-    first one's UnexplainedWeights is the model's failure. `beat` is called as discovery goes
+    The model is the first class built from config.json (its architectures, then the auto
+    classes) that accounts for every matrix the checkpoint holds (map_modules), and the note
+    says when that is not the first class built; when none does, the first one's
+    UnexplainedWeights is the model's failure. `beat` is called as discovery goes
     (esd_worker.analysis.analyze: the worker's heartbeat)."""
     config, classes = _meta_config(directory, trust_remote_code=trust_remote_code) or (None, [])
     unexplained: UnexplainedWeights | None = None
@@ -219,11 +221,19 @@ def discover_layers(
         if model is None:
             continue
         try:
-            return map_modules(model, checkpoint, include_embeddings=include_embeddings,
-                               beat=beat)
+            found = map_modules(model, checkpoint, include_embeddings=include_embeddings,
+                                beat=beat)
         except UnexplainedWeights as e:
             log.info("%s", e)
             unexplained = unexplained or e
+            continue
+        if unexplained is None:
+            return found
+        instead = (f"{unexplained.architecture} does not account for "
+                   f"{unexplained.count} of the checkpoint (e.g. {unexplained.keys[0]}); "
+                   f"{found.architecture} does")
+        log.warning("%s", instead)
+        return dataclasses.replace(found, note="; ".join(n for n in (instead, found.note) if n))
     if unexplained is not None:
         raise unexplained
     return map_by_names(
@@ -297,12 +307,13 @@ class UnexplainedWeights(PermanentModelError):
     model fails rather than being marked done without them."""
 
     def __init__(self, architecture: str, keys: Sequence[str]) -> None:
-        self.keys = list(keys)
+        self.architecture, self.keys = architecture, list(keys)
         shown = ", ".join(self.keys[:_SHOWN])
         more = f" and {len(self.keys) - _SHOWN} more" if len(self.keys) > _SHOWN else ""
-        count = "1 weight matrix" if len(self.keys) == 1 else f"{len(self.keys)} weight matrices"
+        n = len(self.keys)
+        self.count = "1 weight matrix" if n == 1 else f"{n} weight matrices"
         super().__init__(
-            f"{count} in the checkpoint not part of {architecture} as config.json describes "
+            f"{self.count} in the checkpoint not part of {architecture} as config.json describes "
             f"it ({shown}{more}): config.json does not describe this checkpoint (e.g. fewer "
             "layers than stored), so not every layer could be analysed"
         )

@@ -158,8 +158,12 @@ LLAMA_LAYERS = [f"model.layers.{i}.{m}" for i in range(2) for m in (
                          "attention.self.query", "attention.self.key", "attention.self.value",
                          "attention.output.dense", "intermediate.dense", "output.dense")],
                       "pooler.dense"],
-                     "", id="bert-without-architectures"),
-        pytest.param(_bert_pretraining, "BertForPreTraining", None, "",
+                     "BertLMHeadModel does not account for 1 weight matrix of the checkpoint "
+                     "(e.g. pooler.dense.weight); BertModel does",
+                     id="bert-without-architectures"),
+        pytest.param(_bert_pretraining, "BertForPreTraining", None,
+                     "BertForMaskedLM does not account for 2 weight matrices of the "
+                     "checkpoint (e.g. bert.pooler.dense.weight); BertForPreTraining does",
                      id="bert-pretraining-checkpoint-named-masked-lm"),
     ],
 )
@@ -172,7 +176,7 @@ def test_what_the_model_accounts_for_is_not_a_failure(
     the note) leave the model done; when config.json names no class, or one without the
     heads the checkpoint holds, the first class that accounts for every stored matrix is
     the model (the bare BertModel of a bare checkpoint, BERT's pretraining model with its
-    pooler and next-sentence head)."""
+    pooler and next-sentence head), and the note says which class did not."""
     result = run_analysis(build(tmp_path / "model"), tmp_path / "out", precision="float64")
     assert result.marker["architecture"] == architecture
     assert result.marker["layer_discovery"] == "architecture"
