@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from controller.output.tenure import Tenure
 from controller.progress import Progress
 from esd_worker.core.command.flags import PREFETCH
 from esd_worker.core.command.invocation import BATCH_MODES, MODEL, BatchOptions, WorkerInvocation
@@ -168,6 +169,9 @@ class Backend(Protocol):
     has ended, or soon after request_stop.
     request_stop: safe from a signal handler; `stop_notice(n)` says, for people, what the
     n-th request does.
+    guard: before run, the output's lease: no task starts once it is lost (a loss found while
+    a task starts waits for that start: Tenure.holding makes the check and the start one
+    step).
     dry_run: print what run would start (commands or Jobs) and start nothing; the count.
     report: the backend's part of runs/<run_id>.json: "device", "gpus", and anything of
     its own under its name; "running": tasks left running when run returned.
@@ -181,6 +185,8 @@ class Backend(Protocol):
     ) -> Sequence[Outcome]: ...
 
     def request_stop(self) -> None: ...
+
+    def guard(self, tenure: Tenure) -> None: ...
 
     def stop_notice(self, count: int) -> str: ...
 

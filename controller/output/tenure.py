@@ -2,16 +2,18 @@
 the
 one signal a sweep or a refit reacts to when an S3 lease is lost, and the error it ends with.
 
-Owns `Tenure` (lost or not, the reactions registered, `check` before a write) and
-`LeaseLostError` (exit 3). Does not take, renew or release a lease (controller.output.lease) nor
-decide what a run does when it is lost (controller.run.sweep, controller.results.refit).
+Owns `Tenure` (lost or not, the reactions registered, `check` before a write, `holding`
+while a task starts) and `LeaseLostError` (exit 3). Does not take, renew or release a lease
+(controller.output.lease) nor decide what a run does when it is lost (controller.run.sweep,
+controller.results.refit).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from controller.errors import InfrastructureError
 
@@ -35,7 +37,8 @@ class Tenure:
     def __init__(self, url: str) -> None:
         self.url = url
         self._lost = threading.Event()
-        self._lock = threading.Lock()
+        # Re-entrant: a reaction registered from inside `holding` must not deadlock.
+        self._lock = threading.RLock()
         self._callbacks: list[Callable[[], None]] = []
 
     @property
@@ -49,6 +52,15 @@ class Tenure:
                 self._callbacks.append(callback)
                 return
         callback()
+
+    @contextmanager
+    def holding(self) -> Iterator[bool]:
+        """Whether the lease is still held, and it stays so until the block ends: `lose`
+        waits for the block, so that a check and the start it allows are one step (a task
+        starts before the loss is known, or not at all). Keep the block short: the thread
+        that found the loss waits on it."""
+        with self._lock:
+            yield not self._lost.is_set()
 
     def lose(self) -> None:
         with self._lock:

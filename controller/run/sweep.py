@@ -302,7 +302,9 @@ def execute(backend: Backend, tasks: Work, recorder: Recorder,
     """Run the tasks on the backend under Ctrl+C handling; True when interrupted.
 
     tenure: when the output's lease is lost, the recorder stops writing and the backend
-    gets a stop request (no task starts; those running finish, as after one Ctrl+C).
+    gets a stop request (no task starts; those running finish, as after one Ctrl+C); the
+    backend checks it as it starts each task (Backend.guard), so none starts after the loss
+    is known.
     metrics: follows the progress and the recorder's verdicts (--metrics-port)."""
     progress = Progress(len(tasks))
     if metrics is not None:
@@ -311,6 +313,7 @@ def execute(backend: Backend, tasks: Work, recorder: Recorder,
         recorder.on_end = metrics.ended
     if tenure is not None:
         tenure.when_lost(lambda: _lease_lost(backend, recorder))
+        backend.guard(tenure)
     try:
         with _Interrupts(backend) as interrupts:
             backend.run(tasks, recorder, progress)

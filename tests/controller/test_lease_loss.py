@@ -16,14 +16,23 @@ from pathlib import Path
 
 import pytest
 
+from controller.backends.base import Task
+from controller.backends.local.backend import LocalBackend
 from controller.backends.local.settings import LocalSettings
 from controller.errors import EXIT_INFRA
 from controller.output.lease import observe
 from controller.output.tenure import LeaseLostError, Tenure
-from controller.run.sweep import run_sweep
+from controller.run.recorder import Recorder
+from controller.run.sweep import execute, run_sweep
 from controller.settings import SweepSettings
 from esd_worker.core.store.layout import LEASE_KEY
+from esd_worker.core.store.stores import LocalStore
+from tests.support.local import exit_task
 from tests.support.s3server import S3Server, make_store, serve_s3
+
+# How long the thread that finds the loss is given to deliver it while a task starts: far
+# more than it needs when nothing holds it up, and how long a gated start holds it.
+LOSS_WAIT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +85,56 @@ def test_a_sweep_that_loses_its_s3_lease_stops_dispatching_and_exits_3(
     assert json.loads(store.get_bytes(run) or b"")["lease_lost"] is True
     seen = observe(store)
     assert seen is not None and seen.owner is not None and seen.owner.token == "sweep-b"
+
+
+class LostWhileStarting(LocalBackend):
+    """The local backend, on one CPU slot, whose lease another thread loses (as the renewal
+    thread does when it finds the lease taken over) at the worst moment: once the loop has
+    checked that tasks may start and is starting the second one (in acquire, which the loop
+    calls between that check and the start). `events` records the starts and the loss, in
+    the order they happened."""
+
+    def __init__(self) -> None:
+        super().__init__(LocalSettings(max_retries=0, cpu_workers=1), None)
+        self.events: list[str] = []
+        self.tenure: Tenure | None = None
+        self.loser: threading.Thread | None = None
+
+    def guard(self, tenure: Tenure) -> None:
+        super().guard(tenure)
+        self.tenure = tenure
+        tenure.when_lost(lambda: self.events.append("lost"))
+
+    def started(self, task: Task, gpus: tuple[int, ...]) -> None:
+        self.events.append(f"start {task.key}")
+        super().started(task, gpus)
+
+    def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
+        got = super().acquire(in_use, gpus)
+        if got is not None and self.loser is None and self.events == ["start t0"]:
+            assert self.tenure is not None
+            self.loser = threading.Thread(target=self.tenure.lose)
+            self.loser.start()
+            self.loser.join(LOSS_WAIT_S)  # delivered by now, unless the start holds it off
+        return got
+
+
+def test_a_lease_lost_between_the_check_and_a_start_starts_nothing_after_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The check and the start are one step: the loss, found while the second task starts,
+    lands after that start (which began before it), and nothing starts once it is known and
+    logged ("no task starts"): the third task never runs. A check and a start apart let the
+    loss land in between, and the second task start after "lost"."""
+    backend = LostWhileStarting()
+    tenure = Tenure("s3://bucket/out")
+    tasks = [exit_task(f"t{i}", 0) for i in range(3)]
+    execute(backend, tasks, Recorder(LocalStore(tmp_path), "run-1"), tenure)
+    assert backend.loser is not None
+    backend.loser.join(10)
+    assert backend.events == ["start t0", "start t1", "lost"]
+    assert tenure.lost
+    assert "no task starts" in caplog.text
 
 
 def test_a_tenure_calls_each_reaction_once_whenever_it_was_registered(

@@ -18,6 +18,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from controller.backends.base import Outcome, Task
@@ -72,6 +73,11 @@ class Dispatcher(Protocol):
 
     def command(self, task: Task) -> tuple[str, ...]:
         """The command of one attempt of a task that is not served."""
+        ...
+
+    def may_start(self) -> AbstractContextManager[bool]:
+        """Held while one task starts: whether tasks may start (the output's lease is still
+        held); a loss of the lease waits until the block ends."""
         ...
 
     def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
@@ -243,38 +249,47 @@ class Loop:
 
     def _dispatch(self, now: float) -> bool:
         started = False
-        queue = self.waiting.ready
-        while queue and not self.stopping:
-            job = queue[0]
-            in_use = len(self.slots) + len(self.running)
-            if self.d.serves(job.task):
-                want = self.needs.want(job.task)
-                if want is None:
-                    break  # its shape is being looked up (.needs): next pass
-                try:
-                    taken = self.slots.offer(job, now, functools.partial(self.d.acquire, in_use),
-                                             want)
-                except LogDirError as e:
-                    raise SweepError(f"{e} (--log-dir)") from e  # setup, not this task's
-                except (OSError, ValueError) as e:
-                    queue.popleft()
-                    self.needs.taken()
-                    self._could_not_start(job, e)
-                    started = True
-                    continue
-                if not taken:
+        while self.waiting.ready:
+            # The check and the start are one step: a lease lost after the check waits for
+            # this start (Dispatcher.may_start), so no task starts once the loss is known
+            # ("no task starts", controller.run.sweep), however the threads interleave.
+            with self.d.may_start() as allowed:
+                if not allowed or self.stopping or not self._start_next(now):
                     break
-                queue.popleft()
-                self.needs.taken()
-            else:
-                # needs.fixed: the run's count for a custom command (0 on CPU slots)
-                gpus = self.d.acquire(in_use, self.needs.fixed)
-                if gpus is None:
-                    break
-                queue.popleft()
-                self._start_command(job, gpus, now)
             started = True
         return started
+
+    def _start_next(self, now: float) -> bool:
+        """Start the job at the head of the queue, or record that it could not start; False
+        when nothing can start now (no GPU or slot, its shape still being looked up)."""
+        queue = self.waiting.ready
+        job = queue[0]
+        in_use = len(self.slots) + len(self.running)
+        if not self.d.serves(job.task):
+            # needs.fixed: the run's count for a custom command (0 on CPU slots)
+            gpus = self.d.acquire(in_use, self.needs.fixed)
+            if gpus is None:
+                return False
+            queue.popleft()
+            self._start_command(job, gpus, now)
+            return True
+        want = self.needs.want(job.task)
+        if want is None:
+            return False  # its shape is being looked up (.needs): next pass
+        try:
+            taken = self.slots.offer(job, now, functools.partial(self.d.acquire, in_use), want)
+        except LogDirError as e:
+            raise SweepError(f"{e} (--log-dir)") from e  # setup, not this task's
+        except (OSError, ValueError) as e:
+            queue.popleft()
+            self.needs.taken()
+            self._could_not_start(job, e)
+            return True
+        if not taken:
+            return False
+        queue.popleft()
+        self.needs.taken()
+        return True
 
     def _start_command(self, job: Job, gpus: tuple[int, ...], now: float) -> None:
         """A custom command: one process for this attempt."""

@@ -16,6 +16,7 @@ from controller.backends import open_backend
 from controller.backends.base import Backend, Outcome, OutcomeCallback, Work, WorkerSpec
 from controller.backends.local.settings import LocalSettings
 from controller.cli import main
+from controller.output.tenure import Tenure
 from controller.progress import Progress
 from controller.run.sweep import run_sweep
 from controller.settings import SweepSettings
@@ -49,6 +50,9 @@ class Scraped:
 
     def request_stop(self) -> None:
         self.inner.request_stop()
+
+    def guard(self, tenure: Tenure) -> None:
+        self.inner.guard(tenure)
 
     def stop_notice(self, count: int) -> str:
         return self.inner.stop_notice(count)

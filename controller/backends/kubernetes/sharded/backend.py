@@ -53,6 +53,7 @@ from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailu
 from controller.errors import InfrastructureError, SweepError
 from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
+from controller.output.tenure import Tenure
 from controller.progress import ClassProgress, Progress
 from esd_worker.core.errors import EXIT_DEVICE
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
@@ -111,6 +112,7 @@ class ShardedBackend:
         self._clock = clock
         self._sleep = sleep
         self._stop_requests = 0
+        self._tenure: Tenure | None = None  # the output's lease (guard)
         self.runs: list[IndexedRun] = []  # this run's Jobs
         self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
         self.left_running: list[str] = []
@@ -142,6 +144,11 @@ class ShardedBackend:
 
     def request_stop(self) -> None:
         self._stop_requests += 1
+
+    def guard(self, tenure: Tenure) -> None:
+        """No Job is submitted once `tenure` is lost (_stopping). A submission already
+        under way when the loss is found still goes: an API call is not held up for it."""
+        self._tenure = tenure
 
     def stop_notice(self, count: int) -> str:
         return ("stopping: the Indexed Jobs keep running on the cluster (the next run "
@@ -197,7 +204,7 @@ class ShardedBackend:
     # -- the run ----------------------------------------------------------------------------
 
     def _stopping(self) -> bool:
-        return self._stop_requests > 0
+        return self._stop_requests > 0 or (self._tenure is not None and self._tenure.lost)
 
     def _run(self, work: Work, on_outcome: OutcomeCallback,
              progress: Progress | None) -> list[Outcome]:
