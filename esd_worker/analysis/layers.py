@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,12 @@ def _auto_classes(transformers: Any) -> tuple[Any, ...]:
             transformers.AutoModelForPreTraining)
 
 
+def _beat_on_registration(beat: Beat, *_: object) -> None:
+    """A module-registration hook that beats and returns None: anything else it returned
+    would replace the module being registered."""
+    beat()
+
+
 def _build_meta_model(cls: Any, config: Any, *, trust_remote_code: bool,
                       beat: Beat | None = None) -> torch.nn.Module | None:
     """`cls` built from `config` with no weights, or None when it cannot be built. `beat` is
@@ -169,7 +176,7 @@ def _build_meta_model(cls: Any, config: Any, *, trust_remote_code: bool,
         # projection passes through while transformers builds the model, whatever the
         # architecture (a process-wide hook: removed as soon as the model is built).
         hook = None if beat is None else register_module_module_registration_hook(
-            lambda *_: beat())
+            partial(_beat_on_registration, beat))
         try:
             with init_empty_weights(), contextlib.redirect_stderr(io.StringIO()):
                 if cls in autos:
