@@ -1,6 +1,10 @@
 """`esd-sweep compact`: the results tables made whole and few.
 
-Owns the three things compact does to a store's `_tables/` parts, in this order:
+Owns the four things compact does to a store's `_tables/` parts, in this order:
+0. set aside: a part that cannot be read or is not of the schema
+   (controller.results.tables) is moved, with the other table's part of its pair, under
+   `_tables/_aside/` (never deleted: a person may want to look), so that its models are
+   rebuilt by the next step;
 1. add missing: done models (a marker) that no part holds are read from their per-model
    files and written as parts, a partition's rows buffered until a part is full (the tables
    of a store written before tables existed are built this way);
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import calendar
-import io
 import itertools
 import logging
 import time
@@ -42,18 +45,25 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from controller.results.reader import open_results
-from controller.results.tables import Tables, read_done_models
+from controller.results.tables import (
+    BadPart,
+    Rules,
+    Tables,
+    apply_rules,
+    pair_of,
+    read_done_models,
+    read_part,
+)
 from esd_worker.core.command.flags import MAX_THREADS, add_flag, int_in
-from esd_worker.core.store.layout import fetch_all, iter_markers
+from esd_worker.core.store.layout import PART_BYTES, TABLES_PREFIX, fetch_all, iter_markers
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import (
-    LAYER_SCHEMA,
     LAYERS_TABLE,
-    MODEL_SCHEMA,
     MODELS_TABLE,
+    PART_SUFFIX,
+    SCHEMAS,
     TABLES,
     PartKey,
     parse_part_key,
@@ -97,6 +107,7 @@ class CompactResult:
     parts_written: int = 0
     parts_merged: int = 0
     orphans: int = 0
+    set_aside: int = 0  # part pairs that could not be read, moved aside
     models: int = 0  # models rows written (added or merged)
     rows: int = 0  # layer rows written
     lines: list[str] = field(default_factory=list)
@@ -168,40 +179,25 @@ def add_done_models(store: Store, keys: Iterable[str], writer: _PartWriter, *,
     return added
 
 
-def _plan(tables: Tables, threads: int) -> dict[str, list[_Old]]:
+def _plan(tables: Tables) -> dict[str, list[_Old]]:
     """arch → its models parts, oldest first, with how many rows of each count (read from
     the models parts only: a model's `layers` count is its layer rows)."""
-    losers = tables.newest().losers
-    parts = tables.parts(MODELS_TABLE)
+    rules = tables.newest().rules
     plan: dict[str, list[_Old]] = {}
-    window = max(1, threads)
-    for start in range(0, len(parts), window):
-        chunk = parts[start:start + window]
-        for part, data in zip(chunk, fetch_all(tables.store, [p.key for p in chunk],
-                                               threads=threads), strict=True):
-            if data is None:  # deleted since the listing (another compact)
-                continue
-            table = pq.ParquetFile(io.BytesIO(data)).read(columns=["model_key", "layers"],
-                                                         use_threads=False)
-            table = _keep(table, losers.get(part.part_id))
-            rows = pc.sum(table.column("layers")).as_py() or 0
-            plan.setdefault(part.arch, []).append(_Old(part, table.num_rows, rows))
+    for part, table in tables.read_parts(tables.parts(MODELS_TABLE),
+                                         ["model_key", "finished_at", "layers"]):
+        table = apply_rules(table, rules.get(pair_of(part)), MODELS_TABLE)
+        rows = pc.sum(table.column("layers")).as_py() or 0
+        plan.setdefault(part.arch, []).append(_Old(part, table.num_rows, rows))
     return plan
 
 
-def _keep(table: pa.Table, gone: set[str] | None) -> pa.Table:
-    """The rows of `table` whose model's row here is the one that counts."""
-    if not gone:
-        return table
-    return table.filter(pc.invert(pc.is_in(table.column("model_key"),
-                                           value_set=pa.array(sorted(gone)))))
-
-
-def _to_merge(olds: Sequence[_Old], target: int, losers: dict[str, set[str]]) -> list[_Old]:
+def _to_merge(olds: Sequence[_Old], target: int, tables: Tables) -> list[_Old]:
     """The small parts of a partition, or none when merging would change nothing (a single
     small part whose rows all count)."""
+    rules = tables.newest().rules
     small = [old for old in olds if old.rows < target / 2]
-    if len(small) == 1 and not losers.get(small[0].part.part_id):
+    if len(small) == 1 and not rules.get(pair_of(small[0].part)):
         return []
     return small
 
@@ -216,34 +212,70 @@ def _groups(olds: Sequence[_Old], target: int) -> int:
     return groups + (1 if rows else 0)
 
 
-def merge_parts(store: Store, arch: str, olds: Sequence[_Old], losers: dict[str, set[str]],
+def merge_parts(store: Store, arch: str, olds: Sequence[_Old], tables: Tables,
                 target: int, result: CompactResult, *, threads: int) -> None:
     """Write the rows that count of these parts (oldest first) as new parts, then delete
-    them: models part first, so that a reader never sees a models row without its layers."""
+    the parts merged: models part first, so that a reader never sees a models row without
+    its layers. A part that cannot be read now is left where it is (one line)."""
     writer = _PartWriter(store, target, result, dry_run=False)
+    rules = tables.newest().rules
+    merged: list[PartKey] = []
     window = max(1, min(threads, 4))  # a few small parts' bytes held at a time
     for start in range(0, len(olds), window):
         chunk = [old.part for old in olds[start:start + window]]
         keys = [k for p in chunk for k in (p.key, part_key(LAYERS_TABLE, p.arch, p.part_id))]
-        blobs = fetch_all(store, keys, threads=threads)
+        blobs = fetch_all(store, keys, threads=threads, limit=PART_BYTES)
         for i, part in enumerate(chunk):
             models_data, layers_data = blobs[2 * i], blobs[2 * i + 1]
             if models_data is None or layers_data is None:
                 log.warning("part %s gone since the listing: not merged", part.key)
                 continue
-            gone = losers.get(part.part_id)
-            models = _keep(_read(models_data, MODEL_SCHEMA), gone)
-            layers = _keep(_read(layers_data, LAYER_SCHEMA), gone)
+            try:
+                models = _whole(models_data, MODELS_TABLE, rules.get(pair_of(part)))
+                layers = _whole(layers_data, LAYERS_TABLE, rules.get(pair_of(part)))
+            except BadPart as e:
+                log.warning("part %s not merged: %s", part.key, e)
+                continue
             writer.add(arch, models, layers)
+            merged.append(part)
     writer.close()
-    for old in olds:
-        store.delete(old.part.key)
-        store.delete(part_key(LAYERS_TABLE, old.part.arch, old.part.part_id))
-    result.parts_merged += len(olds)
+    for part in merged:
+        store.delete(part.key)
+        store.delete(part_key(LAYERS_TABLE, part.arch, part.part_id))
+    result.parts_merged += len(merged)
 
 
-def _read(data: bytes, schema: pa.Schema) -> pa.Table:
-    return pq.ParquetFile(io.BytesIO(data)).read(use_threads=False).cast(schema)
+def _whole(data: bytes, table: str, rules: Rules | None) -> pa.Table:
+    """A part's rows that count, with every column of the schema (an older part's missing
+    optional columns as nulls)."""
+    schema = SCHEMAS[table]
+    got = apply_rules(read_part(data, table), rules, table)
+    for name in schema.names:
+        if name not in got.column_names:
+            got = got.append_column(schema.field(name),
+                                    pa.nulls(got.num_rows, schema.field(name).type))
+    return got.select(schema.names).cast(schema)
+
+
+def aside_key(part: PartKey) -> str:
+    """Where compact sets a part aside: `_tables/_aside/<table>/arch=<A>/<id>.parquet`,
+    a key no reader lists as a part."""
+    return f"{TABLES_PREFIX}_aside/{part.table}/arch={part.arch}/{part.part_id}{PART_SUFFIX}"
+
+
+def set_aside(store: Store, bad: dict[str, str], result: CompactResult, *,
+              dry_run: bool) -> None:
+    """Move the pairs that cannot be read aside (models part first: a reader never sees a
+    models row without its layers), never deleting them."""
+    for pair in sorted(bad):
+        arch, _, part_id = pair.partition("/")
+        for table in (MODELS_TABLE, LAYERS_TABLE):
+            part = PartKey(table, arch, part_id)
+            if not dry_run:
+                store.move(part.key, aside_key(part))
+        log.info("part %s set aside (%s): %s", pair, "would be" if dry_run else "moved to "
+                 + aside_key(PartKey(MODELS_TABLE, arch, part_id)), bad[pair])
+    result.set_aside = len(bad)
 
 
 def _part_age_s(part_id: str, now: float) -> float | None:
@@ -269,7 +301,15 @@ def compact_store(settings: CompactSettings, store: Store | None = None) -> Comp
     target, threads, dry = settings.target_rows, settings.threads, settings.dry_run
     result = CompactResult()
     would = "would be " if dry else ""
-    before = _listing(store)
+
+    # 0. set aside the parts that cannot be read, so that step 1 rebuilds their models
+    bad = Tables(store, threads=threads).check_parts()
+    set_aside(store, bad, result, dry_run=dry)
+    if bad:
+        result.lines.append(f"set aside: {len(bad)} part(s) that cannot be read {would}"
+                            f"moved under {TABLES_PREFIX}_aside/ (never deleted); their "
+                            "models are rebuilt from their own files")
+    before = [p for p in _listing(store) if not (dry and pair_of(p) in bad)]
     result.parts_before = sum(1 for p in before if p.table == MODELS_TABLE)
 
     # 1. add the models no part holds (all of them with --rebuild)
@@ -323,12 +363,11 @@ def compact_store(settings: CompactSettings, store: Store | None = None) -> Comp
 def _merge_step(store: Store, settings: CompactSettings, result: CompactResult) -> None:
     target, threads = settings.target_rows, settings.threads
     tables = Tables(store, threads=threads)
-    plan = _plan(tables, threads)
-    losers = tables.newest().losers
+    plan = _plan(tables)
     merged = written = rows = 0
     partitions = 0
     for arch in sorted(plan):
-        olds = _to_merge(plan[arch], target, losers)
+        olds = _to_merge(plan[arch], target, tables)
         if not olds:
             continue
         partitions += 1
@@ -338,7 +377,7 @@ def _merge_step(store: Store, settings: CompactSettings, result: CompactResult) 
             rows += sum(old.rows for old in olds)
             continue
         before_parts, before_rows = result.parts_written, result.rows
-        merge_parts(store, arch, olds, losers, target, result, threads=threads)
+        merge_parts(store, arch, olds, tables, target, result, threads=threads)
         written += result.parts_written - before_parts
         rows += result.rows - before_rows
     if settings.dry_run:

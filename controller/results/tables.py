@@ -1,18 +1,37 @@
-"""The results tables of a store, read a record batch at a time with bounded memory.
+"""The results tables of a store, read a part at a time with bounded memory, each row
+counted only while the store's own files vouch for it.
 
-The tables are esd_worker.core.store.tables' Parquet parts (`_tables/<table>/arch=<A>/`);
-this module lists them, keeps the newest row of each model when a model sits in more than
-one part, and adds the models that no part holds yet from their per-model files (the
-fallback), so that a reader sees every done model once whichever way it was recorded.
+The tables are esd_worker.core.store.tables' Parquet parts (`_tables/<table>/arch=<A>/`),
+a copy of what the markers say; the markers stay the truth. This module decides which rows
+count and adds the done models that no counted row holds from their per-model files (the
+fallback), so that a reader sees every done model once, and only done models:
+- a row counts only while one listing of the store shows its model's marker and the files
+  the marker seals at the sizes the row recorded when it was made from them (its `files`
+  column; a part written before that column: the marker and layers.csv present). A model
+  whose marker was deleted or rewritten since, a table truncated, or a "ghost" that a
+  part names and the store does not hold, is not counted from the part: a marker there is
+  read with its own files (damaged: left out with one line), none means not done. A
+  model_key that could not name a folder (`../x`) never counts;
+- a model in more than one row counts once: its row with the latest `finished_at`, then
+  the latest part, then the last row of the part (the same rows twice in one part count
+  once); its layers are the rows of that part with that `finished_at`, the first of each
+  layer_index;
+- a part that cannot be read (truncated, garbage, empty, over PART_BYTES, not a regular
+  file) or whose columns are not the schema's (a missing column, another type) is left out
+  with one line naming it and what to run (`esd-sweep compact` sets it aside,
+  controller.results.compact); its models are read from their own files. So is a models
+  part whose layers part is missing.
+
+Memory: a few parts' bytes and one decoded part, 16 bytes a counted row for the choice of
+rows (its key's hash, its part, its position), the listing as 8-byte hashes of (model,
+file, size), and the marker keys of the listing spooled to a temporary file (millions of
+keys are never held as strings).
 
 Why pyarrow and not DuckDB: pyarrow is already the project's (the worker writes the parts
-with it), reads a part's row groups a batch at a time and prunes columns; the parts are
-fetched through the project's Store, the one door to a local folder or S3 (credentials,
-retries, redaction), where DuckDB would need its own S3 credentials and an httpfs
-extension it downloads at run time. Memory: a few parts' bytes plus a batch, and 12 bytes a
-model for the newest-row check (its key's hash and its part: 24 MB at 2M models).
-
-Parts are opened with ParquetFile and read with use_threads=False: pyarrow 26's threaded
+with it), reads only the columns asked for; the parts are fetched through the project's
+Store, the one door to a local folder or S3 (credentials, retries, redaction, the size
+bound), where DuckDB would need its own S3 credentials and an httpfs extension it
+downloads at run time. Parts are read with use_threads=False: pyarrow 26's threaded
 read_table aborts the interpreter at exit now and then ("terminate called without an
 active exception"), measured here about 1 run in 10.
 """
@@ -21,33 +40,47 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import logging
+import tempfile
 from array import array
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from controller.keyset import KeySet
+from controller.keyset import Hashes, KeySet
 from controller.results.reader import ModelResult, read_table, warn_damaged
+from esd_worker.core.echo import quoted
 from esd_worker.core.store.layout import (
+    MARKER_BYTES,
+    MARKER_NAME,
+    PART_BYTES,
+    TABLE_BYTES,
+    LayoutError,
+    check_model_key,
     fetch_all,
-    iter_markers,
+    iter_model_files,
     load_marker,
     marker_key,
     model_file_key,
 )
-from esd_worker.core.store.marker import BaseModelRef, DamagedResult, Marker, MarkerError
+from esd_worker.core.store.marker import (
+    LAYERS_NAME,
+    BaseModelRef,
+    DamagedResult,
+    Marker,
+    MarkerError,
+)
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import (
-    LAYER_SCHEMA,
     LAYERS_TABLE,
-    MODEL_SCHEMA,
     MODELS_TABLE,
+    OPTIONAL_COLUMNS,
+    SCHEMAS,
     DoneModel,
     PartKey,
     arch_partition,
@@ -60,23 +93,128 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 64 * 1024  # rows per record batch handed on
 FALLBACK_CHUNK = 512  # models read from their own files at a time
+COMPACT_HINT = ("its models are read from their own files; `esd-sweep compact` sets it "
+                "aside and rebuilds them")
+# What pyarrow raises for bytes that are not a Parquet file of the columns asked for.
+_PART_ERRORS = (pa.ArrowException, OSError, ValueError, KeyError, TypeError, IndexError)
+
+
+def pair_of(part: PartKey) -> str:
+    """The id a part's two tables share: `<arch>/<part_id>`."""
+    return f"{part.arch}/{part.part_id}"
+
+
+def schema_problem(file: pq.ParquetFile, table: str) -> str | None:
+    """What keeps a part's columns from being `table`'s (None: they are): a column missing
+    (but OPTIONAL_COLUMNS, which older parts lack) or of another type."""
+    found = file.schema_arrow
+    for want in SCHEMAS[table]:
+        index = found.get_field_index(want.name)
+        if index < 0:
+            if want.name in OPTIONAL_COLUMNS:
+                continue
+            return f"it has no column {want.name!r}"
+        got = found.field(index).type
+        if got != want.type:
+            return f"its column {want.name!r} is {got}, not {want.type}"
+    return None
+
+
+def read_part(data: bytes, table: str, columns: Sequence[str] | None = None) -> pa.Table:
+    """The part's `columns` (default: all of the schema it has), checked against `table`'s
+    schema and decoded whole, so that a part is read entirely or not at all. BadPart with
+    what is wrong."""
+    try:
+        file = pq.ParquetFile(io.BytesIO(data))
+        problem = schema_problem(file, table)
+        if problem is None:
+            names = file.schema_arrow.names
+            wanted = [c for c in (columns if columns is not None else SCHEMAS[table].names)
+                      if c in names]
+            return file.read(columns=wanted, use_threads=False)
+    except _PART_ERRORS as e:
+        raise BadPart(f"it is not a readable Parquet file ({type(e).__name__}: "
+                      f"{quoted(str(e), limit=120)})") from e
+    raise BadPart(problem)
+
+
+class BadPart(Exception):
+    """A part that is left out: why, in words that follow its key."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The one row of a model that counts in a part that holds it more than once."""
+
+    row: int  # its position in the models part
+    finished_at: str  # the layers rows of the part that go with it
 
 
 @dataclass
-class _Newest:
-    """Which models row of each model_key counts: the newest by finished_at, then part."""
+class Counted:
+    """Which rows of the models parts count.
 
-    losers: dict[str, set[str]] = field(default_factory=dict)  # part_id → model_keys
+    keys: the models with a row that counts; rules: per part pair (pair_of), the keys whose
+    rows there do not all count: None (none of them) or the Pick that does; rows: models
+    rows read; bad: part pairs left out, with why.
+    """
+
     keys: KeySet = field(default_factory=KeySet)
+    rules: dict[str, dict[str, Pick | None]] = field(default_factory=dict)
     rows: int = 0
+    bad: dict[str, str] = field(default_factory=dict)
+
+
+class _Listing:
+    """What one listing of the store says of its model folders: (model, file, size) of
+    every file as hashes, the models with a marker and layers.csv, and the marker keys
+    spooled to a temporary file (read again by missing_keys, never held as strings)."""
+
+    def __init__(self, store: Store) -> None:
+        files, markers, tables = Hashes(), Hashes(), Hashes()
+        # Closed when the object goes (a TemporaryFile removes itself): no `with`, since
+        # missing_keys reads it again as long as the Tables lives.
+        self.spool: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+        for key, name, size in iter_model_files(store):
+            files.add(hash((key, name, size)))
+            if name == MARKER_NAME:
+                self.spool.write(key + "\n")
+                markers.add(hash(key))
+            elif name == LAYERS_NAME:
+                tables.add(hash(key))
+        whole = np.intersect1d(markers.unique(), tables.unique(), assume_unique=True)
+        self.files = KeySet.of_hashes(files.sorted())
+        self.whole = KeySet.of_hashes(array_of(whole))
+
+    def marker_keys(self) -> Iterator[str]:
+        self.spool.seek(0)
+        for line in self.spool:
+            yield line.rstrip("\n")
+
+    def vouches(self, key: str, files: str | None) -> bool:
+        """Whether the listing shows what a row of `key` recorded (`files`: its column)."""
+        try:
+            check_model_key(key)
+        except LayoutError:
+            return False
+        if files is None:  # a part written before rows recorded their files
+            return key in self.whole
+        try:
+            sizes = json.loads(files)
+        except ValueError:
+            return False
+        if not isinstance(sizes, dict) or MARKER_NAME not in sizes:
+            return False
+        return all(isinstance(size, int) and (key, name, size) in self.files
+                   for name, size in sizes.items())
 
 
 class Tables:
     """The tables of one store, optionally only some architectures' partitions.
 
-    models() / layers(): record batches of the rows that count (each model once, its layers
-    those of the same part), then, with fallback=True, of the done models no part holds yet,
-    made from their marker and layers.csv. Parts are listed once, when first needed.
+    models() / layers(): record batches of the rows that count, then, with fallback=True,
+    of the done models no counted row holds, made from their marker and layers.csv. The
+    store is listed once, and its parts, when first needed.
     """
 
     def __init__(self, store: Store, *, archs: Collection[str] | None = None,
@@ -84,7 +222,9 @@ class Tables:
         self.store, self.threads = store, threads
         self.archs = None if archs is None else frozenset(archs)
         self._parts: dict[str, list[PartKey]] | None = None
-        self._newest: _Newest | None = None
+        self._listing: _Listing | None = None
+        self._counted: Counted | None = None
+        self._bad: dict[str, str] = {}  # part pair → why it is left out
         self._warned: set[str] = set()  # damaged models met by the fallback: one line each
 
     def _damaged(self, key: str, e: DamagedResult) -> None:
@@ -92,12 +232,31 @@ class Tables:
             self._warned.add(key)
             warn_damaged(key, e)
 
+    def _leave_out(self, part: PartKey, why: str) -> None:
+        """Part `part` (and the other table's part of its pair) is not read: one line."""
+        pair = pair_of(part)
+        if pair not in self._bad:
+            self._bad[pair] = why
+            log.warning("results-table part %s left out: %s; %s", part.key, why,
+                        COMPACT_HINT)
+
+    @property
+    def bad(self) -> dict[str, str]:
+        """Part pairs (pair_of) left out so far, with why."""
+        return dict(self._bad)
+
+    def listing(self) -> _Listing:
+        if self._listing is None:
+            self._listing = _Listing(self.store)
+        return self._listing
+
     # -- parts -----------------------------------------------------------------------------
 
     def parts(self, table: str) -> list[PartKey]:
-        """The parts of `table` (of the architectures asked for), oldest first. A layers
-        part counts only with its models part (written after it: a crash between the two
-        leaves a layers part that nothing reads)."""
+        """The parts of `table` (of the architectures asked for), oldest first, in pairs: a
+        layers part counts only with its models part (written after it: a crash between the
+        two leaves a layers part that nothing reads), and a models part without its layers
+        part is left out (one line)."""
         if self._parts is None:
             found: dict[str, list[PartKey]] = {MODELS_TABLE: [], LAYERS_TABLE: []}
             for name in found:
@@ -105,88 +264,112 @@ class Tables:
                     part = parse_part_key(key)
                     if part is not None and (self.archs is None or part.arch in self.archs):
                         found[name].append(part)
-            ids = {(p.arch, p.part_id) for p in found[MODELS_TABLE]}
-            found[LAYERS_TABLE] = [p for p in found[LAYERS_TABLE] if (p.arch, p.part_id) in ids]
+            models = {pair_of(p) for p in found[MODELS_TABLE]}
+            layers = {pair_of(p) for p in found[LAYERS_TABLE]}
+            for part in found[MODELS_TABLE]:
+                if pair_of(part) not in layers:
+                    self._leave_out(part, "its layers part is missing")
+            found[MODELS_TABLE] = [p for p in found[MODELS_TABLE] if pair_of(p) in layers]
+            found[LAYERS_TABLE] = [p for p in found[LAYERS_TABLE] if pair_of(p) in models]
             for parts in found.values():
                 parts.sort(key=lambda p: (p.part_id, p.arch))
             self._parts = found
         return self._parts[table]
 
-    def _files(self, parts: Sequence[PartKey]) -> Iterator[tuple[PartKey, pq.ParquetFile]]:
-        """Each part opened, fetched a few ahead of the reader (stores may be remote)."""
+    def read_parts(self, parts: Sequence[PartKey], columns: Sequence[str] | None = None,
+                   ) -> Iterator[tuple[PartKey, pa.Table]]:
+        """Each part read whole (its `columns`), fetched a few ahead of the reader (stores
+        may be remote); a part that cannot be read, or a pair already left out, is skipped
+        (one line the first time)."""
         window = max(1, self.threads)
         for start in range(0, len(parts), window):
-            chunk = parts[start:start + window]
-            for part, data in zip(chunk, fetch_all(self.store, [p.key for p in chunk],
-                                                   threads=self.threads), strict=True):
-                if data is None:  # merged away by compact since the listing
+            chunk = [p for p in parts[start:start + window] if pair_of(p) not in self._bad]
+            blobs = fetch_all(self.store, [p.key for p in chunk], threads=self.threads,
+                              limit=PART_BYTES)
+            for part, data in zip(chunk, blobs, strict=True):
+                if data is None:  # merged away by compact since the listing, or refused
                     continue
-                yield part, pq.ParquetFile(io.BytesIO(data))
+                try:
+                    yield part, read_part(data, part.table, columns)
+                except BadPart as e:
+                    self._leave_out(part, str(e))
 
-    def _batches(self, table: str, columns: Sequence[str] | None,
-                 ) -> Iterator[tuple[PartKey, pa.RecordBatch]]:
-        for part, file in self._files(self.parts(table)):
-            for batch in file.iter_batches(batch_size=BATCH_ROWS, columns=columns,
-                                           use_threads=False):
-                yield part, batch
+    def check_parts(self) -> dict[str, str]:
+        """Read every part of both tables whole: the pairs that cannot be read (bad)."""
+        for table in (MODELS_TABLE, LAYERS_TABLE):
+            for _ in self.read_parts(self.parts(table)):
+                pass
+        return self.bad
 
-    # -- the newest row of each model --------------------------------------------------------
+    # -- which rows count --------------------------------------------------------------------
 
-    def newest(self) -> _Newest:
-        """Which row of each model counts. One pass over the models parts' model_key column
-        (8 bytes a row held: its hash); only when some model sits in more than one part, a
-        second pass over the parts that hold those models reads their finished_at."""
-        if self._newest is not None:
-            return self._newest
+    def newest(self) -> Counted:
+        """Which rows count (see the module's docstring). One pass over the models parts'
+        model_key, files and finished_at columns; 16 bytes a row vouched for are held, and
+        finished_at only of the models met in more than one row."""
+        if self._counted is not None:
+            return self._counted
+        listing = self.listing()
+        parts = self.parts(MODELS_TABLE)
+        rules: dict[str, dict[str, Pick | None]] = {}
         hashes: list[np.ndarray] = []
-        part_of: list[np.ndarray] = []  # the index in parts() of each row's part
-        index = {p.part_id + "/" + p.arch: i for i, p in enumerate(self.parts(MODELS_TABLE))}
-        for part, batch in self._batches(MODELS_TABLE, ["model_key"]):
-            hashes.append(_hashes(batch.column(0).to_pylist()))
-            part_of.append(np.full(batch.num_rows, index[part.part_id + "/" + part.arch],
-                                   dtype=np.int32))
-        newest = _Newest()
+        where: list[np.ndarray] = []  # (part index, row) of each row vouched for
+        rows = 0
+        index = {pair_of(p): i for i, p in enumerate(parts)}
+        for part, table in self.read_parts(parts, ["model_key", "files"]):
+            keys = table.column("model_key").to_pylist()
+            files = (table.column("files").to_pylist() if "files" in table.column_names
+                     else [None] * len(keys))
+            rows += len(keys)
+            ok = [i for i, (key, fs) in enumerate(zip(keys, files, strict=True))
+                  if key is not None and listing.vouches(key, fs)]
+            for i in set(range(len(keys))) - set(ok):
+                if keys[i] is not None:
+                    rules.setdefault(pair_of(part), {})[keys[i]] = None
+            hashes.append(_hashes([keys[i] for i in ok]))
+            where.append(np.array([(index[pair_of(part)], i) for i in ok],
+                                  dtype=np.int32).reshape(-1, 2))
+        counted = Counted(rows=rows, rules=rules)
         if hashes:
-            h = np.concatenate(hashes)
+            h, at = np.concatenate(hashes), np.concatenate(where)
             unique, counts = np.unique(h, return_counts=True)
-            newest.rows = len(h)
-            newest.keys = KeySet.of_hashes(array("q", unique.tobytes()))
+            counted.keys = KeySet.of_hashes(array_of(unique))
             repeated = unique[counts > 1]
-            if len(repeated):  # some model in more than one part
-                parts = np.unique(np.concatenate(part_of)[np.isin(h, repeated)])
-                newest.losers = self._losers(repeated, [self.parts(MODELS_TABLE)[i]
-                                                        for i in parts])
-        self._newest = newest
-        return newest
+            if len(repeated):  # some model in more than one row
+                hit = np.isin(h, repeated)
+                self._pick(rules, [parts[i] for i in np.unique(at[hit][:, 0])], repeated)
+        counted.bad = self._bad
+        self._counted = counted
+        return counted
 
-    def _losers(self, repeated: np.ndarray, parts: Sequence[PartKey]) -> dict[str, set[str]]:
-        """part_id → the keys whose row in that part is not their newest: rows are ranked
-        by finished_at (ISO text sorts as time), then by part (ids sort by when written)."""
-        best: dict[str, tuple[str, int, str]] = {}  # key → (finished_at, rank, part_id)
-        rows: list[tuple[str, str, int, str]] = []
-        for rank, (part, file) in enumerate(self._files(parts)):
-            for batch in file.iter_batches(batch_size=BATCH_ROWS, use_threads=False,
-                                           columns=["model_key", "finished_at"]):
-                keys = batch.column(0).to_pylist()
-                hit = np.isin(_hashes(keys), repeated)
-                finished = batch.column(1).to_pylist()
-                for i in np.flatnonzero(hit):
-                    rows.append((keys[i], finished[i] or "", rank, part.part_id))
-        for key, finished, rank, part_id in rows:
-            if key not in best or (finished, rank) > best[key][:2]:
-                best[key] = (finished, rank, part_id)
-        losers: dict[str, set[str]] = {}
-        for key, finished, rank, part_id in rows:
-            if best[key] != (finished, rank, part_id):
-                losers.setdefault(part_id, set()).add(key)
-        return losers
+    def _pick(self, rules: dict[str, dict[str, Pick | None]], parts: Sequence[PartKey],
+              repeated: np.ndarray) -> None:
+        """Add to `rules` the rows that do not count of the models met more than once:
+        each model's row with the latest finished_at (ISO text sorts as time), then the
+        latest part (ids sort by when written), then the last in its part."""
+        rows: list[tuple[str, str, int, int, str]] = []  # key, finished_at, rank, row, pair
+        for rank, (part, table) in enumerate(self.read_parts(
+                parts, ["model_key", "finished_at", "files"])):
+            keys = table.column("model_key").to_pylist()
+            finished = table.column("finished_at").to_pylist()
+            gone = rules.get(pair_of(part), {})
+            for i in np.flatnonzero(np.isin(_hashes(keys), repeated)):
+                if gone.get(keys[i], _KEEP) is not None:  # a row vouched for
+                    rows.append((keys[i], finished[i] or "", rank, int(i), pair_of(part)))
+        best: dict[str, tuple[str, int, int, str]] = {}
+        for key, finished, rank, row, pair in rows:
+            if key not in best or (finished, rank, row) > best[key][:3]:
+                best[key] = (finished, rank, row, pair)
+        for key, _finished, _rank, _row, pair in rows:
+            finished, _, row, won = best[key]
+            rules.setdefault(pair, {})[key] = Pick(row, finished) if pair == won else None
 
     # -- rows --------------------------------------------------------------------------------
 
     def models(self, columns: Sequence[str] | None = None, *,
                fallback: bool = True) -> Iterator[pa.RecordBatch]:
         """The models rows that count (MODEL_SCHEMA's columns, or `columns`)."""
-        yield from self._rows(MODELS_TABLE, columns, MODEL_SCHEMA)
+        yield from self._rows(MODELS_TABLE, columns, fallback)
         if fallback:
             for models, _ in self._fallback():
                 yield from select_columns(models, columns).to_batches(BATCH_ROWS)
@@ -194,31 +377,57 @@ class Tables:
     def layers(self, columns: Sequence[str] | None = None, *,
                fallback: bool = True) -> Iterator[pa.RecordBatch]:
         """The layers rows of the models rows that count (LAYER_SCHEMA's columns)."""
-        yield from self._rows(LAYERS_TABLE, columns, LAYER_SCHEMA)
+        yield from self._rows(LAYERS_TABLE, columns, fallback)
         if fallback:
             for _, layers in self._fallback():
                 yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
 
     def _rows(self, table: str, columns: Sequence[str] | None,
-              schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-        losers = self.newest().losers
+              fallback: bool) -> Iterator[pa.RecordBatch]:
+        counted = self.newest()
+        schema = SCHEMAS[table]
         wanted = list(columns) if columns is not None else schema.names
-        read = wanted if "model_key" in wanted or not losers else [*wanted, "model_key"]
-        for part, batch in self._batches(table, read):
-            gone = losers.get(part.part_id)
-            if gone:
-                keep = pc.invert(pc.is_in(batch.column("model_key"),
-                                          value_set=pa.array(sorted(gone))))
-                batch = batch.filter(keep)
-            if read != wanted:
-                batch = batch.select(wanted)
-            if batch.num_rows:
-                yield batch
+        extra = ["model_key", "finished_at"] + (["layer_index"] if table == LAYERS_TABLE
+                                                else [])
+        read = [*wanted, *(c for c in extra if c not in wanted)]
+        for part in self.parts(table):
+            pair = pair_of(part)
+            if pair in self._bad:
+                continue
+            got = next(self.read_parts([part], read), None)
+            if got is None:
+                if pair in self._bad and table == LAYERS_TABLE and fallback:
+                    yield from self._pair_from_files(part, columns)
+                continue
+            kept = apply_rules(got[1], counted.rules.get(pair), table)
+            kept = _with_nulls(kept, wanted, schema).select(wanted)
+            yield from kept.to_batches(BATCH_ROWS)
+
+    def _pair_from_files(self, part: PartKey, columns: Sequence[str] | None,
+                         ) -> Iterator[pa.RecordBatch]:
+        """The layers rows of the models a left-out layers part held (their models rows
+        counted already), read from their own files."""
+        models = PartKey(MODELS_TABLE, part.arch, part.part_id)
+        data = fetch_all(self.store, [models.key], limit=PART_BYTES)[0]
+        if data is None:
+            return
+        try:
+            table = read_part(data, MODELS_TABLE, ["model_key", "finished_at"])
+        except BadPart:
+            return
+        keys = apply_rules(table, self.newest().rules.get(pair_of(part)),
+                      MODELS_TABLE).column("model_key").to_pylist()
+        for start in range(0, len(keys), FALLBACK_CHUNK):
+            done = read_done_models(self.store, keys[start:start + FALLBACK_CHUNK],
+                                    threads=self.threads, on_damaged=self._damaged)
+            for _, layers in part_tables(done).values():
+                yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
 
     def missing_keys(self) -> Iterator[str]:
-        """The keys of done models (a marker) that no part holds, as one listing goes."""
+        """The keys of done models (a marker) that no counted row holds, as the listing
+        went."""
         held = self.newest().keys
-        return (key for key in iter_markers(self.store) if key not in held)
+        return (key for key in self.listing().marker_keys() if key not in held)
 
     def _fallback(self) -> Iterator[tuple[pa.Table, pa.Table]]:
         """(models, layers) tables of the models no part holds, FALLBACK_CHUNK at a time."""
@@ -227,6 +436,50 @@ class Tables:
             done = read_done_models(self.store, chunk, threads=self.threads,
                                     archs=self.archs, on_damaged=self._damaged)
             yield from part_tables(done).values()
+
+
+_KEEP = Pick(-1, "")  # a sentinel: no rule for this key in that part
+# A part's rules: the keys whose rows there do not all count, and which one does (None: none).
+Rules = dict[str, Pick | None]
+
+
+def apply_rules(table: pa.Table, rules: Rules | None,
+                name: str) -> pa.Table:
+    """The rows of a part's `table` that count under its rules (none: all of them)."""
+    if not rules:
+        return table
+    keys = table.column("model_key").to_pylist()
+    finished = table.column("finished_at").to_pylist()
+    index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
+    seen: set[tuple[str, Any]] = set()
+    keep: list[int] = []
+    for i, key in enumerate(keys):
+        rule = rules.get(key, _KEEP)
+        if rule is _KEEP:
+            keep.append(i)
+        elif rule is None:
+            continue
+        elif index is None:
+            if i == rule.row:
+                keep.append(i)
+        elif (finished[i] or "") == rule.finished_at and (key, index[i]) not in seen:
+            seen.add((key, index[i]))
+            keep.append(i)
+    return table.take(pa.array(keep, type=pa.int64()))
+
+
+def _with_nulls(table: pa.Table, wanted: Sequence[str], schema: pa.Schema) -> pa.Table:
+    """`table` with the OPTIONAL_COLUMNS an older part lacks added as nulls."""
+    for name in wanted:
+        if name not in table.column_names:
+            table = table.append_column(schema.field(name),
+                                        pa.nulls(table.num_rows, schema.field(name).type))
+    return table
+
+
+def array_of(values: np.ndarray) -> array[int]:
+    """Sorted int64 hashes as KeySet holds them."""
+    return array("q", values.astype(np.int64).tobytes())
 
 
 def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
@@ -247,9 +500,9 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
     and handed to on_damaged (default: its one line, warn_damaged); a marker gone since the
     listing, or without its table, is left out quietly (not done: the plan runs it again).
     table: another layer table of the model's folder (a refit's layers.<TAG>.csv)."""
-    markers: list[Marker] = []
+    markers: list[tuple[Marker, int]] = []  # with the size of its bytes
     for key, data in zip(keys, fetch_all(store, [marker_key(k) for k in keys],
-                                         threads=threads), strict=True):
+                                         threads=threads, limit=MARKER_BYTES), strict=True):
         if data is None:
             continue
         try:
@@ -259,17 +512,17 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
                                           f"version reads: {e}"))
             continue
         if archs is None or arch_partition(marker.architecture) in archs:
-            markers.append(marker)
-    names = [table or m.layers_name for m in markers]
+            markers.append((marker, len(data)))
+    names = [table or m.layers_name for m, _ in markers]
     blobs = fetch_all(store, [model_file_key(m.model_key, name)
-                              for m, name in zip(markers, names, strict=True)],
-                      threads=threads)
+                              for (m, _), name in zip(markers, names, strict=True)],
+                      threads=threads, limit=TABLE_BYTES)
     done: list[DoneModel] = []
-    for marker, name, data in zip(markers, names, blobs, strict=True):
+    for (marker, size), name, data in zip(markers, names, blobs, strict=True):
         if data is None:
             continue
         try:
-            done.append(DoneModel(marker, read_table(marker, name, data)))
+            done.append(DoneModel(marker, read_table(marker, name, data), size))
         except DamagedResult as e:
             on_damaged(marker.model_key, e)
     return done

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from esd_worker.core.store.layout import TABLES_PREFIX
+from esd_worker.core.store.layout import MARKER_NAME, TABLES_PREFIX
 from esd_worker.core.store.marker import Marker, canonical_parameters
 from esd_worker.core.store.results import (
     LAYER_COLUMNS,
@@ -78,7 +78,15 @@ MODEL_SCHEMA = pa.schema([
     ("finished_at", pa.string()),
     ("parameters", pa.string()),
     ("summary_part", pa.string()),
+    # What the row vouches for: the size of its marker (result.json) and of each file the
+    # marker seals, as JSON ({"layers.csv": 3013, "result.json": 2210}), so that a reader
+    # counts the row only while one listing of the store shows those files at those sizes
+    # (controller.results.tables). Parts written before it have no such column.
+    ("files", pa.string()),
 ])
+# Columns a part may lack (written by an older version): everything else must be there,
+# with its type, or the part is not read (controller.results.tables).
+OPTIONAL_COLUMNS = frozenset({"files"})
 LAYER_SCHEMA = pa.schema([
     ("model_key", pa.string()),
     ("finished_at", pa.string()),
@@ -195,10 +203,20 @@ def _layer_cell(column: str, value: Any) -> Any:
 @dataclass(frozen=True)
 class DoneModel:
     """One done model as the tables hold it: its marker and its layer rows (dicts as in
-    layers.csv: the CSV's strings or the worker's numbers)."""
+    layers.csv: the CSV's strings or the worker's numbers). marker_size: the bytes of the
+    marker as stored, when it was read from the store (else the size of marker.to_json(),
+    which is what write_model_result writes)."""
 
     marker: Marker
     layers: Sequence[Mapping[str, Any]]
+    marker_size: int | None = None
+
+    def vouched_sizes(self) -> dict[str, int]:
+        """The size of each file this row is made from: the marker and what it seals."""
+        sizes = {name: seal.size for name, seal in self.marker.files.items()}
+        sizes[MARKER_NAME] = (self.marker_size if self.marker_size is not None
+                              else len(self.marker.to_json()))
+        return sizes
 
     @property
     def arch(self) -> str:
@@ -225,6 +243,7 @@ class DoneModel:
             "finished_at": marker.finished_at,
             "parameters": parameters_text(marker.parameters),
             "summary_part": json.dumps(part, separators=(",", ":")),
+            "files": json.dumps(self.vouched_sizes(), sort_keys=True, separators=(",", ":")),
         }
         for col in SUMMARY_FIELDS:
             row[col] = _int(stats.get(col)) if col in _INT_STATS else _float(stats.get(col))

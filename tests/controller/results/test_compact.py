@@ -47,9 +47,11 @@ def done(key: str, arch: str, finished: str = "2026-01-01T00:00:00Z",
     return DoneModel(marker, rows)
 
 
-def files(store: Store, models: list[DoneModel]) -> None:
-    for d in models:
-        write_model_result(store, d.marker, layers=layers_to_csv(d.layers))
+def files(store: Store, models: list[DoneModel]) -> list[DoneModel]:
+    """Each model's own files, as a worker writes them; the DoneModels of what was written
+    (the rows a worker's part holds: they agree with the marker)."""
+    return [DoneModel(write_model_result(store, d.marker, layers=layers_to_csv(d.layers)),
+                      d.layers) for d in models]
 
 
 def models_of(store: Store) -> list[tuple[str, float]]:
@@ -103,7 +105,7 @@ def test_small_parts_merged_no_model_lost_or_doubled(tmp_path: Path, n_parts: in
                                                      expected_parts: int) -> None:
     store = LocalStore(tmp_path)
     for i in range(n_parts):
-        write_parts(store, [done(f"m{i}", "GPT2LMHeadModel", alpha=i)])
+        write_parts(store, files(store, [done(f"m{i}", "GPT2LMHeadModel", alpha=i)]))
     before = set(parts(store)) | set(parts(store, LAYERS_TABLE))
     compact(store, target_rows=target)
     after = parts(store)
@@ -117,9 +119,11 @@ def test_small_parts_merged_no_model_lost_or_doubled(tmp_path: Path, n_parts: in
 
 
 def test_a_model_in_two_parts_keeps_only_its_newer_row(tmp_path: Path) -> None:
+    """The row of an older analysis, in a part written later, does not agree with the
+    model's files: compact leaves it out."""
     store = LocalStore(tmp_path)
-    write_parts(store, [done("a", "X", "2026-01-02T00:00:00Z", alpha=7.0),
-                        done("b", "X")])
+    write_parts(store, files(store, [done("a", "X", "2026-01-02T00:00:00Z", alpha=7.0),
+                                     done("b", "X")]))
     write_parts(store, [done("a", "X", "2026-01-01T00:00:00Z", alpha=1.0)])  # older, later
     compact(store)
     (only,) = parts(store)
@@ -151,7 +155,7 @@ def test_dry_run_writes_nothing(tmp_path: Path, rebuild: bool) -> None:
     store = LocalStore(tmp_path)
     files(store, [done("a", "X"), done("b", "Y")])
     for i in range(3):
-        write_parts(store, [done(f"p{i}", "X")])
+        write_parts(store, files(store, [done(f"p{i}", "X")]))
     keys = sorted(store.list_keys())
     lines = compact(store, dry_run=True, rebuild=rebuild)
     assert sorted(store.list_keys()) == keys
@@ -165,7 +169,7 @@ def test_dry_run_writes_nothing(tmp_path: Path, rebuild: bool) -> None:
 
 def test_orphan_layers_parts_old_ones_removed_young_ones_kept(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
-    write_parts(store, [done("a", "X")])
+    write_parts(store, files(store, [done("a", "X")]))
     ((_, layers),) = part_tables([done("ghost", "X")]).values()
     old_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() - 7200)) + "-0a0a0a"
     for part_id in (old_id, new_part_id()):
@@ -191,8 +195,8 @@ def test_command_line_and_exit_status(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_through_s3(s3_server: S3Server) -> None:
     store = make_store(s3_server)
     files(store, [done("a", "X"), done("b", "X", alpha=5.0)])
-    write_parts(store, [done("c", "Y")])
-    write_parts(store, [done("d", "Y")])
+    write_parts(store, files(store, [done("c", "Y")]))
+    write_parts(store, files(store, [done("d", "Y")]))
     compact(store)
     assert models_of(store) == [("a", 4.0), ("b", 6.0), ("c", 4.0), ("d", 4.0)]
     assert len(parts(store)) == 2 and len(parts(store, LAYERS_TABLE)) == 2

@@ -1,6 +1,7 @@
-"""The results tables read back (controller.results.tables): each model once (its newest row,
-its layers those of the same part), partitions pruned, the per-model fallback, a part gone
-since the listing, and the same through S3 (moto over HTTP)."""
+"""The results tables read back (controller.results.tables): each model once (the row its
+files vouch for, its layers those of the same part), partitions pruned, the per-model
+fallback, a part gone since the listing, and the same through S3 (moto over HTTP). What a
+row must agree with, and parts that cannot be read: test_tables_truth.py."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ def done(key: str, arch: str | None, finished: str, alphas: list[float]) -> Done
     return DoneModel(marker, rows)
 
 
+def analysed(store: Store, *dones: DoneModel) -> list[DoneModel]:
+    """Each model's own files written as a worker writes them (layers.csv, then the sealed
+    marker), and the DoneModels of what was written: the rows a worker's part holds."""
+    return [DoneModel(write_model_result(store, d.marker, layers=layers_to_csv(d.layers)),
+                      d.layers) for d in dones]
+
+
 def rows(batches: Iterator[pa.RecordBatch]) -> list[dict[str, object]]:
     return [row for batch in batches for row in batch.to_pylist()]
 
@@ -54,13 +62,15 @@ def rows(batches: Iterator[pa.RecordBatch]) -> list[dict[str, object]]:
 
 
 def test_each_model_once_its_newest_row_and_that_rows_layers(tmp_path: Path) -> None:
-    """A model in three parts (re-analysed twice: later finished_at) counts once, with the
-    newest row's numbers and only that part's layers, whatever order the parts were written."""
+    """A model in three parts (analysed three times) counts once, with the row of the
+    analysis its files hold now (the last written) and only that part's layers; the rows of
+    the earlier analyses no longer agree with its marker and count for nothing."""
     store = LocalStore(tmp_path)
-    write_parts(store, [done("a", "LlamaForCausalLM", "2026-01-03", [5.0, 5.0, 5.0]),
-                        done("b", "LlamaForCausalLM", "2026-01-01", [3.0])])
-    write_parts(store, [done("a", "LlamaForCausalLM", "2026-01-01", [2.0])])
-    write_parts(store, [done("a", "LlamaForCausalLM", "2026-01-02", [4.0, 4.0])])
+    write_parts(store, analysed(store, done("a", "LlamaForCausalLM", "2026-01-01", [2.0]),
+                                done("b", "LlamaForCausalLM", "2026-01-01", [3.0])))
+    write_parts(store, analysed(store, done("a", "LlamaForCausalLM", "2026-01-02", [4.0, 4.0])))
+    write_parts(store, analysed(store, done("a", "LlamaForCausalLM", "2026-01-03",
+                                            [5.0, 5.0, 5.0])))
     tables = Tables(store)
     models = {r["model_key"]: r for r in rows(tables.models(["model_key", "alpha_mean",
                                                               "layers"]))}
@@ -75,10 +85,10 @@ def test_each_model_once_its_newest_row_and_that_rows_layers(tmp_path: Path) -> 
 def test_partitions_pruned_by_architecture(tmp_path: Path) -> None:
     """Tables(archs=…) reads only those partitions' parts; names become safe partitions."""
     store = CountingStore(tmp_path)
-    write_parts(store, [done("l", "LlamaForCausalLM", "t", [3.0]),
-                        done("g", "GPT2LMHeadModel", "t", [4.0]),
-                        done("u", None, "t", [2.5]),
-                        done("w", "Weird/Arch Name", "t", [2.0])])
+    write_parts(store, analysed(store, done("l", "LlamaForCausalLM", "t", [3.0]),
+                                done("g", "GPT2LMHeadModel", "t", [4.0]),
+                                done("u", None, "t", [2.5]),
+                                done("w", "Weird/Arch Name", "t", [2.0])))
     assert {p.arch for p in Tables(store).parts(MODELS_TABLE)} == {
         "LlamaForCausalLM", "GPT2LMHeadModel", "unknown", "Weird_Arch_Name"}
     store.got.clear()
@@ -115,12 +125,12 @@ def test_part_keys(key: str, parsed: tuple[str, str, str] | None) -> None:
 def test_orphan_layers_part_is_not_read(tmp_path: Path) -> None:
     """A layers part without its models part (a worker killed between the two writes)."""
     store = LocalStore(tmp_path)
-    write_parts(store, [done("a", "X", "t", [3.0])])
-    orphan = done("b", "X", "t", [7.0, 7.0])
+    write_parts(store, analysed(store, done("a", "X", "t", [3.0])))
+    (orphan,) = analysed(store, done("b", "X", "t", [7.0, 7.0]))
     ((models, layers),) = part_tables([orphan]).values()
     store.put_bytes(part_key(LAYERS_TABLE, "X", "orphan"), _parquet(layers))
     tables = Tables(store)
-    assert [r["model_key"] for r in rows(tables.layers(["model_key"]))] == ["a"]
+    assert [r["model_key"] for r in rows(tables.layers(["model_key"], fallback=False))] == ["a"]
     assert len(tables.parts(LAYERS_TABLE)) == 1 and models.num_rows == 1
 
 
@@ -153,10 +163,11 @@ def test_a_part_gone_since_the_listing_is_skipped(tmp_path: Path) -> None:
     """compact merged a part away between the listing and the read: no error, its rows are
     in the merged part."""
     store = LocalStore(tmp_path)
-    write_parts(store, [done("a", "X", "t", [3.0])])
+    (a,) = analysed(store, done("a", "X", "t", [3.0]))
+    write_parts(store, [a])
     tables = Tables(store)
     parts = list(tables.parts(MODELS_TABLE))
-    ((models, layers),) = part_tables([done("a", "X", "t", [3.0])]).values()
+    ((models, layers),) = part_tables([a]).values()
     merged = write_part(store, "X", models, layers)
     store.delete(parts[0].key)
     assert rows(tables.models(["model_key"], fallback=False)) == []  # listed before the merge
@@ -167,8 +178,9 @@ def test_a_part_gone_since_the_listing_is_skipped(tmp_path: Path) -> None:
 def test_tables_through_s3(s3_server: S3Server) -> None:
     """The same reading through the S3 store (moto over HTTP): parts listed, newest row."""
     store: Store = make_store(s3_server)
-    write_parts(store, [done("a", "X", "2026-01-01", [2.0]), done("b", "Y", "2026-01-01", [3.0])])
-    write_parts(store, [done("a", "X", "2026-01-02", [6.0])])
+    write_parts(store, analysed(store, done("a", "X", "2026-01-01", [2.0]),
+                                done("b", "Y", "2026-01-01", [3.0])))
+    write_parts(store, analysed(store, done("a", "X", "2026-01-02", [6.0])))
     tables = Tables(store, threads=4)
     assert len(tables.parts(MODELS_TABLE)) == 3
     got = {r["model_key"]: r["alpha_mean"] for r in rows(tables.models(["model_key",
