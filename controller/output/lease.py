@@ -319,11 +319,14 @@ class ObjectLease:
     """
 
     def __init__(self, store: ConditionalStore, owner: Owner, etag: str, *,
-                 renew: bool = True) -> None:
+                 renew: bool = True, written: float | None = None) -> None:
+        """written: when (time.monotonic()) the write the store accepted was sent; now when
+        not given. The lease is surely ours for its TTL from then (Tenure.renewed)."""
         self.store = store
         self.owner = owner
         self.etag = etag
         self.tenure = Tenure(store.url)
+        self.tenure.renewed((time.monotonic() if written is None else written) + self._ttl_s)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if renew:
@@ -334,6 +337,10 @@ class ObjectLease:
     def lost(self) -> bool:
         return self.tenure.lost
 
+    @property
+    def _ttl_s(self) -> float:
+        return self.owner.ttl_s or LEASE_TTL_S
+
     @classmethod
     def claim(cls, store: ConditionalStore, owner: Owner, seen: Seen | None, *,
               renew: bool = True) -> ObjectLease | Held | None:
@@ -341,8 +348,10 @@ class ObjectLease:
         conditional write, Held when it is held, None when the store refused because another
         sweep wrote it since `seen` (look again)."""
         state = decide(seen)
+        sent = time.monotonic()
         if seen is not None and seen.owner is not None and seen.owner.token == owner.token:
-            return cls(store, owner, seen.etag, renew=renew)  # our own write, its reply lost
+            # our own write, its reply lost: written as long ago as the store says
+            return cls(store, owner, seen.etag, renew=renew, written=sent - seen.age_s)
         if state == HELD:
             assert seen is not None
             return Held.of(seen)
@@ -354,7 +363,7 @@ class ObjectLease:
             log.warning("took over the expired lease on %s: %s did not renew it for %.0fs",
                         store.url, seen.owner.describe() if seen.owner else "its holder",
                         seen.age_s)
-        return cls(store, owner, etag, renew=renew)
+        return cls(store, owner, etag, renew=renew, written=sent)
 
     @classmethod
     def attempt(cls, store: ConditionalStore, owner: Owner) -> ObjectLease | Held:
@@ -371,6 +380,7 @@ class ObjectLease:
         every = self.owner.ttl_s / 3
         wait = every
         while not self._stop.wait(wait):
+            sent = time.monotonic()
             try:
                 etag = self.store.put_if(LEASE_KEY, self.owner.renewed().to_json(),
                                          etag=self.etag)
@@ -386,6 +396,7 @@ class ObjectLease:
                 self.tenure.lose()
                 return
             self.etag = etag
+            self.tenure.renewed(sent + self._ttl_s)
             wait = every
 
     def release(self) -> None:

@@ -11,7 +11,9 @@ controller.results.refit).
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -30,13 +32,17 @@ class Tenure:
 
     `lost` once the lease is lost: an S3 lease another sweep took over after this one failed
     to renew it within its TTL (paused, cut off from the store). A lock on a local file is
-    never lost. Callbacks given to `when_lost` run once, in the thread that finds the loss
-    (the renewal thread): they must only ask for a stop, not wait for one.
+    never lost. `expired` while the lease has gone unrenewed for its TTL (`renewed` says
+    until when it surely is ours): lost or not, nobody can tell until the next renewal.
+    Callbacks given to `when_lost` run once, in the thread that finds the loss (the renewal
+    thread): they must only ask for a stop, not wait for one.
     """
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._lost = threading.Event()
+        self._held_until = math.inf  # time.monotonic(): a local lock is held until released
+        self._expiry_told = False
         # Re-entrant: a reaction registered from inside `holding` must not deadlock.
         self._lock = threading.RLock()
         self._callbacks: list[Callable[[], None]] = []
@@ -53,14 +59,36 @@ class Tenure:
                 return
         callback()
 
+    def renewed(self, until: float) -> None:
+        """The store accepted a write of the lease: it is surely ours until `until`
+        (time.monotonic(): when that write was sent, plus the TTL)."""
+        self._held_until = until
+        self._expiry_told = False
+
+    @property
+    def expired(self) -> bool:
+        """Not renewed for its TTL: another sweep may have taken it over already (this process
+        was paused, say), though the renewal that would say so has not come back yet."""
+        return time.monotonic() >= self._held_until
+
     @contextmanager
     def holding(self) -> Iterator[bool]:
         """Whether the lease is still held, and it stays so until the block ends: `lose`
         waits for the block, so that a check and the start it allows are one step (a task
-        starts before the loss is known, or not at all). Keep the block short: the thread
-        that found the loss waits on it."""
+        starts before the loss is known, or not at all). False too while it is `expired`:
+        a sweep resumed after a pause past the TTL starts nothing until a renewal says
+        whether the output is still its own. Keep the block short: the thread that found the
+        loss waits on it."""
         with self._lock:
-            yield not self._lost.is_set()
+            held = not self._lost.is_set()
+            if held and self.expired:
+                held = False
+                if not self._expiry_told:
+                    self._expiry_told = True
+                    log.warning("the lease on %s was not renewed within its TTL: no task "
+                                "starts until a renewal says whether it is still ours",
+                                self.url)
+            yield held
 
     def lose(self) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ the workers are the protocol's stand-in (tests/support/served_worker.py).
 from __future__ import annotations
 
 import json
+import math
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from controller.backends.base import Task
 from controller.backends.local.backend import LocalBackend
 from controller.backends.local.settings import LocalSettings
 from controller.errors import EXIT_INFRA
-from controller.output.lease import observe
+from controller.output.lease import ObjectLease, make_owner, observe
 from controller.output.tenure import LeaseLostError, Tenure
 from controller.run.recorder import Recorder
 from controller.run.sweep import execute, run_sweep
@@ -87,18 +88,14 @@ def test_a_sweep_that_loses_its_s3_lease_stops_dispatching_and_exits_3(
     assert seen is not None and seen.owner is not None and seen.owner.token == "sweep-b"
 
 
-class LostWhileStarting(LocalBackend):
-    """The local backend, on one CPU slot, whose lease another thread loses (as the renewal
-    thread does when it finds the lease taken over) at the worst moment: once the loop has
-    checked that tasks may start and is starting the second one (in acquire, which the loop
-    calls between that check and the start). `events` records the starts and the loss, in
+class Recording(LocalBackend):
+    """The local backend on one CPU slot; `events` records its starts and the lease's loss in
     the order they happened."""
 
     def __init__(self) -> None:
         super().__init__(LocalSettings(max_retries=0, cpu_workers=1), None)
         self.events: list[str] = []
         self.tenure: Tenure | None = None
-        self.loser: threading.Thread | None = None
 
     def guard(self, tenure: Tenure) -> None:
         super().guard(tenure)
@@ -108,6 +105,17 @@ class LostWhileStarting(LocalBackend):
     def started(self, task: Task, gpus: tuple[int, ...]) -> None:
         self.events.append(f"start {task.key}")
         super().started(task, gpus)
+
+
+class LostWhileStarting(Recording):
+    """Its lease is lost by another thread (as the renewal thread loses it when it finds the
+    lease taken over) at the worst moment: once the loop has checked that tasks may start
+    and is starting the second one (in acquire, which the loop calls between that check and
+    the start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loser: threading.Thread | None = None
 
     def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
         got = super().acquire(in_use, gpus)
@@ -135,6 +143,46 @@ def test_a_lease_lost_between_the_check_and_a_start_starts_nothing_after_it(
     assert backend.events == ["start t0", "start t1", "lost"]
     assert tenure.lost
     assert "no task starts" in caplog.text
+
+
+def test_a_sweep_resumed_past_its_leases_ttl_starts_nothing_until_a_renewal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sweep paused past its lease's TTL (its last renewal longer ago than the TTL) cannot
+    know whether another sweep took the output over until its next renewal comes back: no
+    task starts before it (one warning says why), and the tasks start once it renews."""
+    backend = Recording()
+    tenure = Tenure("s3://bucket/out")
+    tenure.renewed(time.monotonic() - 1.0)  # its TTL ran out a second ago: the pause
+
+    def renew_later() -> None:
+        time.sleep(0.5)
+        backend.events.append("renewed")
+        tenure.renewed(math.inf)
+
+    thread = threading.Thread(target=renew_later)
+    thread.start()
+    execute(backend, [exit_task(f"t{i}", 0) for i in range(2)],
+            Recorder(LocalStore(tmp_path), "run-1"), tenure)
+    thread.join(10)
+    assert backend.events == ["renewed", "start t0", "start t1"]
+    assert caplog.text.count("was not renewed within its TTL: no task starts") == 1
+
+
+def test_an_s3_lease_is_surely_ours_for_its_ttl_from_its_last_write(s3_server: S3Server) -> None:
+    """The lease's tenure counts its TTL from the write the store accepted: held at once,
+    expired once a TTL passes with no renewal (tests/support/leasechecks.py: renewals keep
+    it held)."""
+    store = make_store(s3_server)
+    lease = ObjectLease.claim(store, make_owner(command="esd-sweep run", run_id="a",
+                                                ttl_s=2.0), None, renew=False)
+    assert isinstance(lease, ObjectLease)
+    with lease.tenure.holding() as held:
+        assert held
+    time.sleep(2.1)
+    with lease.tenure.holding() as held:
+        assert not held and lease.tenure.expired and not lease.tenure.lost
+    lease.release()
 
 
 def test_a_tenure_calls_each_reaction_once_whenever_it_was_registered(

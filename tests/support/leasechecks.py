@@ -44,6 +44,8 @@ def renewal_keeps_the_lease(store: S3Store) -> None:
     assert seen is not None and seen.owner is not None
     assert seen.owner.token == lease.owner.token and seen.etag != first_etag
     assert decide(seen) == HELD
+    with lease.tenure.holding() as held:
+        assert held and not lease.tenure.expired  # each renewal moved its expiry on
     with pytest.raises(LeaseHeldError, match="in use by another sweep"):
         take_lease(store, command="esd-sweep run", run_id="b", ttl_s=1.0)
     lease.release()
