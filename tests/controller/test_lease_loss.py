@@ -1,8 +1,9 @@
 """A sweep whose S3 lease is lost while it runs (paused past the TTL, cut off from the store,
 then taken over): it stops dispatching, records nothing more and exits 3
-(controller.output.tenure, controller.output.lease). S3 is moto's server over HTTP through real
-boto3;
-the workers are the protocol's stand-in (tests/support/served_worker.py).
+(controller.output.tenure, controller.output.lease); no task starts once the loss is known,
+nor while the lease has gone a TTL unrenewed (the local loop's check and start are one
+step). S3 is moto's server over HTTP through real boto3; the workers are the protocol's
+stand-in (tests/support/served_worker.py) or one-line commands (tests/support/local.py).
 """
 
 from __future__ import annotations
