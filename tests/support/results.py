@@ -9,16 +9,28 @@ import html.parser
 import json
 import shutil
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from controller.results.reader import ModelResult
+from esd_worker.core.store.layout import write_model_result
 from esd_worker.core.store.marker import Marker
-from esd_worker.core.store.stores import READ_LIMIT, LocalStore
+from esd_worker.core.store.results import layers_to_csv
+from esd_worker.core.store.stores import READ_LIMIT, LocalStore, Store
+from esd_worker.core.store.tables import DoneModel
 
 EXAMPLE_DONE = ".example-complete"
+
+
+def analysed(store: Store, dones: Iterable[DoneModel]) -> list[DoneModel]:
+    """Each model's own files written as a worker writes them (its layer table, then the
+    sealed marker), and the DoneModels of what was written: the rows a worker's part holds,
+    which a reader counts because the model's files agree with them."""
+    return [DoneModel(write_model_result(store, d.marker, layers=layers_to_csv(d.layers)),
+                      d.layers) for d in dones]
 
 
 def example_results(tmp_path_factory: pytest.TempPathFactory, gpt2_dir: Path) -> Path:

@@ -244,8 +244,16 @@ class S3Store(Store):
         if got is None:
             return None
         name, response = got
+        size = response.get("ContentLength")
         try:
-            data = bytes(response["Body"].read(limit + 1))
+            if isinstance(size, int):  # read(n) may allocate n bytes first: the size known
+                data = bytes(response["Body"].read(size + 1))
+            else:
+                data = b""
+                for part in response["Body"].iter_chunks(READ_PART):
+                    data += part
+                    if len(data) > limit:
+                        break
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
         finally:

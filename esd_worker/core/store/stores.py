@@ -172,7 +172,7 @@ class LocalStore(Store):
         except OSError as e:
             raise local_store_error(f"write {path}", e) from e
 
-    def _open(self, key: str, limit: int) -> tuple[BinaryIO, Path] | None:
+    def _open(self, key: str, limit: int) -> tuple[BinaryIO, Path, int] | None:
         """The key's file opened for reading, checked to be a regular file of at most
         `limit` bytes; None when there is none. A symlink is followed (a results folder may
         be assembled from links) but what it names must be a regular file too. O_NONBLOCK:
@@ -194,7 +194,7 @@ class LocalStore(Store):
                 raise StoreRefusal(f"refused to read {path}: {found.st_size} bytes, more "
                                    f"than the {limit} it may hold")
             os.set_blocking(fd, True)
-            return os.fdopen(fd, "rb"), path
+            return os.fdopen(fd, "rb"), path, found.st_size
         except BaseException:
             os.close(fd)
             raise
@@ -203,10 +203,14 @@ class LocalStore(Store):
         opened = self._open(key, limit)
         if opened is None:
             return None
-        f, path = opened
+        f, path, size = opened
         with f:
             try:
-                data = f.read(limit + 1)  # a file that grew since fstat is bounded too
+                # read(n) allocates n bytes first: ask for the size fstat gave (and one
+                # more), then, for a file that grew since, bounded parts up to the limit.
+                data = f.read(size + 1)
+                while len(data) <= limit and (more := f.read(READ_PART)):
+                    data += more
             except OSError as e:
                 raise local_store_error(f"read {path}", e) from e
         if len(data) > limit:
@@ -216,7 +220,7 @@ class LocalStore(Store):
 
     def get_parts(self, key: str, *, limit: int = READ_LIMIT) -> Iterator[bytes] | None:
         opened = self._open(key, limit)
-        return None if opened is None else self._read_parts(*opened)
+        return None if opened is None else self._read_parts(*opened[:2])
 
     def move(self, key: str, new_key: str) -> None:
         path, target = self._path(key), self._path(new_key)

@@ -15,9 +15,8 @@ import pytest
 from controller.cli import main
 from controller.results.compact import CompactSettings, compact_store
 from controller.results.tables import Tables
-from esd_worker.core.store.layout import write_model_result
 from esd_worker.core.store.marker import Marker
-from esd_worker.core.store.results import layers_from_csv, layers_to_csv
+from esd_worker.core.store.results import layers_from_csv
 from esd_worker.core.store.stores import LocalStore, Store
 from esd_worker.core.store.tables import (
     LAYERS_TABLE,
@@ -29,6 +28,7 @@ from esd_worker.core.store.tables import (
     table_bytes,
     write_parts,
 )
+from tests.support.results import analysed
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 
@@ -47,11 +47,7 @@ def done(key: str, arch: str, finished: str = "2026-01-01T00:00:00Z",
     return DoneModel(marker, rows)
 
 
-def files(store: Store, models: list[DoneModel]) -> list[DoneModel]:
-    """Each model's own files, as a worker writes them; the DoneModels of what was written
-    (the rows a worker's part holds: they agree with the marker)."""
-    return [DoneModel(write_model_result(store, d.marker, layers=layers_to_csv(d.layers)),
-                      d.layers) for d in models]
+files = analysed  # each model's own files, as a worker writes them
 
 
 def models_of(store: Store) -> list[tuple[str, float]]:

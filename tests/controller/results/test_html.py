@@ -17,7 +17,7 @@ from esd_worker.core.store.records import FailureRecord, write_failure
 from esd_worker.core.store.results import layers_to_csv
 from esd_worker.core.store.stores import LocalStore
 from esd_worker.core.store.tables import DoneModel, write_parts
-from tests.support.results import Links
+from tests.support.results import Links, analysed
 
 ARCHS = ("LlamaForCausalLM", "GPT2LMHeadModel", "BertModel")
 
@@ -36,7 +36,7 @@ def layers(i: int, count: int = 2) -> list[dict[str, object]]:
 
 def make_store(root: Path, tabled: int, per_model: int) -> LocalStore:
     store = LocalStore(root)
-    write_parts(store, [DoneModel(marker(i), layers(i)) for i in range(tabled)])
+    write_parts(store, analysed(store, [DoneModel(marker(i), layers(i)) for i in range(tabled)]))
     for i in range(tabled, tabled + per_model):
         write_model_result(store, marker(i), layers=layers_to_csv(layers(i)))
     for i, error in enumerate(["TransientError", "TransientError", "PermanentModelError"]):

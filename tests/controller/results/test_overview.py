@@ -11,6 +11,7 @@ from controller.results.tables import Tables
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.stores import LocalStore
 from esd_worker.core.store.tables import DoneModel, write_parts
+from tests.support.results import analysed
 
 ARCHS = ["LlamaForCausalLM", "GPT2LMHeadModel", "BertModel"]
 
@@ -29,7 +30,7 @@ def test_overview_counts_groups_top_and_outliers(tmp_path: Path) -> None:
     store = LocalStore(tmp_path)
     alphas = [3.0 + 0.01 * i for i in range(60)]
     alphas[7] = 19.0  # far from the rest: an outlier
-    write_parts(store, [done(i, a) for i, a in enumerate(alphas)])
+    write_parts(store, analysed(store, [done(i, a) for i, a in enumerate(alphas)]))
     view = build_overview(Tables(store), n=5)
     assert (view.models, view.layers) == (60, 180)
     assert sum(view.families.values()) == 60 and len(view.families) == 3

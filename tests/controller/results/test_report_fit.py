@@ -22,7 +22,7 @@ from esd_worker.core.command.settings import AnalysisSettings
 from esd_worker.core.store.marker import Marker
 from esd_worker.core.store.stores import LocalStore
 from esd_worker.core.store.tables import DoneModel, parameters_text, write_parts
-from tests.support.results import make_result
+from tests.support.results import analysed, make_result
 
 XMIN_MID = AnalysisSettings().as_dict()
 XMIN_MID_64 = AnalysisSettings(precision="float64").as_dict()
@@ -84,13 +84,13 @@ def test_an_adapter_and_its_base(adapter: dict[str, Any], base: dict[str, Any], 
 def _store(root: Path, fits: list[dict[str, Any]]) -> LocalStore:
     """One model per entry of `fits` (its analysis parameters), in the results tables."""
     store = LocalStore(root)
-    write_parts(store, [DoneModel(
+    write_parts(store, analysed(store, [DoneModel(
         Marker(model=f"org/m{i}", model_key=f"m{i:05d}", model_id=f"org/m{i}",
                architecture="LlamaForCausalLM", finished_at="2026-01-01",
                timings={"total_s": 1}, parameters=params),
         [{"layer": f"h.{j}.mlp", "M": 8, "N": 16, "num_params": 128, "alpha": 2.5 + i + j,
           "status": "ok", "fix_fingers": params["fix_fingers"]} for j in range(2)])
-        for i, params in enumerate(fits)])
+        for i, params in enumerate(fits)]))
     return store
 
 

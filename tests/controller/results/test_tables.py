@@ -31,6 +31,7 @@ from esd_worker.core.store.tables import (
     write_parts,
 )
 from tests.support.results import CountingStore
+from tests.support.results import analysed as write_analysed
 from tests.support.s3server import S3Server, make_store, serve_s3
 
 
@@ -49,10 +50,7 @@ def done(key: str, arch: str | None, finished: str, alphas: list[float]) -> Done
 
 
 def analysed(store: Store, *dones: DoneModel) -> list[DoneModel]:
-    """Each model's own files written as a worker writes them (layers.csv, then the sealed
-    marker), and the DoneModels of what was written: the rows a worker's part holds."""
-    return [DoneModel(write_model_result(store, d.marker, layers=layers_to_csv(d.layers)),
-                      d.layers) for d in dones]
+    return write_analysed(store, dones)
 
 
 def rows(batches: Iterator[pa.RecordBatch]) -> list[dict[str, object]]:
