@@ -3,9 +3,9 @@ the
 one signal a sweep or a refit reacts to when an S3 lease is lost, and the error it ends with.
 
 Owns `Tenure` (lost or not, the reactions registered, `check` before a write, `holding`
-while a task starts) and `LeaseLostError` (exit 3). Does not take, renew or release a lease
-(controller.output.lease) nor decide what a run does when it is lost (controller.run.sweep,
-controller.results.refit).
+while a task starts), what a backend holds of it (`Guarded`) and `LeaseLostError` (exit 3).
+Does not take, renew or release a lease (controller.output.lease) nor decide what a run does
+when it is lost (controller.run.sweep, controller.results.refit).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from controller.errors import InfrastructureError
 
@@ -110,3 +110,22 @@ class Tenure:
                 "over): this process stopped writing there; run the same command again once "
                 "the other sweep has ended"
             )
+
+
+class Guarded:
+    """A backend's hold on the output's lease (Backend.guard): once `guard` is given the
+    tenure, no task starts after its loss (`may_start`, the one step of a check and a start;
+    `lease_lost` for backends that only stop submitting). Before it, tasks always may."""
+
+    _tenure: Tenure | None = None
+
+    def guard(self, tenure: Tenure) -> None:
+        self._tenure = tenure
+
+    def may_start(self) -> AbstractContextManager[bool]:
+        """Held while one task starts: True while the lease is held (Tenure.holding)."""
+        return nullcontext(True) if self._tenure is None else self._tenure.holding()
+
+    @property
+    def lease_lost(self) -> bool:
+        return self._tenure is not None and self._tenure.lost

@@ -46,16 +46,10 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from controller.results.counting import Rules, apply_rules
+from controller.results.parts import BadPart, pair_of, read_part, with_nulls
 from controller.results.reader import open_results
-from controller.results.tables import (
-    BadPart,
-    Rules,
-    Tables,
-    apply_rules,
-    pair_of,
-    read_done_models,
-    read_part,
-)
+from controller.results.tables import Tables, read_done_models
 from esd_worker.core.command.flags import MAX_THREADS, add_flag, int_in
 from esd_worker.core.store.layout import PART_BYTES, TABLES_PREFIX, fetch_all, iter_markers
 from esd_worker.core.store.stores import Store
@@ -250,11 +244,7 @@ def _whole(data: bytes, table: str, rules: Rules | None) -> pa.Table:
     optional columns as nulls)."""
     schema = SCHEMAS[table]
     got = apply_rules(read_part(data, table), rules, table)
-    for name in schema.names:
-        if name not in got.column_names:
-            got = got.append_column(schema.field(name),
-                                    pa.nulls(got.num_rows, schema.field(name).type))
-    return got.select(schema.names).cast(schema)
+    return with_nulls(got, schema.names, schema).select(schema.names).cast(schema)
 
 
 def aside_key(part: PartKey) -> str:

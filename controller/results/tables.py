@@ -38,38 +38,36 @@ active exception"), measured here about 1 run in 10.
 
 from __future__ import annotations
 
-import io
 import itertools
-import json
 import logging
-import tempfile
-from array import array
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from controller.keyset import Hashes, KeySet
+from controller.keyset import KeySet
+from controller.results.counting import (
+    KEEP,
+    Counted,
+    Listing,
+    Pick,
+    apply_rules,
+    array_of,
+    key_hashes,
+)
+from controller.results.parts import COMPACT_HINT, BadPart, pair_of, read_part, with_nulls
 from controller.results.reader import ModelResult, read_table, warn_damaged
-from esd_worker.core.echo import quoted
 from esd_worker.core.store.layout import (
     MARKER_BYTES,
-    MARKER_NAME,
     PART_BYTES,
     TABLE_BYTES,
-    LayoutError,
-    check_model_key,
     fetch_all,
-    iter_model_files,
     load_marker,
     marker_key,
     model_file_key,
 )
 from esd_worker.core.store.marker import (
-    LAYERS_NAME,
     BaseModelRef,
     DamagedResult,
     Marker,
@@ -79,7 +77,6 @@ from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import (
     LAYERS_TABLE,
     MODELS_TABLE,
-    OPTIONAL_COLUMNS,
     SCHEMAS,
     DoneModel,
     PartKey,
@@ -93,120 +90,6 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 64 * 1024  # rows per record batch handed on
 FALLBACK_CHUNK = 512  # models read from their own files at a time
-COMPACT_HINT = ("its models are read from their own files; `esd-sweep compact` sets it "
-                "aside and rebuilds them")
-# What pyarrow raises for bytes that are not a Parquet file of the columns asked for.
-_PART_ERRORS = (pa.ArrowException, OSError, ValueError, KeyError, TypeError, IndexError)
-
-
-def pair_of(part: PartKey) -> str:
-    """The id a part's two tables share: `<arch>/<part_id>`."""
-    return f"{part.arch}/{part.part_id}"
-
-
-def schema_problem(file: pq.ParquetFile, table: str) -> str | None:
-    """What keeps a part's columns from being `table`'s (None: they are): a column missing
-    (but OPTIONAL_COLUMNS, which older parts lack) or of another type."""
-    found = file.schema_arrow
-    for want in SCHEMAS[table]:
-        index = found.get_field_index(want.name)
-        if index < 0:
-            if want.name in OPTIONAL_COLUMNS:
-                continue
-            return f"it has no column {want.name!r}"
-        got = found.field(index).type
-        if got != want.type:
-            return f"its column {want.name!r} is {got}, not {want.type}"
-    return None
-
-
-def read_part(data: bytes, table: str, columns: Sequence[str] | None = None) -> pa.Table:
-    """The part's `columns` (default: all of the schema it has), checked against `table`'s
-    schema and decoded whole, so that a part is read entirely or not at all. BadPart with
-    what is wrong."""
-    try:
-        file = pq.ParquetFile(io.BytesIO(data))
-        problem = schema_problem(file, table)
-        if problem is None:
-            names = file.schema_arrow.names
-            wanted = [c for c in (columns if columns is not None else SCHEMAS[table].names)
-                      if c in names]
-            return file.read(columns=wanted, use_threads=False)
-    except _PART_ERRORS as e:
-        raise BadPart(f"it is not a readable Parquet file ({type(e).__name__}: "
-                      f"{quoted(str(e), limit=120)})") from e
-    raise BadPart(problem)
-
-
-class BadPart(Exception):
-    """A part that is left out: why, in words that follow its key."""
-
-
-@dataclass(frozen=True)
-class Pick:
-    """The one row of a model that counts in a part that holds it more than once."""
-
-    row: int  # its position in the models part
-    finished_at: str  # the layers rows of the part that go with it
-
-
-@dataclass
-class Counted:
-    """Which rows of the models parts count.
-
-    keys: the models with a row that counts; rules: per part pair (pair_of), the keys whose
-    rows there do not all count: None (none of them) or the Pick that does; rows: models
-    rows read; bad: part pairs left out, with why.
-    """
-
-    keys: KeySet = field(default_factory=KeySet)
-    rules: dict[str, dict[str, Pick | None]] = field(default_factory=dict)
-    rows: int = 0
-    bad: dict[str, str] = field(default_factory=dict)
-
-
-class _Listing:
-    """What one listing of the store says of its model folders: (model, file, size) of
-    every file as hashes, the models with a marker and layers.csv, and the marker keys
-    spooled to a temporary file (read again by missing_keys, never held as strings)."""
-
-    def __init__(self, store: Store) -> None:
-        files, markers, tables = Hashes(), Hashes(), Hashes()
-        # Closed when the object goes (a TemporaryFile removes itself): no `with`, since
-        # missing_keys reads it again as long as the Tables lives.
-        self.spool: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
-        for key, name, size in iter_model_files(store):
-            files.add(hash((key, name, size)))
-            if name == MARKER_NAME:
-                self.spool.write(key + "\n")
-                markers.add(hash(key))
-            elif name == LAYERS_NAME:
-                tables.add(hash(key))
-        whole = np.intersect1d(markers.unique(), tables.unique(), assume_unique=True)
-        self.files = KeySet.of_hashes(files.sorted())
-        self.whole = KeySet.of_hashes(array_of(whole))
-
-    def marker_keys(self) -> Iterator[str]:
-        self.spool.seek(0)
-        for line in self.spool:
-            yield line.rstrip("\n")
-
-    def vouches(self, key: str, files: str | None) -> bool:
-        """Whether the listing shows what a row of `key` recorded (`files`: its column)."""
-        try:
-            check_model_key(key)
-        except LayoutError:
-            return False
-        if files is None:  # a part written before rows recorded their files
-            return key in self.whole
-        try:
-            sizes = json.loads(files)
-        except ValueError:
-            return False
-        if not isinstance(sizes, dict) or MARKER_NAME not in sizes:
-            return False
-        return all(isinstance(size, int) and (key, name, size) in self.files
-                   for name, size in sizes.items())
 
 
 class Tables:
@@ -222,7 +105,7 @@ class Tables:
         self.store, self.threads = store, threads
         self.archs = None if archs is None else frozenset(archs)
         self._parts: dict[str, list[PartKey]] | None = None
-        self._listing: _Listing | None = None
+        self._listing: Listing | None = None
         self._counted: Counted | None = None
         self._bad: dict[str, str] = {}  # part pair → why it is left out
         self._warned: set[str] = set()  # damaged models met by the fallback: one line each
@@ -245,9 +128,9 @@ class Tables:
         """Part pairs (pair_of) left out so far, with why."""
         return dict(self._bad)
 
-    def listing(self) -> _Listing:
+    def listing(self) -> Listing:
         if self._listing is None:
-            self._listing = _Listing(self.store)
+            self._listing = Listing(self.store)
         return self._listing
 
     # -- parts -----------------------------------------------------------------------------
@@ -326,7 +209,7 @@ class Tables:
             for i in set(range(len(keys))) - set(ok):
                 if keys[i] is not None:
                     rules.setdefault(pair_of(part), {})[keys[i]] = None
-            hashes.append(_hashes([keys[i] for i in ok]))
+            hashes.append(key_hashes([keys[i] for i in ok]))
             where.append(np.array([(index[pair_of(part)], i) for i in ok],
                                   dtype=np.int32).reshape(-1, 2))
         counted = Counted(rows=rows, rules=rules)
@@ -353,8 +236,8 @@ class Tables:
             keys = table.column("model_key").to_pylist()
             finished = table.column("finished_at").to_pylist()
             gone = rules.get(pair_of(part), {})
-            for i in np.flatnonzero(np.isin(_hashes(keys), repeated)):
-                if gone.get(keys[i], _KEEP) is not None:  # a row vouched for
+            for i in np.flatnonzero(np.isin(key_hashes(keys), repeated)):
+                if gone.get(keys[i], KEEP) is not None:  # a row vouched for
                     rows.append((keys[i], finished[i] or "", rank, int(i), pair_of(part)))
         best: dict[str, tuple[str, int, int, str]] = {}
         for key, finished, rank, row, pair in rows:
@@ -400,7 +283,7 @@ class Tables:
                     yield from self._pair_from_files(part, columns)
                 continue
             kept = apply_rules(got[1], counted.rules.get(pair), table)
-            kept = _with_nulls(kept, wanted, schema).select(wanted)
+            kept = with_nulls(kept, wanted, schema).select(wanted)
             yield from kept.to_batches(BATCH_ROWS)
 
     def _pair_from_files(self, part: PartKey, columns: Sequence[str] | None,
@@ -438,56 +321,8 @@ class Tables:
             yield from part_tables(done).values()
 
 
-_KEEP = Pick(-1, "")  # a sentinel: no rule for this key in that part
-# A part's rules: the keys whose rows there do not all count, and which one does (None: none).
-Rules = dict[str, Pick | None]
-
-
-def apply_rules(table: pa.Table, rules: Rules | None,
-                name: str) -> pa.Table:
-    """The rows of a part's `table` that count under its rules (none: all of them)."""
-    if not rules:
-        return table
-    keys = table.column("model_key").to_pylist()
-    finished = table.column("finished_at").to_pylist()
-    index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
-    seen: set[tuple[str, Any]] = set()
-    keep: list[int] = []
-    for i, key in enumerate(keys):
-        rule = rules.get(key, _KEEP)
-        if rule is _KEEP:
-            keep.append(i)
-        elif rule is None:
-            continue
-        elif index is None:
-            if i == rule.row:
-                keep.append(i)
-        elif (finished[i] or "") == rule.finished_at and (key, index[i]) not in seen:
-            seen.add((key, index[i]))
-            keep.append(i)
-    return table.take(pa.array(keep, type=pa.int64()))
-
-
-def _with_nulls(table: pa.Table, wanted: Sequence[str], schema: pa.Schema) -> pa.Table:
-    """`table` with the OPTIONAL_COLUMNS an older part lacks added as nulls."""
-    for name in wanted:
-        if name not in table.column_names:
-            table = table.append_column(schema.field(name),
-                                        pa.nulls(table.num_rows, schema.field(name).type))
-    return table
-
-
-def array_of(values: np.ndarray) -> array[int]:
-    """Sorted int64 hashes as KeySet holds them."""
-    return array("q", values.astype(np.int64).tobytes())
-
-
 def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
     return table if columns is None else table.select(list(columns))
-
-
-def _hashes(keys: Sequence[str]) -> np.ndarray:
-    return np.fromiter((hash(k) for k in keys), dtype=np.int64, count=len(keys))
 
 
 def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,

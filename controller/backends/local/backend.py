@@ -9,14 +9,12 @@ those) and does not touch processes itself (controller.backends.local.process).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from controller.backends.base import Outcome, OutcomeCallback, Task, Work, WorkerSpec
@@ -29,7 +27,7 @@ from controller.errors import SweepError
 from controller.gpu.counts import GpuCounts
 from controller.gpu.gpurule import GpuRule, describe
 from controller.gpu.gpus import GpuTracker, open_tracker
-from controller.output.tenure import Tenure
+from controller.output.tenure import Guarded
 from controller.progress import Progress
 from controller.weights.sizing import Sizer
 from controller.weights.weightmeta import ShapeFinder
@@ -56,7 +54,7 @@ def serve_argv(command: Sequence[str], spec: WorkerSpec, device: str) -> tuple[s
     return tuple(spec.invocation(SERVE, device=device).command(command))
 
 
-class LocalBackend:
+class LocalBackend(Guarded):
     """Runs tasks on this machine, each on its own GPUs (tracker) or a CPU slot (no tracker).
 
     Models go to long-lived workers (controller.backends.local.slots), one per slot: with a
@@ -107,7 +105,6 @@ class LocalBackend:
         # lock inside Event.set could deadlock against the interrupted main thread.
         self._stop_requests = 0
         self._random = random.Random()
-        self._tenure: Tenure | None = None  # the output's lease, once guard is called
 
     @classmethod
     def from_settings(cls, settings: SweepSettings, spec: WorkerSpec) -> LocalBackend:
@@ -160,11 +157,6 @@ class LocalBackend:
         a few tens of milliseconds.
         """
         self._stop_requests += 1
-
-    def guard(self, tenure: Tenure) -> None:
-        """No task starts once `tenure` is lost: the loop checks it and starts a task in one
-        step (may_start)."""
-        self._tenure = tenure
 
     def stop_notice(self, count: int) -> str:
         if count == 1:
@@ -281,13 +273,6 @@ class LocalBackend:
         """An attempt started on `gpus` (on_start's)."""
         if self.on_start is not None:
             self.on_start(task, gpus)
-
-    def may_start(self) -> AbstractContextManager[bool]:
-        """Held while one task starts: True while the output's lease is held (always, with
-        no guard); its loss waits until the block ends (Tenure.holding)."""
-        if self._tenure is None:
-            return contextlib.nullcontext(True)
-        return self._tenure.holding()
 
     def acquire(self, in_use: int, gpus: int) -> tuple[int, ...] | None:
         """`gpus` GPUs for one more worker ((): a CPU slot), or None when none may start now."""

@@ -244,16 +244,9 @@ class S3Store(Store):
         if got is None:
             return None
         name, response = got
-        size = response.get("ContentLength")
+        size = response.get("ContentLength")  # read(n) may allocate n first: what is there
         try:
-            if isinstance(size, int):  # read(n) may allocate n bytes first: the size known
-                data = bytes(response["Body"].read(size + 1))
-            else:
-                data = b""
-                for part in response["Body"].iter_chunks(READ_PART):
-                    data += part
-                    if len(data) > limit:
-                        break
+            data = bytes(response["Body"].read((size if isinstance(size, int) else limit) + 1))
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
         finally:
@@ -286,18 +279,6 @@ class S3Store(Store):
         """(the object's name, the GetObject reply, its body unread), or None when the key
         does not exist; the store error for any other refusal, StoreRefusal (its body
         closed unread) when the object is more than `limit` bytes."""
-        got = self._request_object(key)
-        if got is None:
-            return None
-        name, response = got
-        size = response.get("ContentLength")
-        if isinstance(size, int) and size > limit:
-            response["Body"].close()
-            raise StoreRefusal(f"refused to read s3://{self.bucket}/{name}: {size} bytes, "
-                               f"more than the {limit} it may hold")
-        return name, response
-
-    def _request_object(self, key: str) -> tuple[str, dict[str, Any]] | None:
         name = self._object_key(key)
         try:
             response = self._client.get_object(Bucket=self.bucket, Key=name)
@@ -308,6 +289,11 @@ class S3Store(Store):
         except _BOTO_ERRORS as e:
             self._fail(e, f"read {name}")
         self._bucket_seen = True
+        size = response.get("ContentLength")
+        if isinstance(size, int) and size > limit:
+            response["Body"].close()
+            raise StoreRefusal(f"refused to read s3://{self.bucket}/{name}: {size} bytes, "
+                               f"more than the {limit} it may hold")
         return name, response
 
     def _read_parts(self, body: Any, name: str) -> Iterator[bytes]:

@@ -43,7 +43,7 @@ from controller.backends.kubernetes.per_model.state import ModelTable
 from controller.backends.kubernetes.per_model.submit import SizeFn, Submitter, model_job_settings
 from controller.errors import SweepError
 from controller.gpu.counts import GpuCounts
-from controller.output.tenure import Tenure
+from controller.output.tenure import Guarded
 from controller.progress import Progress
 from esd_worker.core.models.modellist import ModelRow
 
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05  # longest wait for a watch event before the loop looks at submissions again
 
 
-class KubernetesBackend:
+class KubernetesBackend(Guarded):
     """Runs one Job per model on a Kubernetes cluster (the Backend protocol).
 
     run(tasks) adopts this sweep's Jobs (label app.kubernetes.io/instance, a hash of the
@@ -95,7 +95,6 @@ class KubernetesBackend:
         self._size = size
         self._gpus = gpus
         self._stop_requests = 0
-        self._tenure: Tenure | None = None  # the output's lease (guard)
         self.placer = Placement(
             settings, kube, gpus_per_job=gpus_per_job, threshold_mib=threshold_mib,
             max_checks=max_checks, poll_interval_s=poll_interval_s, scrape_fn=scrape_fn,
@@ -131,11 +130,6 @@ class KubernetesBackend:
         """Stop submitting and return soon; Jobs already submitted keep running on the
         cluster (a later run adopts them). Safe from a signal handler."""
         self._stop_requests += 1
-
-    def guard(self, tenure: Tenure) -> None:
-        """No Job is submitted once `tenure` is lost (_stopping). A submission already
-        under way when the loss is found still goes: an API call is not held up for it."""
-        self._tenure = tenure
 
     def stop_notice(self, count: int) -> str:
         return ("stopping: no new Jobs; submitted Jobs keep running on the cluster "
@@ -227,7 +221,7 @@ class KubernetesBackend:
     # -- the loop ---------------------------------------------------------------------------
 
     def _stopping(self) -> bool:
-        return self._stop_requests > 0 or (self._tenure is not None and self._tenure.lost)
+        return self._stop_requests > 0 or self.lease_lost  # a Job under way still goes
 
     def _run(self, tasks: Work, on_outcome: OutcomeCallback,
              progress: Progress | None) -> list[Outcome]:

@@ -53,7 +53,7 @@ from controller.backends.kubernetes.sharded.status import IndexedRun, ShardFailu
 from controller.errors import InfrastructureError, SweepError
 from controller.gpu.counts import GpuCounts
 from controller.keyset import KeySet
-from controller.output.tenure import Tenure
+from controller.output.tenure import Guarded
 from controller.progress import ClassProgress, Progress
 from esd_worker.core.errors import EXIT_DEVICE
 from esd_worker.core.store.layout import iter_markers, list_failure_keys, shard_prefix
@@ -70,7 +70,7 @@ log = logging.getLogger(__name__)
 RETURNED_FAILURES = 10_000  # store_outcomes' list: the first failures, all reported
 
 
-class ShardedBackend:
+class ShardedBackend(Guarded):
     """Runs a sweep as Indexed Jobs over shards (the Backend protocol).
 
     classes: the resource classes models are sorted into (.plan). size: a model's bytes
@@ -112,7 +112,6 @@ class ShardedBackend:
         self._clock = clock
         self._sleep = sleep
         self._stop_requests = 0
-        self._tenure: Tenure | None = None  # the output's lease (guard)
         self.runs: list[IndexedRun] = []  # this run's Jobs
         self.attached: list[IndexedRun] = []  # unfinished Jobs of earlier runs, waited for
         self.left_running: list[str] = []
@@ -144,11 +143,6 @@ class ShardedBackend:
 
     def request_stop(self) -> None:
         self._stop_requests += 1
-
-    def guard(self, tenure: Tenure) -> None:
-        """No Job is submitted once `tenure` is lost (_stopping). A submission already
-        under way when the loss is found still goes: an API call is not held up for it."""
-        self._tenure = tenure
 
     def stop_notice(self, count: int) -> str:
         return ("stopping: the Indexed Jobs keep running on the cluster (the next run "
@@ -204,7 +198,7 @@ class ShardedBackend:
     # -- the run ----------------------------------------------------------------------------
 
     def _stopping(self) -> bool:
-        return self._stop_requests > 0 or (self._tenure is not None and self._tenure.lost)
+        return self._stop_requests > 0 or self.lease_lost  # a Job under way still goes
 
     def _run(self, work: Work, on_outcome: OutcomeCallback,
              progress: Progress | None) -> list[Outcome]:

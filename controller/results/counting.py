@@ -1,0 +1,139 @@
+"""Which rows of the results tables count: those the store's own files vouch for, one per
+model.
+
+Owns the rules (controller.results.tables applies them as it reads): a row counts only while
+one listing of the store (Listing) shows its model's marker and the files the marker seals
+at the sizes the row recorded (`files`; an older part's row: the marker and layers.csv
+listed), and its model_key could name a folder; of a model's rows that count, the one with
+the latest finished_at, then the latest part, then the last in its part (Pick), the others
+named per part (Rules) and dropped by apply_rules. Knows nothing of how parts are fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import numpy as np
+import pyarrow as pa
+
+from controller.keyset import Hashes, KeySet
+from esd_worker.core.store.layout import (
+    MARKER_NAME,
+    LayoutError,
+    check_model_key,
+    iter_model_files,
+)
+from esd_worker.core.store.marker import LAYERS_NAME
+from esd_worker.core.store.stores import Store
+from esd_worker.core.store.tables import LAYERS_TABLE
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The one row of a model that counts in a part that holds it more than once."""
+
+    row: int  # its position in the models part
+    finished_at: str  # the layers rows of the part that go with it
+
+
+@dataclass
+class Counted:
+    """Which rows of the models parts count.
+
+    keys: the models with a row that counts; rules: per part pair (pair_of), the keys whose
+    rows there do not all count: None (none of them) or the Pick that does; rows: models
+    rows read; bad: part pairs left out, with why.
+    """
+
+    keys: KeySet = field(default_factory=KeySet)
+    rules: dict[str, dict[str, Pick | None]] = field(default_factory=dict)
+    rows: int = 0
+    bad: dict[str, str] = field(default_factory=dict)
+
+
+class Listing:
+    """What one listing of the store says of its model folders: (model, file, size) of
+    every file as hashes, the models with a marker and layers.csv, and the marker keys
+    spooled to a temporary file (read again by missing_keys, never held as strings)."""
+
+    def __init__(self, store: Store) -> None:
+        files, markers, tables = Hashes(), Hashes(), Hashes()
+        # Closed when the object goes (a TemporaryFile removes itself): no `with`, since
+        # missing_keys reads it again as long as the Tables lives.
+        self.spool: IO[str] = tempfile.TemporaryFile("w+", encoding="utf-8")  # noqa: SIM115
+        for key, name, size in iter_model_files(store):
+            files.add(hash((key, name, size)))
+            if name == MARKER_NAME:
+                self.spool.write(key + "\n")
+                markers.add(hash(key))
+            elif name == LAYERS_NAME:
+                tables.add(hash(key))
+        whole = np.intersect1d(markers.unique(), tables.unique(), assume_unique=True)
+        self.files = KeySet.of_hashes(files.sorted())
+        self.whole = KeySet.of_hashes(array_of(whole))
+
+    def marker_keys(self) -> Iterator[str]:
+        self.spool.seek(0)
+        for line in self.spool:
+            yield line.rstrip("\n")
+
+    def vouches(self, key: str, files: str | None) -> bool:
+        """Whether the listing shows what a row of `key` recorded (`files`: its column)."""
+        try:
+            check_model_key(key)
+        except LayoutError:
+            return False
+        if files is None:  # a part written before rows recorded their files
+            return key in self.whole
+        try:
+            sizes = json.loads(files)
+        except ValueError:
+            return False
+        if not isinstance(sizes, dict) or MARKER_NAME not in sizes:
+            return False
+        return all(isinstance(size, int) and (key, name, size) in self.files
+                   for name, size in sizes.items())
+
+
+KEEP = Pick(-1, "")  # a sentinel: no rule for this key in that part
+# A part's rules: the keys whose rows there do not all count, and which one does (None: none).
+Rules = dict[str, Pick | None]
+
+
+def apply_rules(table: pa.Table, rules: Rules | None,
+                name: str) -> pa.Table:
+    """The rows of a part's `table` that count under its rules (none: all of them)."""
+    if not rules:
+        return table
+    keys = table.column("model_key").to_pylist()
+    finished = table.column("finished_at").to_pylist()
+    index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
+    seen: set[tuple[str, Any]] = set()
+    keep: list[int] = []
+    for i, key in enumerate(keys):
+        rule = rules.get(key, KEEP)
+        if rule is KEEP:
+            keep.append(i)
+        elif rule is None:
+            continue
+        elif index is None:
+            if i == rule.row:
+                keep.append(i)
+        elif (finished[i] or "") == rule.finished_at and (key, index[i]) not in seen:
+            seen.add((key, index[i]))
+            keep.append(i)
+    return table.take(pa.array(keep, type=pa.int64()))
+
+
+def array_of(values: np.ndarray) -> array[int]:
+    """Sorted int64 hashes as KeySet holds them."""
+    return array("q", values.astype(np.int64).tobytes())
+
+
+def key_hashes(keys: Sequence[str]) -> np.ndarray:
+    return np.fromiter((hash(k) for k in keys), dtype=np.int64, count=len(keys))
