@@ -26,6 +26,7 @@ from controller.results.reader import ModelResult, open_results, read_eigs
 from controller.results.reportfit import fit_of
 from controller.results.tables import Tables
 from esd_sweep.frames import typed, with_ww_columns
+from esd_worker.core.echo import echo
 from esd_worker.core.models.modellist import ListFile, ModelRow
 from esd_worker.core.models.naming import ref_key
 from esd_worker.core.store.layout import SUMMARY_BYTES, SUMMARY_KEY, read_marker
@@ -33,6 +34,7 @@ from esd_worker.core.store.records import read_failures
 from esd_worker.core.store.stores import Store
 
 _KEY = re.compile(r"[a-z0-9-]{0,80}-[0-9a-f]{10}")
+TEXT_CHARS = 2000  # of a record's text in failures(): a whole error line, never a whole log
 FAILURE_COLUMNS = ("model_id", "model_key", "error", "exit_code", "signal", "retryable",
                    "attempts", "last_error", "run_id", "time")
 
@@ -86,12 +88,15 @@ class Sweep:
 
     def failures(self) -> pd.DataFrame:
         """One row per failure record (`_failures/`): the model, the error class, exit code,
-        whether a next run retries it, attempts and the last line the worker logged."""
+        whether a next run retries it, attempts and the last line the worker logged. The
+        texts a record holds are shown as every output shows them (echo: redacted, control
+        characters escaped): an older or hostile writer may have redacted nothing."""
         rows = [{
-            "model_id": r.model, "model_key": r.model_key, "error": r.error,
-            "exit_code": r.exit_code, "signal": r.signal, "retryable": r.retryable,
-            "attempts": r.attempts, "last_error": r.stderr_tail[-1] if r.stderr_tail else "",
-            "run_id": r.run_id, "time": r.time,
+            "model_id": echo(r.model, limit=TEXT_CHARS), "model_key": r.model_key,
+            "error": echo(r.error, limit=TEXT_CHARS), "exit_code": r.exit_code,
+            "signal": r.signal, "retryable": r.retryable, "attempts": r.attempts,
+            "last_error": echo(r.stderr_tail[-1], limit=TEXT_CHARS) if r.stderr_tail else "",
+            "run_id": echo(r.run_id, limit=TEXT_CHARS), "time": r.time,
         } for key, r in sorted(read_failures(self.store).items())
             if self.keys is None or key in self.keys]
         return pd.DataFrame(rows, columns=list(FAILURE_COLUMNS))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import esd_sweep
 import esd_worker.core.redact as redact_module
 from controller.results.html import ALPHA_PLOT, INDEX_NAME, MODELS_FOLDER, PAGE_NAME
 from controller.results.report import ReportSettings, write_report
@@ -257,3 +258,19 @@ def test_markup_in_a_record_is_escaped_in_the_failures_table(markup_report: Path
     assert MARKUP not in failures and "<script>" not in failures
     texts = [text for _, text in cells_of(failures).cells]
     assert MARKUP_ERROR in texts and HOSTILE_ID in texts, texts
+
+
+def test_the_python_apis_failures_show_a_records_text_as_every_output_does(
+        store_at: tuple[Store, str], live_token: str) -> None:
+    """esd_sweep.load().failures() is an output too: a record's error, model id and last log
+    line come out redacted with their escapes as text, in a folder and in S3."""
+    store, url = store_at
+    put_raw_record(store, "leaky0001", model=HOSTILE_MODEL, error=HOSTILE_ERROR)
+    (row,) = esd_sweep.load(url).failures().to_dict("records")
+    shown = " ".join(str(row[c]) for c in ("model_id", "error", "last_error"))
+    for secret in SECRETS:
+        assert secret not in shown, secret
+    for char in CONTROL:
+        assert char not in shown, repr(char)
+    assert row["model_id"].startswith("org/leaky-hf_[REDACTED]\\x1b]0;pwned")
+    assert "HF_TOKEN=[REDACTED]" in row["last_error"]
