@@ -30,7 +30,7 @@ from esd_worker.core.store.opener import open_store
 from esd_worker.core.store.records import FETCH_BATCH, FailureRecord, write_failure
 from esd_worker.core.store.stores import READ_LIMIT, LocalStore, Store
 from tests.support import REPO_ROOT
-from tests.support.s3server import S3Server, serve_s3
+from tests.support.s3server import STORE_KINDS, S3Server, serve_s3, store_url
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -139,13 +139,9 @@ def s3_server() -> Iterator[S3Server]:
     yield from serve_s3()
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=STORE_KINDS)
 def output(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A store URL: a folder, or a fresh S3 bucket on moto's server."""
-    if request.param == "local":
-        return str(tmp_path / "out")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return server.url(server.new_bucket(), "results")
+    return store_url(request, tmp_path)
 
 
 def status(tmp_path: Path, output: str, listed: tuple[str, ...], *argv: str,

@@ -31,7 +31,7 @@ from esd_worker.core.store.records import FailureRecord, read_failure, write_fai
 from esd_worker.core.store.stores import LocalStore, Store, StoreRefusal
 from esd_worker.core.store.tables import DoneModel, write_parts
 from tests.support.results import analysed
-from tests.support.s3server import S3Server, serve_s3
+from tests.support.s3server import STORE_KINDS, S3Server, serve_s3, store_url
 
 DEADLINE_S = 30.0  # a reader that blocks on a FIFO never returns: far above any real read
 
@@ -41,12 +41,9 @@ def s3_server() -> Iterator[S3Server]:
     yield from serve_s3()
 
 
-@pytest.fixture(params=["folder", "s3"])
+@pytest.fixture(params=STORE_KINDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    if request.param == "folder":
-        return LocalStore(tmp_path / "results")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return open_store(server.url(server.new_bucket(), "results"))
+    return open_store(store_url(request, tmp_path))
 
 
 def within_deadline(call: Callable[[], Any]) -> Any:

@@ -374,6 +374,18 @@ def make_store(server: S3Server, prefix: str = "results", *,
     return store
 
 
+STORE_KINDS = ("folder", "s3")
+
+
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """For a fixture parametrized over STORE_KINDS: an empty results location, a folder
+    under tmp_path or a fresh bucket of the module's `s3_server` fixture (moto over HTTP)."""
+    if request.param == "folder":
+        return str(tmp_path / "results")
+    server: S3Server = request.getfixturevalue("s3_server")
+    return server.url(server.new_bucket(), "results")
+
+
 def closed_port() -> int:
     """A port on 127.0.0.1 that nothing listens on (bound, then released)."""
     with socket.socket() as s:

@@ -40,7 +40,7 @@ from esd_worker.core.store.tables import (
     write_parts,
 )
 from tests.support.results import analysed
-from tests.support.s3server import S3Server, serve_s3
+from tests.support.s3server import STORE_KINDS, S3Server, serve_s3, store_url
 
 NAMES = ("a", "b", "c")
 KEY = {name: model_key(f"org/{name}") for name in (*NAMES, "ghost", "x")}
@@ -52,13 +52,9 @@ def s3_server() -> Iterator[S3Server]:
     yield from serve_s3()
 
 
-@pytest.fixture(params=["folder", "s3"])
+@pytest.fixture(params=STORE_KINDS)
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty results location: a folder, or a fresh bucket of the module's moto server."""
-    if request.param == "folder":
-        return str(tmp_path / "results")
-    server: S3Server = request.getfixturevalue("s3_server")
-    return server.url(server.new_bucket(), "results")
+    return store_url(request, tmp_path)
 
 
 def done(name: str, alpha: float = 3.0, finished: str = "2026-01-01T00:00:00Z") -> DoneModel:
