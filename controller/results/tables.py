@@ -187,9 +187,9 @@ class Tables:
     # -- which rows count --------------------------------------------------------------------
 
     def newest(self) -> Counted:
-        """Which rows count (see the module's docstring). One pass over the models parts'
-        model_key, files and finished_at columns; 16 bytes a row vouched for are held, and
-        finished_at only of the models met in more than one row."""
+        """Which rows count (see the module's docstring). One pass over the models parts;
+        16 bytes a row vouched for are held, and finished_at only of the models met in more
+        than one row (a second pass over the parts that hold them)."""
         if self._counted is not None:
             return self._counted
         listing = self.listing()
@@ -199,7 +199,9 @@ class Tables:
         where: list[np.ndarray] = []  # (part index, row) of each row vouched for
         rows = 0
         index = {pair_of(p): i for i, p in enumerate(parts)}
-        for part, table in self.read_parts(parts, ["model_key", "files"]):
+        # Every column read (a models part is small): a part that fails anywhere fails here,
+        # before any of its rows is counted, not later in models().
+        for part, table in self.read_parts(parts):
             keys = table.column("model_key").to_pylist()
             files = (table.column("files").to_pylist() if "files" in table.column_names
                      else [None] * len(keys))
