@@ -28,7 +28,7 @@ from esd_worker.core.store.layout import (
     check_model_key,
     iter_model_files,
 )
-from esd_worker.core.store.marker import LAYERS_NAME
+from esd_worker.core.store.marker import LAYERS_NAME, Marker
 from esd_worker.core.store.stores import Store
 from esd_worker.core.store.tables import LAYERS_TABLE
 
@@ -81,6 +81,15 @@ class Listing:
         self.spool.seek(0)
         for line in self.spool:
             yield line.rstrip("\n")
+
+    def damage(self, marker: Marker) -> str | None:
+        """What the listing shows wrong with the files `marker` seals (None: each is listed
+        at its sealed size), as `status` sees it (controller.run.plan)."""
+        for name in marker.vouched_names():
+            seal = marker.files.get(name)
+            if seal is not None and (marker.model_key, name, seal.size) not in self.files:
+                return f"{name} is missing or not the {seal.size} bytes its marker vouches for"
+        return None
 
     def vouches(self, key: str, files: str | None) -> bool:
         """Whether the listing shows what a row of `key` recorded (`files`: its column)."""

@@ -304,7 +304,8 @@ class Tables:
                       MODELS_TABLE).column("model_key").to_pylist()
         for start in range(0, len(keys), FALLBACK_CHUNK):
             done = read_done_models(self.store, keys[start:start + FALLBACK_CHUNK],
-                                    threads=self.threads, on_damaged=self._damaged)
+                                    threads=self.threads, on_damaged=self._damaged,
+                                    check=self.listing().damage)
             for _, layers in part_tables(done).values():
                 yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
 
@@ -319,7 +320,8 @@ class Tables:
         missing = self.missing_keys()
         while chunk := list(itertools.islice(missing, FALLBACK_CHUNK)):
             done = read_done_models(self.store, chunk, threads=self.threads,
-                                    archs=self.archs, on_damaged=self._damaged)
+                                    archs=self.archs, on_damaged=self._damaged,
+                                    check=self.listing().damage)
             yield from part_tables(done).values()
 
 
@@ -330,13 +332,16 @@ def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
 def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
                      archs: Collection[str] | None = None,
                      on_damaged: Callable[[str, DamagedResult], None] = warn_damaged,
-                     table: str | None = None) -> list[DoneModel]:
+                     table: str | None = None,
+                     check: Callable[[Marker], str | None] | None = None) -> list[DoneModel]:
     """The DoneModels of `keys` from their per-model files (marker, layers.csv), checked as
     every reader of those files checks them (a marker this version reads; a table whole as
     its marker seals it: controller.results.reader.read_table). A damaged model is left out
     and handed to on_damaged (default: its one line, warn_damaged); a marker gone since the
     listing, or without its table, is left out quietly (not done: the plan runs it again).
-    table: another layer table of the model's folder (a refit's layers.<TAG>.csv)."""
+    table: another layer table of the model's folder (a refit's layers.<TAG>.csv). check:
+    what a listing shows wrong with the files a marker seals (a damaged model, as `status`
+    counts it: left out like the others)."""
     markers: list[tuple[Marker, int]] = []  # with the size of its bytes
     for key, data in zip(keys, fetch_all(store, [marker_key(k) for k in keys],
                                          threads=threads, limit=MARKER_BYTES), strict=True):
@@ -348,7 +353,10 @@ def read_done_models(store: Store, keys: Sequence[str], *, threads: int = 8,
             on_damaged(key, DamagedResult(f"{marker_key(key)} is not a marker this "
                                           f"version reads: {e}"))
             continue
-        if archs is None or arch_partition(marker.architecture) in archs:
+        problem = None if check is None else check(marker)
+        if problem is not None:
+            on_damaged(key, DamagedResult(problem))
+        elif archs is None or arch_partition(marker.architecture) in archs:
             markers.append((marker, len(data)))
     names = [table or m.layers_name for m, _ in markers]
     blobs = fetch_all(store, [model_file_key(m.model_key, name)

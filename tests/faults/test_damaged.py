@@ -1,11 +1,10 @@
 """Result files damaged after a run: what `status`, `run` and `report` make of them.
 
 A listing shows a deleted or resized file: `status` counts the model damaged, `run` analyses
-it again (one line each). `report` reads the results tables the run's workers wrote, copies
-of the numbers made before the damage, so it shows every model; the file it still reads (the
-eigenvalues of a model it lists, for its ESD plot) is checked, and its damage named on one
-line. Same-size corruption only a hash shows stands until its marker is deleted. Never a
-traceback.
+it again (one line each), and `report` leaves it out too (its table rows no longer agree with
+its files, which are checked as `status` checks them: one line each), so the two agree.
+Same-size corruption only a hash shows stands until its marker is deleted: the report shows
+that model from its table rows. Never a traceback.
 """
 
 from __future__ import annotations
@@ -44,10 +43,12 @@ def test_damaged_results_are_found_and_analysed_again(
 
     report = esd_sweep("report", "--output-dir", str(out))
     assert report.returncode == 0 and "Traceback" not in report.stderr
-    assert "report: 3 model(s)" in report.stdout  # from the tables
-    named = [line for line in report.stderr.splitlines() if truncated in line]
-    assert len(named) == 1 and "eigs.npz" in named[0], report.stderr
-    assert not (out / "report" / "models" / truncated / "esd.png").exists()
+    assert "report: 1 model(s)" in report.stdout  # what status counts done
+    for key, name in ((truncated, "eigs.npz"), (deleted, "layers.csv")):
+        named = [line for line in report.stderr.splitlines() if key in line]
+        assert len(named) == 1 and f"left out: {name} is missing or not" in named[0], \
+            report.stderr
+        assert not (out / "report" / "models" / key).exists()
     assert (out / "report" / "models" / corrupt / "esd.png").exists()
 
     corrupt_marker = (out / corrupt / "result.json").read_bytes()
