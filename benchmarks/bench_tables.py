@@ -92,7 +92,7 @@ def bench_store(url: str, n: int, work: Path, env: dict[str, str] | None, where:
     models = work / f"models-{where}-{n}.csv"
     models.write_bytes(models_csv(spec))
     rc, secs, rss, tail = timed([PY, "benchmarks/synth_store.py", url, "--models", str(n),
-                                 "--files-every", "100", "--failures", "200"], env)
+                                 "--untabled-every", "100", "--failures", "200"], env)
     rows = [f"| synth_store (write) | {where} | {n:,} | {secs:.1f} | {rss:.0f} | |"]
     if rc:
         raise SystemExit(f"synth_store failed: {tail}")

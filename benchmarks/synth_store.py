@@ -1,10 +1,10 @@
-"""Write a synthetic results store at atlas scale (no analysis): `_tables/` parts, optionally the
-per-model files a worker writes and failure records; the generator is
+"""Write a synthetic results store at atlas scale (no analysis): the per-model files a worker
+writes, `_tables/` parts whose rows vouch for them, and failure records; the generator is
 tests/support/synthstore.py (shared with the tests). Owns only the command line.
 
-Run: `.venv/bin/python benchmarks/synth_store.py OUT --models 100000 --layers 100 --parts-only`
+Run: `.venv/bin/python benchmarks/synth_store.py OUT --models 100000 --layers 100`
 (OUT a folder or an s3:// URL with AWS_* set, e.g. from `python -m tests.support.s3server`);
-without --parts-only, `--files-every N` writes per-model files for every N-th model (1: all).
+`--untabled-every N` leaves every N-th model out of the parts (read by the fallback).
 `--models-csv PATH` writes the model list of the store's models.
 """
 
@@ -29,16 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=int, default=100_000)
     parser.add_argument("--layers", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--parts-only", action="store_true", help="only the tables' parts")
-    parser.add_argument("--files-every", type=int, default=1,
-                        help="per-model files for every N-th model (full mode)")
+    parser.add_argument("--untabled-every", type=int, default=0,
+                        help="every N-th model in no part, only as its own files (0: none)")
     parser.add_argument("--failures", type=int, default=100)
     parser.add_argument("--no-tables", action="store_true",
                         help="per-model files only (a store for compact to build)")
     parser.add_argument("--models-csv", type=Path, help="write the model list here")
     args = parser.parse_args(argv)
     spec = SynthSpec(models=args.models, layers=args.layers, seed=args.seed,
-                     files_every=0 if args.parts_only else args.files_every,
+                     untabled_every=args.untabled_every,
                      failures=args.failures, tables=not args.no_tables)
     start = time.monotonic()
     counts = write_synth_store(open_store(args.out), spec)

@@ -1,6 +1,7 @@
 """A synthetic results store at atlas scale, written fast and without analysing anything:
-N models of about L layers each, as the results tables (`_tables/` parts) and optionally as
-the per-model files a worker writes (`<key>/result.json` + `layers.csv`), plus failure records.
+N models of about L layers each, as the per-model files a worker writes (`<key>/layers.csv`,
+then its sealed `result.json`) and as the results tables (`_tables/` parts whose rows vouch
+for those files, so that readers count them), plus failure records.
 
 Owns the synthetic mix (architectures, relations, sizes, alpha ~ lognormal with tails, some
 fit_failed layers, a few error classes) and how it is written: the tables are built
@@ -21,11 +22,11 @@ import numpy as np
 import pyarrow as pa
 
 from esd_worker.core.models.naming import model_key
-from esd_worker.core.store.layout import failure_key, marker_key, model_file_key
-from esd_worker.core.store.marker import LAYERS_NAME, Marker
+from esd_worker.core.store.layout import MARKER_NAME, failure_key, marker_key, model_file_key
+from esd_worker.core.store.marker import LAYERS_NAME, FileSeal, Marker
 from esd_worker.core.store.records import FailureRecord
 from esd_worker.core.store.results import LAYER_COLUMNS, SUMMARY_FIELDS, layers_to_csv
-from esd_worker.core.store.stores import Store
+from esd_worker.core.store.stores import LocalStore, Store
 from esd_worker.core.store.tables import (
     LAYER_SCHEMA,
     MODEL_SCHEMA,
@@ -60,14 +61,15 @@ CHUNK = 5000
 
 @dataclass(frozen=True)
 class SynthSpec:
-    """What to write: `models` models of `layers` layers each (seed fixes the mix);
-    `files_every`: per-model files for every n-th model (0: none, 1: all);
-    `failures`: how many failure records; `tables`: whether to write the parts."""
+    """What to write: `models` models of `layers` layers each (seed fixes the mix), each
+    as its per-model files; `untabled_every`: every n-th model in no part (0: none), read by
+    the tables' fallback; `failures`: how many failure records; `tables`: whether to write
+    the parts (False: a store for compact to build)."""
 
     models: int
     layers: int = 100
     seed: int = 0
-    files_every: int = 0
+    untabled_every: int = 0
     failures: int = 0
     tables: bool = True
     chunk: int = CHUNK
@@ -181,9 +183,10 @@ def _f(v: float) -> float | None:
     return None if not np.isfinite(v) else float(v)
 
 
-def _tables(c: _Chunk, keys: list[str], rows: np.ndarray, layers: int
-            ) -> tuple[pa.Table, pa.Table]:
-    """The models and layers tables of the chunk's models at `rows` (one architecture)."""
+def _tables(c: _Chunk, keys: list[str], rows: np.ndarray, layers: int,
+            files: list[str]) -> tuple[pa.Table, pa.Table]:
+    """The models and layers tables of the chunk's models at `rows` (one architecture);
+    files: each model's `files` cell (what its per-model files are, _model_files)."""
     n = len(rows)
     stats = {k: v[rows] for k, v in _summary(c, layers).items()}
     rel = [RELATIONS[r][0] for r in c.relation[rows]]
@@ -206,7 +209,7 @@ def _tables(c: _Chunk, keys: list[str], rows: np.ndarray, layers: int
         "family": [family_of(arch_name)] * n, "num_params": c.num_params[rows],
         **stats, "device": [dev] * n, "total_s": c.total_s[rows],
         "finished_at": [FINISHED_AT] * n, "parameters": [parameters_text(PARAMETERS)] * n,
-        "summary_part": parts,
+        "summary_part": parts, "files": [files[int(r)] for r in rows],
     }
     models = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in MODEL_SCHEMA},
                       schema=MODEL_SCHEMA)
@@ -238,8 +241,11 @@ def _tables(c: _Chunk, keys: list[str], rows: np.ndarray, layers: int
     return models, layers_t
 
 
-def _model_files(store: Store, c: _Chunk, keys: list[str], r: int, layers: int) -> None:
-    """A worker's per-model files for the chunk's model r: layers.csv, then its marker."""
+def _model_files(store: Store, c: _Chunk, keys: list[str], r: int, layers: int,
+                 stats: dict[str, np.ndarray]) -> str:
+    """A worker's per-model files for the chunk's model r: layers.csv, then its marker,
+    sealing it; the `files` cell of its models row (the sizes of both). stats: the chunk's
+    _summary."""
     i = c.start + r
     ok = c.ok[r]
     arch = int(c.arch[r])
@@ -258,23 +264,35 @@ def _model_files(store: Store, c: _Chunk, keys: list[str], r: int, layers: int) 
             fit = k in ("D", "xmin", "xmax", "alpha_weighted", "log_alpha_norm")
             row[k] = "" if (fit and not ok[j]) else float(v[r, j])
         rows.append({col: row.get(col, "") for col in LAYER_COLUMNS})
-    stats = _summary(_Chunk(c.start, c.arch[r:r + 1], c.relation[r:r + 1],
-                            c.num_params[r:r + 1], c.alpha[r:r + 1], c.ok[r:r + 1],
-                            {k: v[r:r + 1] for k, v in c.metrics.items()},
-                            (c.dims[0][r:r + 1], c.dims[1][r:r + 1]), c.total_s[r:r + 1]),
-                     layers)
-    summary = {f: (int(v[0]) if f in ("layers", "layers_ok") else _f(v[0]))
+    summary = {f: (int(v[r]) if f in ("layers", "layers_ok") else _f(v[r]))
                for f, v in stats.items()}
     relation = RELATIONS[int(c.relation[r])][0]
-    store.put_bytes(model_file_key(keys[r], LAYERS_NAME), layers_to_csv(rows))
+    table = layers_to_csv(rows)
     marker = Marker(
         model=model_id(i), model_key=keys[r], parameters=PARAMETERS, model_id=model_id(i),
         relation=relation, architecture=ARCHS[arch][0], layer_count=layers,
         status_counts={"ok": int(ok.sum()), "fit_failed": int((~ok).sum())},
         summary=summary, timings={"total_s": round(float(c.total_s[r]), 3)},
         device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3"},
-        started_at=FINISHED_AT, finished_at=FINISHED_AT)
-    store.put_bytes(marker_key(keys[r]), marker.to_json())
+        started_at=FINISHED_AT, finished_at=FINISHED_AT,
+        files={LAYERS_NAME: FileSeal.of(table)})
+    data = marker.to_json()
+    _put(store, model_file_key(keys[r], LAYERS_NAME), table)
+    _put(store, marker_key(keys[r]), data)
+    return json.dumps({LAYERS_NAME: len(table), MARKER_NAME: len(data)}, sort_keys=True,
+                      separators=(",", ":"))
+
+
+def _put(store: Store, key: str, data: bytes) -> None:
+    """store.put_bytes, but straight into a local folder: 2 files a model, and the store's
+    atomic write (a temporary file, fsync, rename) would make writing 100k models the slow
+    part of what uses this store."""
+    if isinstance(store, LocalStore):
+        path = store.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    else:
+        store.put_bytes(key, data)
 
 
 def write_failures(store: Store, count: int, offset: int, seed: int = 0) -> int:
@@ -301,18 +319,20 @@ def write_synth_store(store: Store, spec: SynthSpec) -> dict[str, int]:
         n = min(spec.chunk, spec.models - start)
         c = _make_chunk(rng, start, n, spec.layers)
         keys = [model_key(model_id(start + r)) for r in range(n)]
+        stats = _summary(c, spec.layers)
+        files = [_model_files(store, c, keys, r, spec.layers, stats) for r in range(n)]
+        counts["model_files"] += n
+        tabled = np.array([spec.untabled_every == 0 or (start + r) % spec.untabled_every != 0
+                           for r in range(n)], dtype=bool)
         if spec.tables:
             for a in np.unique(c.arch):
-                rows = np.flatnonzero(c.arch == a)
-                models_t, layers_t = _tables(c, keys, rows, spec.layers)
+                rows = np.flatnonzero((c.arch == a) & tabled)
+                if not len(rows):
+                    continue
+                models_t, layers_t = _tables(c, keys, rows, spec.layers, files)
                 write_part(store, arch_partition(ARCHS[int(a)][0]), models_t, layers_t,
                            part_id=f"20261120T120000Z-{start // spec.chunk:06d}{int(a):02d}")
                 counts["parts"] += 1
-        if spec.files_every:
-            for r in range(0, n, 1):
-                if (start + r) % spec.files_every == 0:
-                    _model_files(store, c, keys, r, spec.layers)
-                    counts["model_files"] += 1
     if spec.failures:
         counts["failures"] = write_failures(store, spec.failures, spec.models, spec.seed)
     return counts
