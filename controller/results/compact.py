@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from controller.results.counting import Rules, apply_rules
+from controller.results.counting import Counted
 from controller.results.parts import BadPart, pair_of, read_part, with_nulls
 from controller.results.reader import open_results
 from controller.results.tables import Tables, read_done_models
@@ -91,6 +91,7 @@ class _Old:
     part: PartKey
     models: int  # its models rows that count
     rows: int  # their layer rows (from the models' `layers` counts)
+    total: int  # its models rows
 
 
 @dataclass
@@ -174,24 +175,27 @@ def add_done_models(store: Store, keys: Iterable[str], writer: _PartWriter, *,
 
 
 def _plan(tables: Tables) -> dict[str, list[_Old]]:
-    """arch → its models parts, oldest first, with how many rows of each count (read from
-    the models parts only: a model's `layers` count is its layer rows)."""
-    rules = tables.newest().rules
+    """arch → its models parts, oldest first, with how many of their rows there are and how
+    many count (read from the models parts only: a model's `layers` count is its layer
+    rows)."""
+    counted = tables.newest()
     plan: dict[str, list[_Old]] = {}
     for part, table in tables.read_parts(tables.parts(MODELS_TABLE),
                                          ["model_key", "finished_at", "layers"]):
-        table = apply_rules(table, rules.get(pair_of(part)), MODELS_TABLE)
-        rows = pc.sum(table.column("layers")).as_py() or 0
-        plan.setdefault(part.arch, []).append(_Old(part, table.num_rows, rows))
+        if table is None:  # gone (another compact) or left out: not merged
+            continue
+        kept = counted.keep(pair_of(part), table, MODELS_TABLE)
+        rows = pc.sum(kept.column("layers")).as_py() or 0
+        plan.setdefault(part.arch, []).append(_Old(part, kept.num_rows, rows,
+                                                   table.num_rows))
     return plan
 
 
-def _to_merge(olds: Sequence[_Old], target: int, tables: Tables) -> list[_Old]:
+def _to_merge(olds: Sequence[_Old], target: int) -> list[_Old]:
     """The small parts of a partition, or none when merging would change nothing (a single
     small part whose rows all count)."""
-    rules = tables.newest().rules
     small = [old for old in olds if old.rows < target / 2]
-    if len(small) == 1 and not rules.get(pair_of(small[0].part)):
+    if len(small) == 1 and small[0].models == small[0].total:
         return []
     return small
 
@@ -212,7 +216,7 @@ def merge_parts(store: Store, arch: str, olds: Sequence[_Old], tables: Tables,
     the parts merged: models part first, so that a reader never sees a models row without
     its layers. A part that cannot be read now is left where it is (one line)."""
     writer = _PartWriter(store, target, result, dry_run=False)
-    rules = tables.newest().rules
+    counted = tables.newest()
     merged: list[PartKey] = []
     window = max(1, min(threads, 4))  # a few small parts' bytes held at a time
     for start in range(0, len(olds), window):
@@ -225,8 +229,8 @@ def merge_parts(store: Store, arch: str, olds: Sequence[_Old], tables: Tables,
                 log.warning("part %s gone since the listing: not merged", part.key)
                 continue
             try:
-                models = _whole(models_data, MODELS_TABLE, rules.get(pair_of(part)))
-                layers = _whole(layers_data, LAYERS_TABLE, rules.get(pair_of(part)))
+                models = _whole(models_data, MODELS_TABLE, counted, pair_of(part))
+                layers = _whole(layers_data, LAYERS_TABLE, counted, pair_of(part))
             except BadPart as e:
                 log.warning("part %s not merged: %s", part.key, e)
                 continue
@@ -239,11 +243,11 @@ def merge_parts(store: Store, arch: str, olds: Sequence[_Old], tables: Tables,
     result.parts_merged += len(merged)
 
 
-def _whole(data: bytes, table: str, rules: Rules | None) -> pa.Table:
+def _whole(data: bytes, table: str, counted: Counted, pair: str) -> pa.Table:
     """A part's rows that count, with every column of the schema (an older part's missing
     optional columns as nulls)."""
     schema = SCHEMAS[table]
-    got = apply_rules(read_part(data, table), rules, table)
+    got = counted.keep(pair, read_part(data, table), table)
     return with_nulls(got, schema.names, schema).select(schema.names).cast(schema)
 
 
@@ -255,11 +259,13 @@ def aside_key(part: PartKey) -> str:
 
 def set_aside(store: Store, bad: dict[str, str], result: CompactResult, *,
               dry_run: bool) -> None:
-    """Move the pairs that cannot be read aside (models part first: a reader never sees a
-    models row without its layers), never deleting them."""
+    """Move the pairs that cannot be read aside, never deleting them: the layers part first,
+    so that a compact killed between the two leaves a models part without its layers (left
+    out by readers, set aside by the next compact), never a layers part alone (which step 3
+    would delete)."""
     for pair in sorted(bad):
         arch, _, part_id = pair.partition("/")
-        for table in (MODELS_TABLE, LAYERS_TABLE):
+        for table in (LAYERS_TABLE, MODELS_TABLE):
             part = PartKey(table, arch, part_id)
             if not dry_run:
                 store.move(part.key, aside_key(part))
@@ -357,7 +363,7 @@ def _merge_step(store: Store, settings: CompactSettings, result: CompactResult) 
     merged = written = rows = 0
     partitions = 0
     for arch in sorted(plan):
-        olds = _to_merge(plan[arch], target, tables)
+        olds = _to_merge(plan[arch], target)
         if not olds:
             continue
         partitions += 1

@@ -1,16 +1,18 @@
 """Which rows of the results tables count: those the store's own files vouch for, one per
 model.
 
-Owns the rules (controller.results.tables applies them as it reads): a row counts only while
-one listing of the store (Listing) shows its model's marker and the files the marker seals
-at the sizes the row recorded (`files`; an older part's row: the marker and layers.csv
-listed), and its model_key could name a folder; of a model's rows that count, the one with
-the latest finished_at, then the latest part, then the last in its part (Pick), the others
-named per part (Rules) and dropped by apply_rules. Knows nothing of how parts are fetched.
+Owns the rules (controller.results.tables applies them as it reads): a row is vouched for only
+while one listing of the store (Listing) shows its model's marker and the files the marker
+seals at the sizes the row recorded (`files`; an older part's row: the marker and layers.csv
+listed), and its model_key could name a folder; of a model's vouched rows the one with the
+latest finished_at, then the latest part, then the last in its part counts (Counted: the
+models each part holds, the row of those it holds more than once, Pick). Knows nothing of
+how parts are fetched.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 from array import array
@@ -43,17 +45,46 @@ class Pick:
 
 @dataclass
 class Counted:
-    """Which rows of the models parts count.
+    """Which rows of the models parts count: one per model, a row its files vouch for.
 
-    keys: the models with a row that counts; rules: per part pair (pair_of), the keys whose
-    rows there do not all count: None (none of them) or the Pick that does; rows: models
-    rows read; bad: part pairs left out, with why.
+    keys: the models with a row that counts; held: per part pair (pair_of), the sorted
+    hashes of the models whose counted row is there (a part's rows of any other model do
+    not count, in either table); picks: per pair, the models it holds more than once and the
+    row of theirs that counts; rows: models rows read; bad: pairs left out, with why.
     """
 
     keys: KeySet = field(default_factory=KeySet)
-    rules: dict[str, dict[str, Pick | None]] = field(default_factory=dict)
+    held: dict[str, np.ndarray] = field(default_factory=dict)
+    picks: dict[str, dict[str, Pick]] = field(default_factory=dict)
     rows: int = 0
     bad: dict[str, str] = field(default_factory=dict)
+
+    def keep(self, pair: str, table: pa.Table, name: str) -> pa.Table:
+        """The rows of part `pair`'s `table` (MODELS_TABLE or LAYERS_TABLE: model_key and
+        finished_at, and layer_index for layers, among its columns) that count."""
+        held = self.held.get(pair)
+        if held is None or not table.num_rows:
+            return table.slice(0, 0)
+        keys = table.column("model_key").to_pylist()
+        mask = np.isin(key_hashes(keys), held)
+        picks = self.picks.get(pair)
+        if picks:
+            finished = table.column("finished_at").to_pylist()
+            index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
+            seen: set[tuple[str, Any]] = set()
+            for i in np.flatnonzero(mask):
+                pick = picks.get(keys[i])
+                if pick is None:
+                    continue
+                if index is None:
+                    mask[i] = i == pick.row
+                else:  # that row's layers: its finished_at, one row per layer_index
+                    ok = ((finished[i] or "") == pick.finished_at
+                          and (keys[i], index[i]) not in seen)
+                    if ok:
+                        seen.add((keys[i], index[i]))
+                    mask[i] = ok
+        return table.filter(pa.array(mask))
 
 
 class Listing:
@@ -82,6 +113,13 @@ class Listing:
         for line in self.spool:
             yield line.rstrip("\n")
 
+    def marker_keys_of(self, hashes: np.ndarray) -> Iterator[str]:
+        """The marker keys whose key_hashes are among the sorted `hashes`, as listed."""
+        keys = self.marker_keys()
+        while chunk := list(itertools.islice(keys, 1 << 16)):
+            for i in np.flatnonzero(np.isin(key_hashes(chunk), hashes)):
+                yield chunk[i]
+
     def damage(self, marker: Marker) -> str | None:
         """What the listing shows wrong with the files `marker` seals (None: each is listed
         at its sealed size), as `status` sees it (controller.run.plan)."""
@@ -109,40 +147,10 @@ class Listing:
                    for name, size in sizes.items())
 
 
-KEEP = Pick(-1, "")  # a sentinel: no rule for this key in that part
-# A part's rules: the keys whose rows there do not all count, and which one does (None: none).
-Rules = dict[str, Pick | None]
-
-
-def apply_rules(table: pa.Table, rules: Rules | None,
-                name: str) -> pa.Table:
-    """The rows of a part's `table` that count under its rules (none: all of them)."""
-    if not rules:
-        return table
-    keys = table.column("model_key").to_pylist()
-    finished = table.column("finished_at").to_pylist()
-    index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
-    seen: set[tuple[str, Any]] = set()
-    keep: list[int] = []
-    for i, key in enumerate(keys):
-        rule = rules.get(key, KEEP)
-        if rule is KEEP:
-            keep.append(i)
-        elif rule is None:
-            continue
-        elif index is None:
-            if i == rule.row:
-                keep.append(i)
-        elif (finished[i] or "") == rule.finished_at and (key, index[i]) not in seen:
-            seen.add((key, index[i]))
-            keep.append(i)
-    return table.take(pa.array(keep, type=pa.int64()))
-
-
 def array_of(values: np.ndarray) -> array[int]:
     """Sorted int64 hashes as KeySet holds them."""
     return array("q", values.astype(np.int64).tobytes())
 
 
-def key_hashes(keys: Sequence[str]) -> np.ndarray:
+def key_hashes(keys: Sequence[str | None]) -> np.ndarray:
     return np.fromiter((hash(k) for k in keys), dtype=np.int64, count=len(keys))

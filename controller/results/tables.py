@@ -22,10 +22,13 @@ fallback), so that a reader sees every done model once, and only done models:
   controller.results.compact); its models are read from their own files. So is a models
   part whose layers part is missing.
 
-Memory: a few parts' bytes and one decoded part, 16 bytes a counted row for the choice of
-rows (its key's hash, its part, its position), the listing as 8-byte hashes of (model,
-file, size), and the marker keys of the listing spooled to a temporary file (millions of
-keys are never held as strings).
+The models of a part counted and then not readable when its rows are read (compact merged
+it away meanwhile, or it is left out) are read from their own files, in models() and
+layers() alike. Memory: a few parts' bytes and one decoded part, 16 bytes a vouched row for
+the choice of rows (its key's hash, its part, its position; a few hundred bytes more for
+each model met in more than one row), the listing as 8-byte hashes of (model, file, size),
+and the marker keys of the listing spooled to a temporary file (millions of keys are never
+held as strings).
 
 Why pyarrow and not DuckDB: pyarrow is already the project's (the worker writes the parts
 with it), reads only the columns asked for; the parts are fetched through the project's
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
@@ -48,11 +52,9 @@ import pyarrow as pa
 
 from controller.keyset import KeySet
 from controller.results.counting import (
-    KEEP,
     Counted,
     Listing,
     Pick,
-    apply_rules,
     array_of,
     key_hashes,
 )
@@ -73,7 +75,7 @@ from esd_worker.core.store.marker import (
     Marker,
     MarkerError,
 )
-from esd_worker.core.store.stores import Store
+from esd_worker.core.store.stores import Store, StoreRefusal
 from esd_worker.core.store.tables import (
     LAYERS_TABLE,
     MODELS_TABLE,
@@ -108,6 +110,7 @@ class Tables:
         self._listing: Listing | None = None
         self._counted: Counted | None = None
         self._bad: dict[str, str] = {}  # part pair → why it is left out
+        self._lost: set[str] = set()  # pairs counted, then not readable (gone or left out)
         self._warned: set[str] = set()  # damaged models met by the fallback: one line each
 
     def _damaged(self, key: str, e: DamagedResult) -> None:
@@ -122,6 +125,11 @@ class Tables:
             self._bad[pair] = why
             log.warning("results-table part %s left out: %s; %s", part.key, why,
                         COMPACT_HINT)
+
+    def _refused(self, key: str, e: StoreRefusal) -> None:
+        part = parse_part_key(key)
+        if part is not None:
+            self._leave_out(part, str(e))
 
     @property
     def bad(self) -> dict[str, str]:
@@ -160,22 +168,30 @@ class Tables:
         return self._parts[table]
 
     def read_parts(self, parts: Sequence[PartKey], columns: Sequence[str] | None = None,
-                   ) -> Iterator[tuple[PartKey, pa.Table]]:
+                   ) -> Iterator[tuple[PartKey, pa.Table | None]]:
         """Each part read whole (its `columns`), fetched a few ahead of the reader (stores
-        may be remote); a part that cannot be read, or a pair already left out, is skipped
-        (one line the first time)."""
+        may be remote): (part, table), or (part, None) when it cannot be read now: gone
+        since the listing (compact merged it), or left out (refused by the store, not a
+        readable part of the schema: one line the first time; a pair once left out is not
+        fetched again)."""
         window = max(1, self.threads)
         for start in range(0, len(parts), window):
-            chunk = [p for p in parts[start:start + window] if pair_of(p) not in self._bad]
-            blobs = fetch_all(self.store, [p.key for p in chunk], threads=self.threads,
-                              limit=PART_BYTES)
-            for part, data in zip(chunk, blobs, strict=True):
-                if data is None:  # merged away by compact since the listing, or refused
+            chunk = parts[start:start + window]
+            fetch = [p for p in chunk if pair_of(p) not in self._bad]
+            blobs = dict(zip((p.key for p in fetch), fetch_all(
+                self.store, [p.key for p in fetch], threads=self.threads, limit=PART_BYTES,
+                on_refused=self._refused),
+                strict=True))
+            for part in chunk:
+                data = blobs.get(part.key)
+                if data is None:
+                    yield part, None
                     continue
                 try:
                     yield part, read_part(data, part.table, columns)
                 except BadPart as e:
                     self._leave_out(part, str(e))
+                    yield part, None
 
     def check_parts(self) -> dict[str, str]:
         """Read every part of both tables whole: the pairs that cannot be read (bad)."""
@@ -187,67 +203,81 @@ class Tables:
     # -- which rows count --------------------------------------------------------------------
 
     def newest(self) -> Counted:
-        """Which rows count (see the module's docstring). One pass over the models parts;
-        16 bytes a row vouched for are held, and finished_at only of the models met in more
-        than one row (a second pass over the parts that hold them)."""
+        """Which rows count (see the module's docstring). One pass over the models parts
+        (each read whole: a part that fails anywhere fails before any of its rows counts);
+        16 bytes a vouched row are held, and, for the models met in more than one row, a
+        second pass over the parts that hold them reads their finished_at."""
         if self._counted is not None:
             return self._counted
         listing = self.listing()
         parts = self.parts(MODELS_TABLE)
-        rules: dict[str, dict[str, Pick | None]] = {}
         hashes: list[np.ndarray] = []
-        where: list[np.ndarray] = []  # (part index, row) of each row vouched for
-        rows = 0
-        index = {pair_of(p): i for i, p in enumerate(parts)}
-        # Every column read (a models part is small): a part that fails anywhere fails here,
-        # before any of its rows is counted, not later in models().
-        for part, table in self.read_parts(parts):
+        where: list[np.ndarray] = []  # (part index, row) of each vouched row
+        multi: dict[int, set[str]] = {}  # part index → the keys it holds more than once
+        counted = Counted(bad=self._bad)
+        for i, (_, table) in enumerate(self.read_parts(parts)):
+            if table is None:
+                continue
             keys = table.column("model_key").to_pylist()
             files = (table.column("files").to_pylist() if "files" in table.column_names
                      else [None] * len(keys))
-            rows += len(keys)
-            ok = [i for i, (key, fs) in enumerate(zip(keys, files, strict=True))
+            counted.rows += len(keys)
+            ok = [r for r, (key, fs) in enumerate(zip(keys, files, strict=True))
                   if key is not None and listing.vouches(key, fs)]
-            for i in set(range(len(keys))) - set(ok):
-                if keys[i] is not None:
-                    rules.setdefault(pair_of(part), {})[keys[i]] = None
-            hashes.append(key_hashes([keys[i] for i in ok]))
-            where.append(np.array([(index[pair_of(part)], i) for i in ok],
-                                  dtype=np.int32).reshape(-1, 2))
-        counted = Counted(rows=rows, rules=rules)
+            hashes.append(key_hashes([keys[r] for r in ok]))
+            where.append(np.array([(i, r) for r in ok], dtype=np.int64).reshape(-1, 2))
+            if len(set(keys)) < len(keys):
+                multi[i] = {k for k, n in Counter(keys).items() if k is not None and n > 1}
         if hashes:
-            h, at = np.concatenate(hashes), np.concatenate(where)
-            unique, counts = np.unique(h, return_counts=True)
-            counted.keys = KeySet.of_hashes(array_of(unique))
-            repeated = unique[counts > 1]
-            if len(repeated):  # some model in more than one row
-                hit = np.isin(h, repeated)
-                self._pick(rules, [parts[i] for i in np.unique(at[hit][:, 0])], repeated)
-        counted.bad = self._bad
+            self._choose(counted, parts, np.concatenate(hashes), np.concatenate(where), multi)
         self._counted = counted
         return counted
 
-    def _pick(self, rules: dict[str, dict[str, Pick | None]], parts: Sequence[PartKey],
-              repeated: np.ndarray) -> None:
-        """Add to `rules` the rows that do not count of the models met more than once:
-        each model's row with the latest finished_at (ISO text sorts as time), then the
-        latest part (ids sort by when written), then the last in its part."""
-        rows: list[tuple[str, str, int, int, str]] = []  # key, finished_at, rank, row, pair
-        for rank, (part, table) in enumerate(self.read_parts(
-                parts, ["model_key", "finished_at", "files"])):
-            keys = table.column("model_key").to_pylist()
-            finished = table.column("finished_at").to_pylist()
-            gone = rules.get(pair_of(part), {})
-            for i in np.flatnonzero(np.isin(key_hashes(keys), repeated)):
-                if gone.get(keys[i], KEEP) is not None:  # a row vouched for
-                    rows.append((keys[i], finished[i] or "", rank, int(i), pair_of(part)))
-        best: dict[str, tuple[str, int, int, str]] = {}
-        for key, finished, rank, row, pair in rows:
-            if key not in best or (finished, rank, row) > best[key][:3]:
-                best[key] = (finished, rank, row, pair)
-        for key, _finished, _rank, _row, pair in rows:
-            finished, _, row, won = best[key]
-            rules.setdefault(pair, {})[key] = Pick(row, finished) if pair == won else None
+    def _choose(self, counted: Counted, parts: Sequence[PartKey], h: np.ndarray,
+                at: np.ndarray, multi: dict[int, set[str]]) -> None:
+        """Fill `counted` from the vouched rows (hashes `h`, (part, row) `at`): a model in one
+        row counts there; one in several (or held more than once by a part) counts at its
+        row with the latest finished_at (ISO text sorts as time), then the latest part (ids
+        sort by when written), then the last in its part."""
+        unique, first, counts = np.unique(h, return_index=True, return_counts=True)
+        winner = at[first]
+        again = unique[counts > 1]
+        if multi:
+            twice = key_hashes([k for keys in multi.values() for k in keys])
+            again = np.union1d(again, twice[np.isin(twice, unique)])
+        best: dict[int, tuple[str, int, int]] = {}  # hash → (finished_at, part, row)
+        if len(again):
+            candidates = at[np.isin(h, again)]
+            order = np.argsort(candidates[:, 0], kind="stable")
+            candidates = candidates[order]
+            starts = np.flatnonzero(np.diff(candidates[:, 0], prepend=-1))
+            by_part = dict(zip(candidates[starts, 0].tolist(),
+                               np.split(candidates[:, 1], starts[1:]), strict=True))
+            index = {pair_of(p): i for i, p in enumerate(parts)}
+            chosen = [parts[i] for i in by_part]
+            for part, table in self.read_parts(chosen, ["model_key", "finished_at"]):
+                if table is None:  # gone since the first pass: its rows are not candidates
+                    continue
+                i = index[pair_of(part)]
+                keys = table.column("model_key").to_pylist()
+                finished = table.column("finished_at").to_pylist()
+                for r in by_part[i].tolist():
+                    row = (finished[r] or "", i, r)
+                    k = hash(keys[r])
+                    if k not in best or row > best[k]:
+                        best[k] = row
+            if best:
+                won = np.array(list(best), dtype=np.int64)
+                winner[np.searchsorted(unique, won)] = [(i, r) for _, i, r in best.values()]
+        counted.keys = KeySet.of_hashes(array_of(unique))
+        for i in np.unique(winner[:, 0]).tolist():
+            counted.held[pair_of(parts[i])] = unique[winner[:, 0] == i]
+        for i, keys in multi.items():
+            for key in keys:
+                pick = best.get(hash(key))
+                if pick is not None and pick[1] == i:
+                    counted.picks.setdefault(pair_of(parts[i]), {})[key] = Pick(pick[2],
+                                                                                 pick[0])
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -255,59 +285,40 @@ class Tables:
                fallback: bool = True) -> Iterator[pa.RecordBatch]:
         """The models rows that count (MODEL_SCHEMA's columns, or `columns`)."""
         yield from self._rows(MODELS_TABLE, columns, fallback)
-        if fallback:
-            for models, _ in self._fallback():
-                yield from select_columns(models, columns).to_batches(BATCH_ROWS)
 
     def layers(self, columns: Sequence[str] | None = None, *,
                fallback: bool = True) -> Iterator[pa.RecordBatch]:
         """The layers rows of the models rows that count (LAYER_SCHEMA's columns)."""
         yield from self._rows(LAYERS_TABLE, columns, fallback)
-        if fallback:
-            for _, layers in self._fallback():
-                yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
 
     def _rows(self, table: str, columns: Sequence[str] | None,
               fallback: bool) -> Iterator[pa.RecordBatch]:
+        """The rows that count of `table`'s parts; with fallback, then those of the models
+        whose counted part cannot be read now (gone, left out: models() and layers() agree
+        on them whichever runs first), and of the models no counted row holds, from their
+        own files."""
         counted = self.newest()
         schema = SCHEMAS[table]
         wanted = list(columns) if columns is not None else schema.names
         extra = ["model_key", "finished_at"] + (["layer_index"] if table == LAYERS_TABLE
                                                 else [])
         read = [*wanted, *(c for c in extra if c not in wanted)]
-        for part in self.parts(table):
-            pair = pair_of(part)
-            if pair in self._bad:
-                continue
-            got = next(self.read_parts([part], read), None)
+        held = [p for p in self.parts(table) if pair_of(p) in counted.held]
+        for part, got in self.read_parts([p for p in held if pair_of(p) not in self._lost],
+                                         read):
             if got is None:
-                if pair in self._bad and table == LAYERS_TABLE and fallback:
-                    yield from self._pair_from_files(part, columns)
+                self._lost.add(pair_of(part))
                 continue
-            kept = apply_rules(got[1], counted.rules.get(pair), table)
-            kept = with_nulls(kept, wanted, schema).select(wanted)
-            yield from kept.to_batches(BATCH_ROWS)
-
-    def _pair_from_files(self, part: PartKey, columns: Sequence[str] | None,
-                         ) -> Iterator[pa.RecordBatch]:
-        """The layers rows of the models a left-out layers part held (their models rows
-        counted already), read from their own files."""
-        models = PartKey(MODELS_TABLE, part.arch, part.part_id)
-        data = fetch_all(self.store, [models.key], limit=PART_BYTES)[0]
-        if data is None:
+            kept = counted.keep(pair_of(part), got, table)
+            yield from with_nulls(kept, wanted, schema).select(wanted).to_batches(BATCH_ROWS)
+        lost = [pair_of(p) for p in held if pair_of(p) in self._lost]
+        if not fallback:
             return
-        try:
-            table = read_part(data, MODELS_TABLE, ["model_key", "finished_at"])
-        except BadPart:
-            return
-        keys = apply_rules(table, self.newest().rules.get(pair_of(part)),
-                      MODELS_TABLE).column("model_key").to_pylist()
-        for start in range(0, len(keys), FALLBACK_CHUNK):
-            done = read_done_models(self.store, keys[start:start + FALLBACK_CHUNK],
-                                    threads=self.threads, on_damaged=self._damaged,
-                                    check=self.listing().damage)
-            for _, layers in part_tables(done).values():
-                yield from select_columns(layers, columns).to_batches(BATCH_ROWS)
+        if lost:
+            keys = self.listing().marker_keys_of(
+                np.unique(np.concatenate([counted.held[pair] for pair in lost])))
+            yield from self._from_files(keys, table, columns, archs=None)
+        yield from self._from_files(self.missing_keys(), table, columns, archs=self.archs)
 
     def missing_keys(self) -> Iterator[str]:
         """The keys of done models (a marker) that no counted row holds, as the listing
@@ -315,14 +326,16 @@ class Tables:
         held = self.newest().keys
         return (key for key in self.listing().marker_keys() if key not in held)
 
-    def _fallback(self) -> Iterator[tuple[pa.Table, pa.Table]]:
-        """(models, layers) tables of the models no part holds, FALLBACK_CHUNK at a time."""
-        missing = self.missing_keys()
-        while chunk := list(itertools.islice(missing, FALLBACK_CHUNK)):
-            done = read_done_models(self.store, chunk, threads=self.threads,
-                                    archs=self.archs, on_damaged=self._damaged,
-                                    check=self.listing().damage)
-            yield from part_tables(done).values()
+    def _from_files(self, keys: Iterator[str], table: str, columns: Sequence[str] | None,
+                    *, archs: frozenset[str] | None) -> Iterator[pa.RecordBatch]:
+        """`table`'s rows of these models made from their own files, FALLBACK_CHUNK at a
+        time (checked as `status` checks them: a damaged model is left out, one line)."""
+        while chunk := list(itertools.islice(keys, FALLBACK_CHUNK)):
+            done = read_done_models(self.store, chunk, threads=self.threads, archs=archs,
+                                    on_damaged=self._damaged, check=self.listing().damage)
+            for models, layers in part_tables(done).values():
+                rows = models if table == MODELS_TABLE else layers
+                yield from select_columns(rows, columns).to_batches(BATCH_ROWS)
 
 
 def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:

@@ -47,7 +47,7 @@ def table_rows(store: LocalStore, table: str) -> list[dict[str, Any]]:
     of their own, so a reader of the store would count none of them: what counts is
     tests/controller/results/test_tables_truth.py's)."""
     tables = Tables(store)
-    return [row for _, part in tables.read_parts(tables.parts(table))
+    return [row for _, part in tables.read_parts(tables.parts(table)) if part is not None
             for row in part.to_pylist()]
 
 

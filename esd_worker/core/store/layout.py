@@ -254,19 +254,28 @@ def read_marker(store: Store, model_key: str) -> Marker | None:
     return parse_marker(model_key, get_checked(store, marker_key(model_key), MARKER_BYTES))
 
 
-def get_checked(store: Store, key: str, limit: int) -> bytes | None:
+Refused = Callable[[str, StoreRefusal], None]
+
+
+def _log_refusal(_key: str, e: StoreRefusal) -> None:
+    log.warning("%s; left out", e)
+
+
+def get_checked(store: Store, key: str, limit: int,
+                on_refused: Refused = _log_refusal) -> bytes | None:
     """store.get_bytes(key, limit=limit), with a refused value (not a regular file, or
-    larger than `limit`) logged in one line and read as missing: whoever reads many keys
-    leaves that one out and goes on."""
+    larger than `limit`) read as missing and handed to on_refused (default: one line
+    logged): whoever reads many keys leaves that one out and goes on."""
     try:
         return store.get_bytes(key, limit=limit)
     except StoreRefusal as e:
-        log.warning("%s; left out", e)
+        on_refused(key, e)
         return None
 
 
 def fetch_all(store: Store, keys: Sequence[str], *, threads: int = 16,
-              limit: int = READ_LIMIT) -> list[bytes | None]:
+              limit: int = READ_LIMIT, on_refused: Refused = _log_refusal,
+              ) -> list[bytes | None]:
     """The values of `keys` (None where missing or refused: get_checked), fetched
     concurrently: stores may be remote. `limit`: the bound of the kind read (MARKER_BYTES…).
 
@@ -277,9 +286,9 @@ def fetch_all(store: Store, keys: Sequence[str], *, threads: int = 16,
         return []
     workers = max(1, min(threads, len(keys)))
     if workers == 1:
-        return [get_checked(store, key, limit) for key in keys]
+        return [get_checked(store, key, limit, on_refused) for key in keys]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda key: get_checked(store, key, limit), keys))
+        return list(pool.map(lambda key: get_checked(store, key, limit, on_refused), keys))
 
 
 def read_markers(

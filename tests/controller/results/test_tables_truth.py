@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import esd_sweep
+from controller.results import tables as tables_module
 from controller.results.compact import CompactSettings, aside_key, compact_store
 from controller.results.report import ReportSettings, write_report
 from controller.results.summary import write_summary
@@ -261,3 +263,83 @@ def test_a_part_of_an_older_version_without_files_still_counts(url: str) -> None
     store.delete(marker_key(KEY["b"]))
     assert counted(store) == [KEY["a"], KEY["c"]]
     assert table_bytes(m)  # the schema's own part still writes
+
+
+# --- the tables agree with themselves, whatever the order and whatever happens meanwhile -------
+
+
+def agree(tables: Tables) -> list[str]:
+    """Each model models() yields has exactly its 2 layer rows in layers(), asked in either
+    order and again; the sorted models."""
+    layers_first = sorted(k for b in tables.layers(["model_key"]) for k in b.column(0).to_pylist())
+    models = sorted(k for b in tables.models(["model_key"]) for k in b.column(0).to_pylist())
+    layers = sorted(k for b in tables.layers(["model_key"]) for k in b.column(0).to_pylist())
+    assert layers_first == layers == sorted(models * 2)
+    return models
+
+
+@pytest.mark.parametrize("damage", [
+    pytest.param(_rewrite(LAYERS_TABLE, lambda d: b"garbage"), id="garbage-layers-part"),
+    pytest.param(_rewrite(LAYERS_TABLE, lambda d: d + bytes(2_000_000)), id="over-its-bound"),
+])
+def test_a_layers_part_left_out_after_its_models_counted(
+        url: str, monkeypatch: pytest.MonkeyPatch, damage: Callable[[Store], None]) -> None:
+    """models() and layers() agree whichever runs first, and compact sets the part aside
+    whether the store refused it (over PART_BYTES, here 1 MB) or pyarrow could not read it."""
+    monkeypatch.setattr(tables_module, "PART_BYTES", 1_000_000)
+    store, _ = sweep(url)
+    damage(store)
+    assert agree(Tables(store)) == KEYS
+    assert compact_store(CompactSettings(results=url), store).set_aside == 1
+    assert agree(Tables(store)) == KEYS
+
+
+def test_a_fifo_for_a_layers_part_is_left_out_and_set_aside(tmp_path: Path) -> None:
+    store, _ = sweep(str(tmp_path / "results"))
+    key = _first_part(store, LAYERS_TABLE)
+    (tmp_path / "results" / key).unlink()
+    os.mkfifo(tmp_path / "results" / key)
+    assert agree(Tables(store)) == KEYS
+    assert compact_store(CompactSettings(results=str(tmp_path / "results")),
+                         store).set_aside == 1
+    assert agree(Tables(store)) == KEYS
+
+
+def test_a_reader_goes_on_while_compact_merges_the_parts_it_counted(url: str) -> None:
+    """compact takes no lease: the parts a reader counted may be merged away before it
+    reads them; their models come from their own files, none lost, none twice."""
+    store = open_store(url)
+    for name in NAMES:
+        write_parts(store, analysed(store, [done(name)]))
+    reader = Tables(store)
+    reader.newest()
+    compact_store(CompactSettings(results=url), store)
+    assert agree(reader) == KEYS
+
+
+def test_a_stale_and_a_current_row_of_one_model_in_one_part(url: str) -> None:
+    """The row the model's files vouch for counts, the stale one beside it does not."""
+    store = open_store(url)
+    # alpha 12 vs 5: files of other sizes (a same-size rewrite is invisible to a listing)
+    (stale,) = analysed(store, [done("a", alpha=12.0, finished="2026-01-01T00:00:00Z")])
+    current = analysed(store, [done("a", alpha=5.0, finished="2026-02-01T00:00:00Z"),
+                               done("b"), done("c")])
+    ((m, ly),) = part_tables([stale, *current]).values()
+    write_part(store, "LlamaForCausalLM", m, ly)
+    tables = Tables(store)
+    assert agree(tables) == KEYS
+    frame = {r["model_key"]: r["alpha_mean"] for b in tables.models(["model_key", "alpha_mean"])
+             for r in b.to_pylist()}
+    assert frame[KEY["a"]] == 5.5
+
+
+def test_layer_rows_of_a_model_the_part_does_not_count_are_left_out(url: str) -> None:
+    """A layers part holding rows of a model its models part does not hold (and of none)."""
+    store, models = sweep(url)
+    ((m, ly),) = part_tables(models).values()
+    ((_, ghost),) = part_tables([done("ghost")]).values()
+    nameless = ghost.set_column(0, "model_key", pa.nulls(ghost.num_rows, pa.string()))
+    for key in list(store.list_keys("_tables/")):
+        store.delete(key)
+    write_part(store, "LlamaForCausalLM", m, pa.concat_tables([ly, ghost, nameless]))
+    assert agree(Tables(store)) == KEYS
