@@ -102,9 +102,11 @@ def test_report_leaves_the_damaged_model_out(
     summary = reported(store)
     others = [k for r, k in keys_by_relation(store).items() if r != "base"]
     assert all(k in summary for k in others)
-    if name == "layers.csv":  # its numbers are not in the report
+    if name == "layers.csv" or damage is not flip_a_byte:
+        # its numbers are not in the report; a file of another size than its seal is seen
+        # by the listing, as `status` sees it: the model is not done, so not reported
         assert key not in summary
-    else:  # the table is whole: the model stays, without the ESD plot of its eigenvalues
+    else:  # same size: the table is whole, the model stays, without its ESD plot
         assert key in summary
         assert not (store / "report" / "models" / key / "esd.png").exists()
 
