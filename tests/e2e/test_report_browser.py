@@ -1,5 +1,6 @@
 """The report at atlas scale in a real headless browser: a synthetic store of 100k models
-(8 layers each, tables only; tests/support/synthstore.py), write_report to a folder, then
+(8 layers each: their own files and the tables; tests/support/synthstore.py), write_report
+to a folder, then
 index.html and one per-model page opened in headless Chromium (Playwright, the system's
 Chromium: no browser download). Checks what a person sees: the title, the distributions
 and the top / bottom tables, every image decoded (naturalWidth > 0), no console error or page
