@@ -139,9 +139,10 @@ def test_workers_die_with_a_killed_controller(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", controller], cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 10
-        while not pid_file.exists() and time.monotonic() < deadline:
+        # Its content, not only the file: write_text creates the file before it writes.
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert pid_file.exists(), "the worker never started"
+        assert pid_file.exists() and pid_file.read_text(), "the worker never started"
         proc.kill()
         proc.wait()
         _assert_gone(int(pid_file.read_text()))
