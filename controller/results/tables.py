@@ -91,7 +91,7 @@ from esd_worker.core.store.tables import (
 log = logging.getLogger(__name__)
 
 BATCH_ROWS = 64 * 1024  # rows per record batch handed on
-FALLBACK_CHUNK = 512  # models read from their own files at a time
+FALLBACK_CHUNK = 64  # models read from their own files at a time (~20 MB as rows)
 
 
 class Tables:
