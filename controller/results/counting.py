@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from controller.keyset import Hashes, KeySet
 from esd_worker.core.store.layout import (
@@ -65,10 +66,15 @@ class Counted:
         held = self.held.get(pair)
         if held is None or not table.num_rows:
             return table.slice(0, 0)
-        keys = table.column("model_key").to_pylist()
-        mask = np.isin(key_hashes(keys), held)
+        # A part holds each model's rows together: its few distinct keys are hashed, not
+        # every row's (500k layer rows would be 500k Python strings).
+        codes = pc.dictionary_encode(table.column("model_key")).combine_chunks()
+        counts = np.isin(key_hashes(codes.dictionary.to_pylist()), held)
+        indices = codes.indices.fill_null(-1).to_numpy(zero_copy_only=False)
+        mask = np.append(counts, False)[indices]  # a null key (-1) counts for nothing
         picks = self.picks.get(pair)
         if picks:
+            keys = table.column("model_key").to_pylist()
             finished = table.column("finished_at").to_pylist()
             index = table.column("layer_index").to_pylist() if name == LAYERS_TABLE else None
             seen: set[tuple[str, Any]] = set()
@@ -84,7 +90,7 @@ class Counted:
                     if ok:
                         seen.add((keys[i], index[i]))
                     mask[i] = ok
-        return table.filter(pa.array(mask))
+        return table if mask.all() else table.filter(pa.array(mask))
 
 
 class Listing:

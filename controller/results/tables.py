@@ -92,6 +92,7 @@ log = logging.getLogger(__name__)
 
 BATCH_ROWS = 64 * 1024  # rows per record batch handed on
 FALLBACK_CHUNK = 64  # models read from their own files at a time (~20 MB as rows)
+WINDOW_BYTES = 64 * 2**20  # part bytes fetched ahead of the reader (at least one part)
 
 
 class Tables:
@@ -111,6 +112,7 @@ class Tables:
         self._counted: Counted | None = None
         self._bad: dict[str, str] = {}  # part pair → why it is left out
         self._lost: set[str] = set()  # pairs counted, then not readable (gone or left out)
+        self._sizes: dict[str, int] = {}  # part key → its size, as listed
         self._warned: set[str] = set()  # damaged models met by the fallback: one line each
 
     def _damaged(self, key: str, e: DamagedResult) -> None:
@@ -151,10 +153,11 @@ class Tables:
         if self._parts is None:
             found: dict[str, list[PartKey]] = {MODELS_TABLE: [], LAYERS_TABLE: []}
             for name in found:
-                for key in self.store.list_keys(table_prefix(name)):
+                for key, size in self.store.list_sizes(table_prefix(name)):
                     part = parse_part_key(key)
                     if part is not None and (self.archs is None or part.arch in self.archs):
                         found[name].append(part)
+                        self._sizes[key] = size
             models = {pair_of(p) for p in found[MODELS_TABLE]}
             layers = {pair_of(p) for p in found[LAYERS_TABLE]}
             for part in found[MODELS_TABLE]:
@@ -174,9 +177,7 @@ class Tables:
         since the listing (compact merged it), or left out (refused by the store, not a
         readable part of the schema: one line the first time; a pair once left out is not
         fetched again)."""
-        window = max(1, self.threads)
-        for start in range(0, len(parts), window):
-            chunk = parts[start:start + window]
+        for chunk in self._windows(parts):
             fetch = [p for p in chunk if pair_of(p) not in self._bad]
             blobs = dict(zip((p.key for p in fetch), fetch_all(
                 self.store, [p.key for p in fetch], threads=self.threads, limit=PART_BYTES,
@@ -192,6 +193,21 @@ class Tables:
                 except BadPart as e:
                     self._leave_out(part, str(e))
                     yield part, None
+
+    def _windows(self, parts: Sequence[PartKey]) -> Iterator[Sequence[PartKey]]:
+        """`parts` in runs fetched together: up to `threads` parts and WINDOW_BYTES (as
+        listed; at least one part), so that a few large compacted parts are not all held."""
+        run: list[PartKey] = []
+        held = 0
+        for part in parts:
+            size = self._sizes.get(part.key, 0)
+            if run and (len(run) >= max(1, self.threads) or held + size > WINDOW_BYTES):
+                yield run
+                run, held = [], 0
+            run.append(part)
+            held += size
+        if run:
+            yield run
 
     def check_parts(self) -> dict[str, str]:
         """Read every part of both tables whole: the pairs that cannot be read (bad)."""
