@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -177,7 +177,7 @@ class Tables:
         since the listing (compact merged it), or left out (refused by the store, not a
         readable part of the schema: one line the first time; a pair once left out is not
         fetched again)."""
-        for chunk in self._windows(parts):
+        for chunk in windows(parts, self._sizes, self.threads):
             fetch = [p for p in chunk if pair_of(p) not in self._bad]
             blobs = dict(zip((p.key for p in fetch), fetch_all(
                 self.store, [p.key for p in fetch], threads=self.threads, limit=PART_BYTES,
@@ -193,21 +193,6 @@ class Tables:
                 except BadPart as e:
                     self._leave_out(part, str(e))
                     yield part, None
-
-    def _windows(self, parts: Sequence[PartKey]) -> Iterator[Sequence[PartKey]]:
-        """`parts` in runs fetched together: up to `threads` parts and WINDOW_BYTES (as
-        listed; at least one part), so that a few large compacted parts are not all held."""
-        run: list[PartKey] = []
-        held = 0
-        for part in parts:
-            size = self._sizes.get(part.key, 0)
-            if run and (len(run) >= max(1, self.threads) or held + size > WINDOW_BYTES):
-                yield run
-                run, held = [], 0
-            run.append(part)
-            held += size
-        if run:
-            yield run
 
     def check_parts(self) -> dict[str, str]:
         """Read every part of both tables whole: the pairs that cannot be read (bad)."""
@@ -352,6 +337,23 @@ class Tables:
             for models, layers in part_tables(done).values():
                 rows = models if table == MODELS_TABLE else layers
                 yield from select_columns(rows, columns).to_batches(BATCH_ROWS)
+
+
+def windows(parts: Sequence[PartKey], sizes: Mapping[str, int],
+            most: int) -> Iterator[Sequence[PartKey]]:
+    """`parts` in runs fetched together: up to `most` parts and WINDOW_BYTES (their listed
+    `sizes`; at least one part), so that a few large compacted parts are not all held."""
+    run: list[PartKey] = []
+    held = 0
+    for part in parts:
+        size = sizes.get(part.key, 0)
+        if run and (len(run) >= max(1, most) or held + size > WINDOW_BYTES):
+            yield run
+            run, held = [], 0
+        run.append(part)
+        held += size
+    if run:
+        yield run
 
 
 def select_columns(table: pa.Table, columns: Sequence[str] | None) -> pa.Table:
