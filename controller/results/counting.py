@@ -127,13 +127,8 @@ class Listing:
                 yield chunk[i]
 
     def damage(self, marker: Marker) -> str | None:
-        """What the listing shows wrong with the files `marker` seals (None: each is listed
-        at its sealed size), as `status` sees it (controller.run.plan)."""
-        for name in marker.vouched_names():
-            seal = marker.files.get(name)
-            if seal is not None and (marker.model_key, name, seal.size) not in self.files:
-                return f"{name} is missing or not the {seal.size} bytes its marker vouches for"
-        return None
+        """What the listing shows wrong with the files `marker` seals (sealed_damage)."""
+        return sealed_damage(marker.model_key, marker, self.files)
 
     def vouches(self, key: str, files: str | None) -> bool:
         """Whether the listing shows what a row of `key` recorded (`files`: its column)."""
@@ -151,6 +146,17 @@ class Listing:
             return False
         return all(isinstance(size, int) and (key, name, size) in self.files
                    for name, size in sizes.items())
+
+
+def sealed_damage(key: str, marker: Marker, listed: KeySet) -> str | None:
+    """What a listing (`listed`: hashes of (model_key, file, size)) shows wrong with the files
+    `marker` seals in folder `key` (None: each is listed at its sealed size). The one check
+    `status` (controller.run.plan) and the tables' fallback share."""
+    for name in marker.vouched_names():
+        seal = marker.files.get(name)
+        if seal is not None and (key, name, seal.size) not in listed:
+            return f"{name} is missing or not the {seal.size} bytes its marker vouches for"
+    return None
 
 
 def array_of(values: np.ndarray) -> array[int]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from controller.keyset import Hashes, KeySet
+from controller.results.counting import sealed_damage
 from esd_worker.core.models.modellist import ModelRow, RowProblem, base_first
 from esd_worker.core.store.layout import (
     MARKER_NAME,
@@ -81,11 +82,7 @@ class StoreIndex:
 
     def damage(self, key: str, marker: Marker) -> str | None:
         """What the listing shows wrong with the files `marker` seals (None: all there)."""
-        for name in marker.vouched_names():
-            seal = marker.files.get(name)
-            if seal is not None and (key, name, seal.size) not in self.files:
-                return f"{name} is missing or not the {seal.size} bytes its marker vouches for"
-        return None
+        return sealed_damage(key, marker, self.files)
 
 
 @dataclass(frozen=True)
