@@ -23,12 +23,14 @@ import numpy as np
 import torch
 
 from esd_worker import __version__
+from esd_worker.analysis.checkpoints import Component, combined, open_components
 from esd_worker.analysis.hostsolve import default_host_solvers
 from esd_worker.analysis.inmemory import MEMORY_SOURCE, HeldWeights
 from esd_worker.analysis.knownmaps import known_layer_map
-from esd_worker.analysis.layers import discover_layers
+from esd_worker.analysis.layers import LayerMap, discover_layers, joined_maps
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter
 from esd_worker.analysis.modellayers import LayerAnalysis
+from esd_worker.analysis.quantized import dequantized
 from esd_worker.analysis.speculate import Speculation, candidate_keys, speculation_mode
 from esd_worker.analysis.streams import Capacity, device_capacity, select_devices
 from esd_worker.analysis.weights import float_dtype
@@ -176,15 +178,16 @@ def analyse_model_with(
         progress(0, sum(_on_disk(m) for m in (model, base) if m is not None))
     t_resolve = time.perf_counter()
 
-    from esd_worker.analysis.weights import Checkpoint
-
     memory = held if held is not None and weights_model.source == MEMORY_SOURCE else None
     # Discovery beats the heartbeat as it goes (each weight file opened, each module of the
     # meta model built and mapped): a model of hundreds of blocks can take minutes before its
     # first layer, and a watch under a short --model-timeout would kill it as hung.
     beat = None if progress is None else _discovery_beat(progress)
-    opened = memory.checkpoint() if memory else Checkpoint(weights_model.directory, beat=beat)
-    with opened as ckpt:
+    components = [Component("", weights_model.directory, memory.checkpoint())] if memory else [
+        dataclasses.replace(c, tensors=dequantized(c.tensors, c.config(), c.directory))
+        for c in open_components(weights_model.directory, beat=beat)
+    ]
+    with contextlib.closing(combined(components)) as ckpt:
         speculation = None if mode == "off" else Speculation(
             ckpt.read, candidate_keys(ckpt, settings.analysis), settings.analysis, devices[0],
             complete=mode == "complete",
@@ -194,16 +197,8 @@ def analyse_model_with(
             # no meta model: seconds on a cold worker); any other, from the model.
             layer_map = memory.layer_map(
                 ckpt, include_embeddings=settings.analysis.include_embeddings,
-            ) if memory else known_layer_map(
-                weights_model.directory, ckpt,
-                include_embeddings=settings.analysis.include_embeddings,
-            ) or discover_layers(
-                weights_model.directory,
-                ckpt,
-                include_embeddings=settings.analysis.include_embeddings,
-                trust_remote_code=settings.trust_remote_code,
-                beat=beat,
-            )
+            ) if memory else joined_maps([
+                (c.prefix, _discover(c, settings, beat)) for c in components])
         matched: AdapterMatch | None = None
         if adapter is not None:
             matched = adapter.match(layer_map.layers, ckpt.keys())
@@ -293,6 +288,18 @@ def analyse_model_with(
     if done is not None:  # the rows at hand: nobody reads layers.csv back for the tables
         done(marker, job.rows)
     return marker
+
+
+def _discover(component: Component, settings: WorkerSettings,
+              beat: Callable[[], None] | None) -> LayerMap:
+    """One component's layer map: a known architecture's from its config and names, any
+    other from the model transformers builds from its config (or from the names)."""
+    include = settings.analysis.include_embeddings
+    return known_layer_map(component.directory, component.tensors,
+                           include_embeddings=include) or discover_layers(
+        component.directory, component.tensors, include_embeddings=include,
+        trust_remote_code=settings.trust_remote_code, beat=beat,
+    )
 
 
 def _discovery_beat(progress: Progress) -> Callable[[], None]:

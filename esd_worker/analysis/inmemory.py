@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from esd_worker.analysis.layers import LayerMap, map_by_names, map_modules
-from esd_worker.analysis.weights import Checkpoint
+from esd_worker.analysis.weights import Checkpoint, Tensors
 from esd_worker.core.errors import UsageError
 from esd_worker.fetch.resolve import ResolvedModel
 
@@ -40,7 +40,7 @@ class HeldWeights:
     def checkpoint(self) -> Checkpoint:
         return Checkpoint.of_tensors(self.tensors, name=self.name)
 
-    def layer_map(self, checkpoint: Checkpoint, *, include_embeddings: bool) -> LayerMap:
+    def layer_map(self, checkpoint: Tensors, *, include_embeddings: bool) -> LayerMap:
         if self.module is None:
             return map_by_names(checkpoint, include_embeddings=include_embeddings,
                                 reason="a state dict without its model")

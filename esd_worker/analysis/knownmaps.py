@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from esd_worker.analysis.layers import EMBEDDING, LINEAR, LayerMap, LayerSpec
-from esd_worker.analysis.weights import Checkpoint
+from esd_worker.analysis.weights import Tensors
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ KNOWN: dict[str, Known] = {
 EMBED, HEAD = "model.embed_tokens", "lm_head"
 
 
-def known_layer_map(directory: Path, checkpoint: Checkpoint, *, include_embeddings: bool
+def known_layer_map(directory: Path, checkpoint: Tensors, *, include_embeddings: bool
                     ) -> LayerMap | None:
     """The layer map of a known architecture whose checkpoint holds exactly its matrices
     under their own names, or None (discovery builds the model)."""

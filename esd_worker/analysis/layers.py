@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from esd_worker.analysis.weights import Checkpoint
+from esd_worker.analysis.weights import Tensors
 from esd_worker.core.errors import PermanentModelError
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,21 @@ class LayerMap:
     discovery: str  # "architecture" or "fallback"
     architecture: str | None
     note: str = ""
+
+
+def joined_maps(maps: Sequence[tuple[str, LayerMap]]) -> LayerMap:
+    """One model's map from its components' (esd_worker.analysis.checkpoints): each layer's
+    name and key under its component's prefix ("" for a plain model: its map as it is)."""
+    if len(maps) == 1 and not maps[0][0]:
+        return maps[0][1]
+    layers = [dataclasses.replace(spec, name=prefix + spec.name, key=prefix + spec.key)
+              for prefix, layer_map in maps for spec in layer_map.layers]
+    discovery = ("architecture" if all(m.discovery == "architecture" for _, m in maps)
+                 else "fallback")
+    architecture = "+".join(f"{prefix.rstrip('/') or 'model'}:{m.architecture or 'unknown'}"
+                            for prefix, m in maps)
+    note = "; ".join(f"{prefix}{m.note}" for prefix, m in maps if m.note)
+    return LayerMap(layers, discovery, architecture, note)
 
 
 def suffix_index(keys: Iterable[str]) -> dict[str, list[str]]:
@@ -207,7 +222,7 @@ def _tied_sources(model: torch.nn.Module) -> dict[str, str]:
 
 def discover_layers(
     directory: Path,
-    checkpoint: Checkpoint,
+    checkpoint: Tensors,
     *,
     include_embeddings: bool = False,
     trust_remote_code: bool = False,
@@ -249,7 +264,7 @@ def discover_layers(
     )
 
 
-def map_modules(model: torch.nn.Module, checkpoint: Checkpoint, *,
+def map_modules(model: torch.nn.Module, checkpoint: Tensors, *,
                 include_embeddings: bool = False, beat: Beat | None = None) -> LayerMap:
     """The layer map of a model's modules (a meta model built from its config, or a model
     held in memory): each Linear/Conv1D/Conv2d (and optionally Embedding) module whose
@@ -329,12 +344,12 @@ class UnexplainedWeights(PermanentModelError):
 _SHOWN = 3  # unexplained tensors named in the error
 
 
-def _is_matrix(checkpoint: Checkpoint, key: str) -> bool:
+def _is_matrix(checkpoint: Tensors, key: str) -> bool:
     """A weight matrix by the analysis' definition (matrix_keys), whatever its name says."""
     return key.endswith(".weight") and len(checkpoint.shape(key)) in (2, 4)
 
 
-def _unexplained(model: torch.nn.Module, checkpoint: Checkpoint, index: dict[str, list[str]],
+def _unexplained(model: torch.nn.Module, checkpoint: Tensors, index: dict[str, list[str]],
                  used: set[str], beat: Beat | None) -> list[str]:
     """The checkpoint's weight matrices, in its order, that `model` does not account for:
     neither analysed (`used`), nor one of its parameters or buffers under the longest-suffix
@@ -428,7 +443,7 @@ def _ignored_on_load(model: torch.nn.Module) -> Callable[[str], bool]:
     return ignored
 
 
-def matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str]:
+def matrix_keys(checkpoint: Tensors, *, include_embeddings: bool) -> list[str]:
     """Checkpoint keys that look like analysable weights by name and shape alone."""
     keys = []
     for key in checkpoint.keys():  # noqa: SIM118 - Checkpoint is not a Mapping
@@ -442,7 +457,7 @@ def matrix_keys(checkpoint: Checkpoint, *, include_embeddings: bool) -> list[str
     return keys
 
 
-def map_by_names(checkpoint: Checkpoint, *, include_embeddings: bool, reason: str) -> LayerMap:
+def map_by_names(checkpoint: Tensors, *, include_embeddings: bool, reason: str) -> LayerMap:
     """The fallback map: 2-D/4-D `*.weight` tensors by name and shape, `reason` why logged."""
     layers = []
     for key in matrix_keys(checkpoint, include_embeddings=include_embeddings):

@@ -32,7 +32,7 @@ import torch
 from esd_worker.analysis.layers import CONV2D, LINEAR, LayerSpec
 from esd_worker.analysis.lora import AdapterMatch
 from esd_worker.analysis.spectra import Spectrum, compute_spectrum, work_dtype
-from esd_worker.analysis.weights import Checkpoint, float_dtype
+from esd_worker.analysis.weights import Tensors, float_dtype
 from esd_worker.core.command.settings import AnalysisSettings
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def speculation_mode(requested: str, device: torch.device) -> str:
     return "on" if cores > torch.get_num_threads() else "off"
 
 
-def candidate_keys(ckpt: Checkpoint, analysis: AnalysisSettings) -> list[str]:
+def candidate_keys(ckpt: Tensors, analysis: AnalysisSettings) -> list[str]:
     """Checkpoint keys, in checkpoint order, that discovery will likely map to analysable
     layers, judged from the headers alone (no model, no tensor read)."""
     keys = []

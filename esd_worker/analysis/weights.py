@@ -17,7 +17,7 @@ import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -62,6 +62,51 @@ def find_weight_files(directory: Path, *, adapter: bool = False) -> tuple[str, l
             f"checkpoint index {index.name} names missing shards: {', '.join(missing[:3])}"
         )
     return chosen.format, files
+
+
+class Tensors(Protocol):
+    """What the analysis reads a model's weights through: a Checkpoint (files as stored), a
+    view that dequantizes one (esd_worker.analysis.quantized), a GGUF file, or several
+    components under prefixes (esd_worker.analysis.checkpoints). Thread-safe reads."""
+
+    directory: Path
+
+    def keys(self) -> list[str]: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def dtype(self, key: str) -> str: ...
+
+    def read(self, key: str) -> torch.Tensor: ...
+
+    def read_row(self, key: str, index: int) -> torch.Tensor:
+        """tensor[index] of a tensor of 3 or more dimensions (one expert of a stack), reading
+        no more of it than needed where the format allows."""
+        ...
+
+    def nbytes(self, key: str) -> int: ...
+
+    def in_memory(self, key: str) -> bool: ...
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor: ...
+
+    def scheme(self, key: str) -> str | None:
+        """The quantization scheme `key` was dequantized from (recorded in its layer row);
+        None: read as stored."""
+        ...
+
+    def refusal(self, key: str) -> str | None:
+        """Why `key` (a quantized weight) cannot be read as floats, or None when it can."""
+        ...
+
+    def folded(self) -> Mapping[str, str]:
+        """Stored tensors that are part of another key's weight (a quantized weight's scales,
+        zero points, group indices, ...): stored key -> the key they are folded into."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class Checkpoint:
@@ -151,6 +196,27 @@ class Checkpoint:
 
     def dtype(self, key: str) -> str:
         return self._dtypes[key]
+
+    def read_row(self, key: str, index: int) -> torch.Tensor:
+        """tensor[index] along its first dimension; from a safetensors file only its bytes."""
+        source = self._where[key]
+        if isinstance(source, dict):
+            held: torch.Tensor = source[key]
+            return held[index]
+        try:
+            tensor: torch.Tensor = source.read_row(key, index)
+        except (OSError, ValueError) as e:
+            raise PermanentModelError(f"corrupt tensor {key!r} in {self.directory}: {e}") from e
+        return tensor
+
+    def scheme(self, key: str) -> str | None:
+        return None  # stored as is: a quantized checkpoint is esd_worker.analysis.quantized's
+
+    def refusal(self, key: str) -> str | None:
+        return None
+
+    def folded(self) -> Mapping[str, str]:
+        return {}
 
     def read(self, key: str) -> torch.Tensor:
         source = self._where[key]
@@ -258,6 +324,18 @@ class SafetensorsFile:
         if n == 0:
             return torch.empty(entry.shape, dtype=dtype)
         return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
+
+    def read_row(self, key: str, index: int) -> torch.Tensor:
+        """tensor[index] along the first dimension, reading only its bytes."""
+        entry, dtype = self._readable(key)
+        if not entry.shape or not 0 <= index < entry.shape[0]:
+            raise ValueError(f"tensor {key!r} of shape {entry.shape} has no row {index}")
+        row = (entry.end - entry.start) // entry.shape[0]
+        buffer = bytearray(row)
+        self._pread(key, memoryview(buffer), entry.start + index * row)
+        if row == 0:
+            return torch.empty(entry.shape[1:], dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape[1:])
 
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """The tensor read into the front of `out` (a contiguous uint8 CPU tensor, page-locked
