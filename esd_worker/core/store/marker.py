@@ -70,6 +70,9 @@ class Marker:
     markers written before it existed. layers_name / eigs_name: the files beside it
     (eigs_name None: no eigenvalues stored). timings: seconds per phase (total_s, ...).
     device, versions, adapter: informational, as the worker recorded them.
+    coverage: what the checkpoint holds and what became of it (esd_worker.analysis.coverage;
+    None in markers written before it existed): tensors and parameters held, analysed,
+    skipped by which rule, unexplained, and `warning`, one line when not all is accounted.
     files: file name → FileSeal of each file the marker vouches for (empty in markers
     written before seals existed: those are checked for presence only).
     """
@@ -88,6 +91,7 @@ class Marker:
     layer_discovery: str | None = None
     architecture: str | None = None
     discovery_note: str | None = None
+    coverage: Mapping[str, Any] | None = None
     layer_count: int | None = None
     status_counts: Mapping[str, int] = field(default_factory=dict)
     summary: Mapping[str, Any] | None = None
@@ -125,6 +129,7 @@ class Marker:
             "layer_discovery": self.layer_discovery,
             "architecture": self.architecture,
             "discovery_note": self.discovery_note,
+            "coverage": None if self.coverage is None else dict(self.coverage),
             "layer_count": self.layer_count,
             "status_counts": dict(self.status_counts),
             "summary": None if self.summary is None else dict(self.summary),
@@ -192,6 +197,7 @@ class Marker:
             layer_discovery=_get(doc, "layer_discovery", str, None),
             architecture=_get(doc, "architecture", str, None),
             discovery_note=_get(doc, "discovery_note", str, None),
+            coverage=_get(doc, "coverage", Mapping, None),
             layer_count=_count(doc, "layer_count"),
             status_counts=_numbers(_get(doc, "status_counts", Mapping, {}), "status_counts",
                                    counts=True),
