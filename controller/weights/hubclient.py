@@ -38,9 +38,10 @@ _TRUE = frozenset({"1", "ON", "YES", "TRUE"})  # huggingface_hub's reading of a 
 
 @dataclass(frozen=True)
 class HubInfo:
-    """What one model-info answer says of a hub model: its root files' bytes (name -> bytes)
-    and its parameter count when the hub gives one (the answer's safetensors.total: the hub
-    reads it from the safetensors headers; None without it)."""
+    """What one model-info answer says of a hub model: its files' bytes (name -> bytes, with
+    their folders) and its parameter count when the hub gives one (the answer's
+    safetensors.total, or gguf.total: the hub reads them from the files' headers; None
+    without)."""
 
     files: Mapping[str, int]
     params: int | None = None
@@ -85,7 +86,7 @@ class HubClient:
         self._opener = urllib.request.build_opener(_SameOriginAuth)
 
     def model_info(self, model_id: str, revision: str | None) -> HubInfo:
-        """GET {endpoint}/api/models/{id}/revision/{rev or main}?blobs=true: the root files'
+        """GET {endpoint}/api/models/{id}/revision/{rev or main}?blobs=true: the files'
         sizes and the parameter count. LookupFailed when the hub gives none."""
         url = (f"{self.endpoint}/api/models/{quote(model_id, safe='/')}/revision/"
                f"{quote(revision or 'main', safe='')}?blobs=true")
@@ -164,10 +165,14 @@ def _origin(url: str) -> tuple[str, str]:
 
 
 def _safetensors_total(info: Any) -> int | None:
-    """The parameter count of a model-info answer ("safetensors": {"total": N}), if any."""
-    block = info.get("safetensors") if isinstance(info, dict) else None
-    total = block.get("total") if isinstance(block, dict) else None
-    return total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+    """The parameter count of a model-info answer ("safetensors": {"total": N}; for a GGUF
+    repo, which has none, "gguf": {"total": N}), if any."""
+    for field in ("safetensors", "gguf"):
+        block = info.get(field) if isinstance(info, dict) else None
+        total = block.get("total") if isinstance(block, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            return total
+    return None
 
 
 def _sibling_sizes(info: Any) -> dict[str, int]:

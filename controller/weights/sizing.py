@@ -155,10 +155,8 @@ class Sizer:
                                what="a size from 0 to 1000T bytes")
 
     def _local_size(self, row: ModelRow) -> tuple[int, Source]:
-        directory = os.path.expanduser(row.model_id)
         try:
-            with os.scandir(directory) as entries:
-                sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
+            sizes = local_files(os.path.expanduser(row.model_id))
         except OSError as e:
             log.warning("model=%s: cannot size the local directory (%s); the default size is used",
                         row.ref, e.strerror or e)
@@ -241,6 +239,24 @@ class Sizer:
         if down:
             log.warning("the hub at %s failed %d lookups in a row: the other models get the "
                         "default size and one GPU", self.endpoint, _DOWN_AFTER)
+
+def local_files(directory: str | os.PathLike[str]) -> dict[str, int]:
+    """The bytes of a local model's files that the weights rule looks at: those at its top
+    and in its folders (relative names, "/"-separated: unet/config.json), hidden ones left
+    out. OSError when the directory cannot be read."""
+    sizes: dict[str, int] = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_file():
+                sizes[entry.name] = entry.stat().st_size
+            elif entry.is_dir():
+                with os.scandir(entry.path) as inner:
+                    sizes.update({f"{entry.name}/{f.name}": f.stat().st_size
+                                  for f in inner if f.is_file()})
+    return sizes
+
 
 def base_row(source_model: str) -> ModelRow | None:
     """An adapter's base as a row of its own (no relation, no columns), from the name its

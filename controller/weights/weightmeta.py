@@ -23,12 +23,12 @@ import math
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from controller.weights.sizing import Sizer
+from controller.weights.sizing import Sizer, local_files
 from esd_worker.core.estimate import width_from_params
 from esd_worker.core.models.modellist import ModelRow
 from esd_worker.core.models.naming import is_local_path, parse_ref
@@ -40,7 +40,7 @@ from esd_worker.core.models.safetensors import (
     parse_header,
     read_header,
 )
-from esd_worker.core.models.weightfiles import weight_names
+from esd_worker.core.models.weightfiles import GGUF_BITS, gguf_quant, weight_names
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +81,34 @@ def read_shape(path: Path) -> HeaderShape:
 
 
 def local_shape(directory: Path) -> WeightShape | None:
-    """The shape of a local model from its weight files (esd_worker.core.models.weightfiles):
-    every safetensors header read; files without one (pytorch_model*.bin) give an estimate from
-    their bytes (2 per parameter). None without weights. Raises OSError, HeaderError."""
-    with os.scandir(directory) as entries:
-        sizes = {e.name: e.stat().st_size for e in entries if e.is_file()}
+    """The shape of a local model from its weight files (esd_worker.core.models.weightfiles,
+    with its component folders): every safetensors header read; files without one
+    (pytorch_model*.bin, GGUF) give an estimate from their bytes (bytes_params). None without
+    weights. Raises OSError, HeaderError."""
+    sizes = local_files(directory)
     files = weight_names(sizes)
     if not files:
         return None
     if not all(name.endswith(".safetensors") for name in files):
-        params = sum(sizes[name] for name in files) // 2
+        params = bytes_params(sizes, files)
         return WeightShape(params, width_from_params(params), "local", width_inferred=True)
     headers = [read_shape(directory / name) for name in files]
     params = sum(h.params for h in headers)
     return WeightShape(params, max(h.width for h in headers) or 1, "local")
+
+
+def bytes_params(sizes: Mapping[str, int], files: list[str]) -> int:
+    """The parameters `files` hold, guessed from their bytes: 2 a parameter (16-bit
+    weights), a GGUF file's by the bits per weight of its name's quantization tag
+    (weightfiles.GGUF_BITS; 4.5 without one)."""
+    params = 0.0
+    for name in files:
+        if name.lower().endswith(".gguf"):
+            tag = gguf_quant(name)
+            params += sizes[name] * 8 / (GGUF_BITS[tag] if tag else 4.5)
+        else:
+            params += sizes[name] / 2
+    return int(params)
 
 
 @dataclass(frozen=True)
@@ -205,7 +219,7 @@ class ShapeFinder:
         if info is None or not files:
             return None
         total = sum(info.files[name] for name in files)
-        params = info.params or total // 2  # without the hub's count: 2 bytes a parameter
+        params = info.params or bytes_params(info.files, files)  # without the hub's count
         inferred = WeightShape(params, width_from_params(params), "hub", width_inferred=True)
         tensors = [name for name in files if name.endswith(".safetensors")]
         if not tensors or not self.rule.width_matters(params):

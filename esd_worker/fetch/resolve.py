@@ -2,8 +2,10 @@
 and say beforehand which files that takes and how many bytes they are.
 
 Owns: which files of a repo the analysis needs
-(`_choose_files`: its configs, and the weights that esd_worker.core.models.weightfiles picks,
-the rule the controller's sizes follow too), and offline mode (HF_HUB_OFFLINE=1: the HF cache
+(`_choose_files`: the weights that esd_worker.core.models.weightfiles' model_weights picks, the
+rule the controller's sizes and the reader follow too, with their folders for a diffusers
+pipeline's components or a sentence-transformers model's modules, or the one GGUF file set;
+and each weight folder's configs), and offline mode (HF_HUB_OFFLINE=1: the HF cache
 only). The hub's HTTP side (model info, downloads, retries, error mapping) is
 esd_worker.fetch.hub's.
 
@@ -22,16 +24,18 @@ from pathlib import Path
 from esd_worker.core.errors import PermanentModelError, WorkerError
 from esd_worker.core.hubretry import RetryPolicy
 from esd_worker.core.models.naming import is_local_path, normalize_model_ref, parse_ref
-from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, weight_files
+from esd_worker.core.models.weightfiles import PATTERNS, is_adapter, model_weights
 from esd_worker.fetch.hub import classify_hub_error, download_files, model_info
 
 log = logging.getLogger(__name__)
 
-# What the analysis needs from a repo: configs, weights, indices. Never tokenizers,
-# images, GGUF, ONNX or other variants.
+# What the analysis needs from a repo: configs, weights, indices (and the file that says a
+# pipeline's or a sentence-transformers model's layout). Never tokenizers, images, ONNX or
+# other variants, nor GGUF beside other weights.
 _CONFIG_FILES = ["config.json", "adapter_config.json"]
-# Offline, without the hub's file list: whatever of these the cached snapshot holds.
-_OFFLINE_PATTERNS = [*_CONFIG_FILES, *PATTERNS]
+# Offline, without the hub's file list: whatever of these the cached snapshot holds (a
+# component folder's config too: "*" matches "/" in these globs).
+_OFFLINE_PATTERNS = [*_CONFIG_FILES, "*/config.json", *PATTERNS]
 
 
 @dataclass(frozen=True)
@@ -175,19 +179,27 @@ def _sized(model_id: str, revision: str | None, sha: str | None, directory: Path
 
 
 def _choose_files(filenames: Iterable[str]) -> list[str]:
-    """The files of a repo (or directory) the analysis needs, sorted: its configs, and its
-    weights with their index (esd_worker.core.models.weightfiles: an adapter's own files
-    when adapter_config.json is there). PermanentModelError when it has no weights."""
-    root = sorted({n for n in filenames if "/" not in n})
-    chosen = weight_files(root)
+    """The files of a repo (or directory) the analysis needs, sorted: its weights with their
+    indices and layout file (esd_worker.core.models.weightfiles.model_weights: an adapter's
+    own files when adapter_config.json is there; a pipeline's or a sentence-transformers
+    model's weight folders; one GGUF file set), and the configs of each folder that holds
+    weights (none for GGUF: the file is its own config). PermanentModelError when it has no
+    weights."""
+    listing = sorted(set(filenames))
+    chosen = model_weights(listing)
     if chosen is None:
+        root = [n for n in listing if "/" not in n]
         wanted = ("adapter_model.safetensors or adapter_model.bin" if is_adapter(root)
-                  else "safetensors or pytorch_model.bin")
+                  else "safetensors, pytorch_model.bin or GGUF")
         raise PermanentModelError(
             f"unsupported format: the repo has no {wanted} weights "
             f"(files: {', '.join(root[:8])})"
         )
-    return sorted([n for n in _CONFIG_FILES if n in root] + chosen.files)
+    present = set(listing)
+    configs = [] if chosen.kind == "gguf" else [
+        part.prefix + name for part in chosen.parts for name in _CONFIG_FILES
+        if part.prefix + name in present]
+    return sorted({*configs, *chosen.files})
 
 
 def _offline_snapshot(model_id: str, revision: str | None, cache_dir: Path | None) -> Path:

@@ -193,11 +193,28 @@ def test_missing_from_cache_while_offline_is_permanent() -> None:
                      id="sharded-bin"),
         pytest.param(["adapter_config.json", "adapter_model.bin"],
                      ["adapter_config.json", "adapter_model.bin"], id="adapter-bin"),
+        pytest.param(["model_index.json", "README.md", "unet/config.json",
+                      "unet/diffusion_pytorch_model.safetensors",
+                      "unet/diffusion_pytorch_model.fp16.safetensors",
+                      "text_encoder/config.json", "text_encoder/model.safetensors",
+                      "scheduler/scheduler_config.json", "tokenizer/vocab.json",
+                      "v1-5-pruned.safetensors"],
+                     ["model_index.json", "text_encoder/config.json",
+                      "text_encoder/model.safetensors", "unet/config.json",
+                      "unet/diffusion_pytorch_model.safetensors"], id="diffusers"),
+        pytest.param(["modules.json", "config.json", "model.safetensors", "tokenizer.json",
+                      "1_Pooling/config.json", "2_Dense/config.json", "2_Dense/model.safetensors",
+                      "2_Dense/pytorch_model.bin"],
+                     ["2_Dense/config.json", "2_Dense/model.safetensors", "config.json",
+                      "model.safetensors", "modules.json"], id="sentence-transformers-dense"),
+        pytest.param(["config.json", "README.md", "m-Q4_K_M.gguf", "m-Q8_0.gguf",
+                      "mmproj-f16.gguf"], ["m-Q8_0.gguf"], id="gguf-one-file-no-config"),
     ],
 )
 def test_download_only_what_the_analysis_reads(files: list[str], expected: list[str]) -> None:
     """Online, the worker asks the hub for configs and one weight format only: never
-    tokenizers, ONNX/GGUF variants, or .bin files next to safetensors."""
+    tokenizers, ONNX/GGUF variants, or .bin files next to safetensors; a pipeline's and a
+    sentence-transformers model's weight folders with their configs; one GGUF file."""
     from esd_worker.fetch.resolve import _choose_files
 
     assert _choose_files(files) == expected
@@ -207,4 +224,83 @@ def test_repo_without_weights_is_unsupported() -> None:
     from esd_worker.fetch.resolve import _choose_files
 
     with pytest.raises(PermanentModelError, match="unsupported format"):
-        _choose_files(["config.json", "model.gguf", "unet/diffusion_pytorch_model.safetensors"])
+        _choose_files(["config.json", "model.onnx", "unet/diffusion_pytorch_model.safetensors"])
+
+
+# A repo's files (name -> bytes) for the hub double, and what the worker fetches of it.
+_LAYOUT_REPOS: dict[str, tuple[dict[str, bytes], list[str]]] = {
+    "esd-test/pipeline": ({
+        "model_index.json": b"{}", "README.md": b"# a pipeline",
+        "unet/config.json": b"{}", "unet/diffusion_pytorch_model.safetensors": b"u" * 300,
+        "unet/diffusion_pytorch_model.fp16.safetensors": b"h" * 150,
+        "text_encoder/config.json": b"{}", "text_encoder/model.safetensors": b"t" * 200,
+        "scheduler/scheduler_config.json": b"{}", "tokenizer/vocab.json": b"{}",
+        "v1-5-pruned.safetensors": b"p" * 700,
+    }, ["model_index.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+        "unet/config.json", "unet/diffusion_pytorch_model.safetensors"]),
+    "esd-test/embedder": ({
+        "modules.json": b"[]", "config.json": b"{}", "model.safetensors": b"m" * 120,
+        "1_Pooling/config.json": b"{}", "2_Dense/config.json": b"{}",
+        "2_Dense/model.safetensors": b"d" * 40, "2_Dense/pytorch_model.bin": b"b" * 40,
+    }, ["2_Dense/config.json", "2_Dense/model.safetensors", "config.json",
+        "model.safetensors", "modules.json"]),
+    "esd-test/quants": ({
+        "README.md": b"# quants", "config.json": b"{}", "m-Q4_K_M.gguf": b"q" * 90,
+        "Q8_0/m-Q8_0-00001-of-00002.gguf": b"a" * 80,
+        "Q8_0/m-Q8_0-00002-of-00002.gguf": b"b" * 70, "mmproj-f16.gguf": b"v" * 60,
+    }, ["Q8_0/m-Q8_0-00001-of-00002.gguf", "Q8_0/m-Q8_0-00002-of-00002.gguf"]),
+}
+_FETCH = """
+import json, sys
+from esd_worker.fetch.resolve import model_files, resolve_model
+out = {}
+for ref in sys.argv[1:]:
+    files = model_files(ref)
+    model = resolve_model(ref, files=files)
+    held = sorted(p.relative_to(model.directory).as_posix()
+                  for p in model.directory.rglob("*") if p.is_file())
+    out[ref] = {"names": files.names, "held": held, "bytes": files.total_bytes}
+print(json.dumps(out))
+"""
+
+
+def test_pipeline_embedder_and_gguf_repos_fetch_what_is_read(tmp_path: Path) -> None:
+    """Through the real huggingface_hub client against the hub double: a diffusers pipeline's
+    component folders, a sentence-transformers model's module folder and one GGUF file set
+    (in a folder of their own) are what is downloaded, nothing else; offline afterwards, the
+    cached snapshot is found and names the same files. The controller sizes the same weights
+    from the hub's file list."""
+    import subprocess
+    import sys
+
+    from controller.weights.sizing import Sizer
+    from esd_worker.core.models.modellist import ModelRow
+    from tests.support import REPO_ROOT
+    from tests.support.hubserver import HubServer
+
+    with HubServer() as server:
+        for repo, (files, _) in _LAYOUT_REPOS.items():
+            folder = tmp_path / "repos" / repo
+            for name, body in files.items():
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_bytes(body)
+            server.add_repo(repo, folder)
+        env = server.env(tmp_path / "hf") | {"PYTHONPATH": str(REPO_ROOT)}
+        refs = list(_LAYOUT_REPOS)
+        online = subprocess.run([sys.executable, "-c", _FETCH, *refs], env=env,
+                                capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        assert online.returncode == 0, online.stderr[-2000:]
+        sizer = Sizer(endpoint=server.url, offline=False, rate_per_s=100.0)
+        sized = {repo: sizer.size(ModelRow(repo, None, "", None)) for repo in refs}
+    offline = subprocess.run([sys.executable, "-c", _FETCH, *refs],
+                             env=env | {"HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                             timeout=120, cwd=REPO_ROOT)
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    for got in (online, offline):
+        results = json.loads(got.stdout.strip().splitlines()[-1])
+        for repo, (_, expected) in _LAYOUT_REPOS.items():
+            assert results[repo]["names"] == expected
+            assert results[repo]["held"] == expected
+    for repo, (files, expected) in _LAYOUT_REPOS.items():
+        weights = [n for n in expected if n.endswith((".safetensors", ".bin", ".gguf"))]
+        assert sized[repo] == sum(len(files[n]) for n in weights)
