@@ -1,5 +1,6 @@
 """LoRA adapters made with peft on locally built bases: the worker's streamed, per-layer merge
-gives the spectra of peft's own `merge_and_unload()`, and unsupported adapters are refused."""
+gives the spectra of peft's own `merge_and_unload()`, and bad adapters are refused. The other
+methods: test_adapters (merges), test_adapters_units (deltas), test_adapters_refusals."""
 
 from __future__ import annotations
 
@@ -239,48 +240,18 @@ def test_adapter_relation_without_adapter(llama_dir: Path, tmp_path: Path) -> No
         run_analysis(llama_dir, tmp_path, relation="lora")
 
 
-# --- unsupported adapters ------------------------------------------------------------------
-
-
-def _peft_config(kind: str) -> Any:
-    import peft
-
-    if kind == "IA3":
-        return peft.IA3Config(target_modules=["k_proj", "down_proj"],
-                              feedforward_modules=["down_proj"])
-    if kind == "LOHA":
-        return peft.LoHaConfig(r=2, target_modules=["q_proj"])
-    return peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True)
-
-
-@pytest.mark.parametrize(
-    ("kind", "message"),
-    [("IA3", "'IA3'"), ("LOHA", "'LOHA'"), ("DORA", "DoRA")],
-)
-def test_unsupported_adapter_types_are_refused(
-    llama_dir: Path, tmp_path: Path, kind: str, message: str
-) -> None:
-    """peft adapters whose merge is not W + scale·B@A: a permanent error naming the type."""
-    adapter = make_peft_adapter(llama_dir, tmp_path / kind, _peft_config(kind))
-    with pytest.raises(UnsupportedAdapterError, match=message):
-        run_analysis(adapter, tmp_path / "out")
+# --- refused adapters (every other method: test_adapters_refusals) ------------------------
 
 
 @pytest.mark.parametrize(
     "option",
-    ["use_dora", "layer_replication", "target_parameters", "use_bdlora", "use_qalora",
+    ["layer_replication", "target_parameters", "use_bdlora", "use_qalora",
      "kasa_config", "alora_invocation_tokens", "trainable_token_indices"],
 )
 def test_lora_options_that_change_the_merge_are_refused(option: str) -> None:
     check_supported({"peft_type": "LORA", option: None})  # unset: fine
     with pytest.raises(UnsupportedAdapterError, match="not supported"):
         check_supported({"peft_type": "LORA", option: [1]})
-
-
-@pytest.mark.parametrize("peft_type", [None, "", "PREFIX_TUNING", "LOKR", "ADALORA"])
-def test_non_lora_types_are_refused(peft_type: str | None) -> None:
-    with pytest.raises(UnsupportedAdapterError, match="only LoRA adapters"):
-        check_supported({"peft_type": peft_type})
 
 
 def test_adapter_bin_equals_safetensors(
@@ -435,14 +406,14 @@ def _use_dora_false(config: dict[str, Any]) -> None:
         pytest.param(_use_dora_false, ".weight", id="use_dora-false-older-peft-key"),
     ],
 )
-def test_dora_weights_are_refused_whatever_the_config_says(
+def test_dora_weights_without_use_dora_are_a_bad_adapter(
     llama_dir: Path, tmp_path: Path, edit_config: Callable[[dict[str, Any]], None],
     key_suffix: str,
 ) -> None:
     """A DoRA adapter (made with peft) whose adapter_config.json lost use_dora still holds
     lora_magnitude_vector weights (peft saves `<module>.lora_magnitude_vector`, older
-    versions `….weight`): merged as plain LoRA the magnitudes would be dropped silently,
-    so it is refused as DoRA is."""
+    versions `….weight`): merged as plain LoRA, as peft would with that config, the
+    magnitudes would be dropped silently; config and weights disagree, a bad adapter."""
     import peft
 
     adapter = make_peft_adapter(llama_dir, tmp_path / "dora", peft.LoraConfig(
@@ -457,7 +428,9 @@ def test_dora_weights_are_refused_whatever_the_config_says(
             tensors[key + key_suffix] = tensors.pop(key)
 
     _edit_weights(adapter, rename)
-    with pytest.raises(UnsupportedAdapterError,
-                       match=r"adapter type DoRA \(its weights hold .*lora_magnitude_vector"
-                             r".*does not set use_dora.*is not supported"):
+    with pytest.raises(PermanentModelError,
+                       match=r"bad adapter: its weights hold DoRA magnitudes \(model\.layers\.0"
+                             r"\.self_attn\.q_proj\.lora_magnitude_vector\) though "
+                             r"adapter_config\.json does not set use_dora: config and weights "
+                             r"disagree"):
         run_analysis(adapter, tmp_path / "out")
