@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from esd_worker.analysis.quant.plan import Module, Plan, refused
+from esd_worker.analysis.quant.plan import CHUNK, Module, Plan, refused
 from esd_worker.analysis.weights import Tensors
 
 _STATE = "weight.quant_state.bitsandbytes__"
@@ -54,7 +54,7 @@ def bnb4_plan(module: Module, tensors: Tensors) -> Plan | None:
     def compute(t: Tensors) -> torch.Tensor:
         absmax = t.read(params["weight.absmax"])
         if nested:
-            absmax = _codes_times(absmax.to(torch.int64),
+            absmax = _codes_times(absmax,
                                   t.read(params["weight.nested_quant_map"]).to(torch.float32),
                                   t.read(params["weight.nested_absmax"]).to(torch.float32),
                                   int(state["nested_blocksize"]))
@@ -64,7 +64,7 @@ def bnb4_plan(module: Module, tensors: Tensors) -> Plan | None:
         n = math.prod(shape)
         if codes.numel() < n:
             raise ValueError(f"{key} holds {codes.numel()} codes for a weight of {n}")
-        values = _codes_times(codes[:n].to(torch.int64),
+        values = _codes_times(codes[:n],
                               t.read(params["weight.quant_map"]).to(torch.float32),
                               absmax.to(torch.float32), blocksize)
         return values.reshape(shape)
@@ -98,8 +98,10 @@ def _codes_times(codes: torch.Tensor, table: torch.Tensor, absmax: torch.Tensor,
                  blocksize: int) -> torch.Tensor:
     """table[codes] (flat), each block of `blocksize` times its absmax (the last block maybe
     partial): bitsandbytes' blockwise dequantization."""
-    values = table[codes]
-    n = values.numel()
+    n = codes.numel()
+    values = torch.empty(n, dtype=torch.float32)
+    for start in range(0, n, CHUNK):  # int64 indices a slice at a time
+        values[start: start + CHUNK] = table[codes[start: start + CHUNK].to(torch.int64)]
     full, rem = divmod(n, blocksize)
     if absmax.numel() != full + (1 if rem else 0):
         raise ValueError(f"{absmax.numel()} absmax for {n} values in blocks of {blocksize}")

@@ -60,7 +60,8 @@ def _gptq_or_awq(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
     if missing or len(qshape) != 2 or tensors.dtype(stored) not in _INT_DTYPES:
         what = f"no {' or '.join(missing)}" if missing else (
             f"qweight {tensors.dtype(stored)} {list(qshape)}")
-        return refused(key, qshape, stored, folded, f"packed int weight with {what}")
+        return refused(key, _guessed(qshape, config), stored, folded,
+                       f"packed int weight with {what}")
     zshape, sshape = tensors.shape(params["qzeros"]), tensors.shape(params["scales"])
     awq = "g_idx" not in params and len(sshape) == 2 and sshape[1] > qshape[1]
     method = config.method
@@ -73,11 +74,23 @@ def _gptq_or_awq(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
     return _gptq(module, key, folded, qshape, zshape, sshape, tensors, config)
 
 
+def _guessed(qshape: tuple[int, ...], config: QuantConfig) -> tuple[int, ...]:
+    """The logical shape of a qweight whose companions are missing, from the config's bit
+    width (GPTQ unless it says AWQ); the stored shape when it names none."""
+    named = config.bits()
+    if len(qshape) != 2 or len(named) != 1 or 32 % named[0]:
+        return qshape
+    per = 32 // named[0]
+    if config.method == "awq":
+        return (qshape[1] * per, qshape[0])
+    return (qshape[1], qshape[0] * per)
+
+
 def _bits(words: int, values: int, config: QuantConfig, name: str, *,
           padded: bool = False) -> tuple[int | None, str]:
     """Bits per value from `values` packed into `words` int32 words (`padded`: the last
-    word maybe part full), the config's bit widths first; (None, why) when no width this
-    code unpacks fits."""
+    word maybe part full), the config's bit widths first, and "" or why this code does not
+    unpack them (the bits None when no width fits)."""
     named = config.bits()
     fits = [b for b in (*named, *_CANDIDATES) if 0 < b <= 8 and (
         math.ceil(values * b / 32) == words if padded else values * b == words * 32)]
@@ -85,7 +98,7 @@ def _bits(words: int, values: int, config: QuantConfig, name: str, *,
         of = f" (quantization_config says {named})" if named else ""
         return None, f"{name}: {values} values in {words} int32 words fit no bit width{of}"
     if fits[0] not in _BITS:
-        return None, f"{fits[0]}-bit {name} is not supported (2, 4 and 8 bits are)"
+        return fits[0], f"{fits[0]}-bit {name} is not supported (2, 4 and 8 bits are)"
     return fits[0], ""
 
 
@@ -95,8 +108,9 @@ def _gptq(module: Module, key: str, folded: list[str], qshape: tuple[int, ...],
     params = module.params
     out = qshape[1]
     bits, why = _bits(zshape[-1] if len(zshape) == 2 else 0, out, config, "GPTQ")
-    if bits is None:
-        return refused(key, (out, qshape[0]), params["qweight"], folded, why)
+    if bits is None or why:
+        inputs = qshape[0] * 32 // bits if bits else qshape[0]
+        return refused(key, (out, inputs), params["qweight"], folded, why)
     inputs = qshape[0] * 32 // bits
     shape = (out, inputs)
     groups = sshape[0] if len(sshape) == 2 else 0
@@ -142,7 +156,7 @@ def _awq(module: Module, key: str, folded: list[str], qshape: tuple[int, ...],
     out = sshape[1]
     shape = (out, qshape[0])
     bits, why = _bits(qshape[1], out, config, "AWQ")
-    if bits is None or bits != 4:
+    if bits is None or why or bits != 4:
         return refused(key, shape, stored, folded, why or f"{bits}-bit AWQ is not supported")
     version = str(config.raw.get("version") or "gemm").lower()
     if version not in ("gemm", "exllama", "ipex"):
@@ -207,7 +221,7 @@ def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
                        f"{list(pshape)}")
     bits, why = _bits(pshape[-1], shape[-1], config, "compressed-tensors pack-quantized",
                       padded=True)
-    if bits is None:
+    if bits is None or why:
         return refused(key, shape, stored, folded, why)
     sshape = tensors.shape(params["weight_scale"])
     grid = grid_scales(torch.empty(sshape, device="meta"), shape)
