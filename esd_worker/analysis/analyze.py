@@ -23,15 +23,18 @@ import numpy as np
 import torch
 
 from esd_worker import __version__
+from esd_worker.analysis.accounting import coverage as tensor_coverage
 from esd_worker.analysis.checkpoints import Component, combined, open_components
 from esd_worker.analysis.hostsolve import default_host_solvers
 from esd_worker.analysis.inmemory import MEMORY_SOURCE, HeldWeights
 from esd_worker.analysis.knownmaps import known_layer_map
-from esd_worker.analysis.layers import LayerMap, discover_layers, joined_maps
+from esd_worker.analysis.layers import LayerMap, joined_maps
 from esd_worker.analysis.lora import AdapterMatch, LoraAdapter
+from esd_worker.analysis.metamodel import discover_layers
 from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.quantized import dequantized
 from esd_worker.analysis.speculate import Speculation, candidate_keys, speculation_mode
+from esd_worker.analysis.stacks import Sliced
 from esd_worker.analysis.streams import Capacity, device_capacity, select_devices
 from esd_worker.analysis.weights import float_dtype
 from esd_worker.core.command.settings import WorkerSettings
@@ -212,12 +215,15 @@ def analyse_model_with(
             "model=%s layers=%d discovery=%s architecture=%s",
             settings.model, len(layer_map.layers), layer_map.discovery, layer_map.architecture,
         )
+        sliced = Sliced(ckpt)  # a layer may be one expert of a stored stack: `key[i]`
         job = LayerAnalysis(
-            model, layer_map, ckpt.read, settings.analysis, devices, matched,
+            model, layer_map, sliced.read, settings.analysis, devices, matched,
             adapter.fan_in_fan_out if adapter else False, speculation,
-            capacity=capacity, stored_dtype=lambda name: float_dtype(ckpt.dtype(name)),
-            reader=ckpt, host_solvers=host_solvers,
+            capacity=capacity, stored_dtype=lambda name: float_dtype(sliced.dtype(name)),
+            reader=sliced, host_solvers=host_solvers,
+            quantization=lambda name: (sliced.scheme(name), sliced.refusal(name)),
         )
+        row_keys = [spec.key for spec in layer_map.layers]
         try:
             job.run(None if progress is None else lambda done: progress(done, None))
         except torch.cuda.OutOfMemoryError as e:
@@ -226,6 +232,9 @@ def analyse_model_with(
             ) from e
     t_analyse = time.perf_counter()
 
+    coverage = tensor_coverage(ckpt, row_keys, layer_map.skipped)
+    if coverage["warning"]:
+        log.warning("model=%s: %s", settings.model, coverage["warning"])
     layers_csv = layers_to_csv(job.rows)
     eigs = eigs_to_npz(job.eigs) if settings.save_eigs else None
     statuses = Counter(row["status"] for row in job.rows)
@@ -250,6 +259,7 @@ def analyse_model_with(
         layer_discovery=layer_map.discovery,
         architecture=layer_map.architecture,
         discovery_note=layer_map.note,
+        coverage=coverage,
         layer_count=len(job.rows),
         status_counts=dict(sorted(statuses.items())),
         summary=summarize_layers(job.rows),

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from esd_worker.analysis.layers import LayerMap, map_by_names, map_modules
+from esd_worker.analysis.layers import LayerMap, map_by_names
+from esd_worker.analysis.modulemap import map_modules
 from esd_worker.analysis.weights import Checkpoint, Tensors
 from esd_worker.core.errors import UsageError
 from esd_worker.fetch.resolve import ResolvedModel

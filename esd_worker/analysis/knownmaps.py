@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from esd_worker.analysis.accounting import classify
 from esd_worker.analysis.layers import EMBEDDING, LINEAR, LayerMap, LayerSpec
 from esd_worker.analysis.weights import Tensors
 
@@ -89,7 +90,12 @@ def known_layer_map(directory: Path, checkpoint: Tensors, *, include_embeddings:
     layers.append(LayerSpec(HEAD, head_key, LINEAR, checkpoint.shape(head_key)))
     log.info("layer map of %s from config.json and the checkpoint's names (no model built)",
              arch)
-    return LayerMap(layers, "architecture", arch)
+    used = {spec.key for spec in layers}
+    rules = {key: classify(checkpoint, key, name=key, include_embeddings=include_embeddings,
+                           stack=False).rule
+             for key in checkpoint.keys() if key not in used}  # noqa: SIM118
+    return LayerMap(layers, "architecture", arch,
+                    skipped={key: rule for key, rule in rules.items() if rule is not None})
 
 
 def _config(directory: Path) -> dict[str, Any] | None:

@@ -41,6 +41,13 @@ from esd_worker.core.powerlaw import METRIC_COLUMNS, layer_metrics
 from esd_worker.fetch.resolve import ResolvedModel
 
 T = TypeVar("T")
+# (scheme, refusal) of a layer key: the quantization its weight was dequantized from, and why
+# it cannot be read as floats (esd_worker.analysis.quantized; None, None: stored as is).
+Quantization = Callable[[str], "tuple[str | None, str | None]"]
+
+
+def _stored(key: str) -> tuple[str | None, str | None]:
+    return None, None
 
 
 def _nan_metrics() -> dict[str, Any]:
@@ -85,6 +92,7 @@ class LayerAnalysis:
         stored_dtype: Callable[[str], torch.dtype | None] | None = None,
         reader: Reader | None = None,
         host_solvers: int = 0,
+        quantization: Quantization | None = None,
     ) -> None:
         self.model = model
         self.layer_map = layer_map
@@ -110,6 +118,7 @@ class LayerAnalysis:
         self.copy_streams = {} if reader is None else {
             d: torch.cuda.Stream(d) for d in self.devices if d.type == "cuda"}
         self.host_solvers = host_solvers
+        self.quantization = quantization or _stored
         self.host: HostSolvers | None = None
         self._remaining: list[float] = []  # solve units of layers from index i on
 
@@ -124,6 +133,8 @@ class LayerAnalysis:
         layer with a usable speculative spectrum a meta tensor of its shape and dtype (all
         the row needs): no read."""
         found, reader = self._speculated(spec), self.reader
+        if self.quantization(spec.key)[1] is not None:  # refused: nothing to read
+            return _ready(Staged(torch.empty(spec.shape, device="meta")))
         if found is None:
             if reader is None:
                 return pool.submit(lambda: Staged(self.read(spec.key)))
@@ -154,7 +165,11 @@ class LayerAnalysis:
 
     def _status(self, spec: LayerSpec, tensor: torch.Tensor, M: int, N: int) -> str | None:
         """Why the layer cannot be analysed, or None when it can."""
-        if not tensor.is_floating_point():
+        if self.quantization(spec.key)[1] is not None:
+            return "unsupported_quantization"
+        # float8 is floating point to torch, but quantized values without their scales:
+        # never analysed raw (esd_worker.analysis.quantized applies the scales).
+        if not tensor.is_floating_point() or tensor.dtype.itemsize == 1:
             return "unsupported_dtype"
         if tensor.dim() != (4 if spec.layer_type == CONV2D else 2):
             return "unsupported_shape"
@@ -209,6 +224,7 @@ class LayerAnalysis:
             "N": N,
             "num_params": int(tensor.numel()),
             "fix_fingers": a.fix_fingers,
+            "quantization": self.quantization(spec.key)[0],
         }
         status = self._status(spec, tensor, M, N)
         if status is not None:
@@ -264,6 +280,7 @@ class LayerAnalysis:
         for spec in self.layer_map.layers:
             stored = self.stored_dtype(spec.key)
             if (stored is None or len(spec.shape) != rank.get(spec.layer_type, 2)
+                    or self.quantization(spec.key)[1] is not None
                     or min(spec.shape[:2]) < self.analysis.min_evals
                     or spec.name in self.adapter.replaced or self._speculated(spec)):
                 continue  # a status row, the adapter's own copy, or no device work

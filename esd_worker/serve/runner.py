@@ -155,7 +155,7 @@ def run_batch(args: argparse.Namespace, template: WorkerSettings, store: Store,
     except OSError as e:  # the cache folder cannot be made or written
         raise UsageError(f"--cache-dir {cache_dir}: {e.strerror or e}") from e
     from esd_worker.analysis.analyze import analyse_model  # torch: after the store check
-    from esd_worker.analysis.layers import warm_up
+    from esd_worker.analysis.metamodel import warm_up
 
     # transformers and CUDA start while the first model downloads (not a daemon: a thread
     # killed inside an import at exit can abort the interpreter).

@@ -1,9 +1,9 @@
-"""Every weight matrix a checkpoint holds is accounted for (esd_worker.analysis.layers.map_modules):
-analysed, or a weight of the model that is not analysed by a documented rule (embeddings
-without --include-embeddings, a tied head's stored copy, a MoE's experts that transformers
-fuses, a key the model class ignores on load). A stored matrix the model built from
-config.json does not account for, such as the second block of a checkpoint whose config.json
-says one, fails the model with one clear line; it is never marked done without it.
+"""Every tensor a checkpoint holds is accounted for (esd_worker.analysis.modulemap,
+esd_worker.analysis.accounting): a layer row, or skipped by a documented rule (embeddings
+without --include-embeddings, a tied head's stored copy, a key the model class ignores on
+load, vectors), as result.json's coverage records. The checkpoint is the truth: a stored
+matrix no class built from config.json holds is analysed under its checkpoint name; a MoE's
+experts, stored 2-D or as 3-D stacks, are rows of their own.
 
 Small models built with transformers' config classes and save_pretrained, their config.json
 or safetensors file edited afterwards; the real `esd-worker` entry point in this process."""
@@ -18,10 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from esd_worker import cli
-from esd_worker.core.errors import EXIT_PERMANENT
-from esd_worker.core.models.naming import model_key
-from tests.support.builders import CliResult, make_bert, make_gpt2, make_llama, run_analysis
+from tests.support.builders import make_bert, make_gpt2, make_llama, run_analysis
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
 
@@ -76,58 +73,62 @@ def _bert_pretraining(folder: Path) -> Path:
     return _config(folder, architectures=["BertForMaskedLM"])
 
 
-def run_main(capsys: pytest.CaptureFixture[str], model: Path, output: Path) -> CliResult:
-    code = cli.main(["--device", "cpu", "--model", str(model), "--output", str(output)])
-    return CliResult(code, capsys.readouterr().err, output)
+LLAMA_BLOCK = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @pytest.mark.parametrize(
-    ("build", "fragments"),
+    ("build", "rows", "note"),
     [
         pytest.param(lambda d: _config(make_llama(d, num_layers=2), num_hidden_layers=1),
-                     ("7 weight matrices", "LlamaForCausalLM", "model.layers.1.mlp.down_proj",
-                      "and 4 more"),
+                     {f"model.layers.1.{m}": "Matrix" for m in LLAMA_BLOCK},
+                     "7 stored matrices are no parameter of LlamaForCausalLM",
                      id="llama-config-says-1-block-of-2"),
         pytest.param(lambda d: _config(make_gpt2(d, n_layer=2), n_layer=1),
-                     ("4 weight matrices", "GPT2LMHeadModel", "transformer.h.1."),
+                     {"transformer.h.1.attn.c_attn": "Matrix", "transformer.h.1.mlp.c_proj":
+                      "Matrix"},
+                     "4 stored matrices are no parameter of GPT2LMHeadModel",
                      id="gpt2-config-says-1-block-of-2"),
         pytest.param(lambda d: _config(_mixtral(d), num_hidden_layers=1),
-                     ("MixtralForCausalLM", "model.layers.1.block_sparse_moe.experts.0.w1"),
+                     {"model.layers.1.block_sparse_moe.experts.3.w2": "Expert",
+                      "model.layers.1.self_attn.q_proj": "Matrix"},
+                     "no parameter of MixtralForCausalLM",
                      id="mixtral-config-says-1-block-of-2"),
         pytest.param(lambda d: _add(make_llama(d), "model.extra_proj.weight",
                                     torch.randn(16, 32)),
-                     ("1 weight matrix ", "(model.extra_proj.weight)"),
+                     {"model.extra_proj": "Matrix"}, "(e.g. model.extra_proj.weight)",
                      id="llama-stray-matrix"),
-        pytest.param(lambda d: _add(make_llama(d), "model.layers.0.extra_norm.weight",
-                                    torch.randn(16, 32)),
-                     ("1 weight matrix ", "(model.layers.0.extra_norm.weight)"),
-                     id="llama-stray-matrix-named-like-a-norm"),
         pytest.param(lambda d: _add(make_gpt2(d), "transformer.h.0.extra_conv.weight",
                                     torch.randn(8, 8, 3, 3)),
-                     ("1 weight matrix ", "(transformer.h.0.extra_conv.weight)"),
+                     {"transformer.h.0.extra_conv": "Conv2d"}, "1 stored matrices",
                      id="gpt2-stray-conv"),
         pytest.param(lambda d: _add(_t5(d), "decoder.block.0.layer.1.EncDecAttention.x.weight",
                                     torch.randn(32, 2)),
-                     ("1 weight matrix ", "T5ForConditionalGeneration"),
-                     id="t5-stray-matrix"),
+                     {"decoder.block.0.layer.1.EncDecAttention.x": "Matrix"},
+                     "no parameter of T5ForConditionalGeneration", id="t5-stray-matrix"),
     ],
 )
-def test_a_stored_matrix_the_model_does_not_account_for_fails_the_model(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, build: Callable[[Path], Path],
-    fragments: tuple[str, ...],
+def test_a_stored_matrix_the_model_does_not_hold_is_analysed_by_its_name(
+    tmp_path: Path, build: Callable[[Path], Path], rows: dict[str, str], note: str,
 ) -> None:
-    """Neither the known-architecture map nor any class built from config.json places the
-    matrix: the model fails for good (exit 3) with one line naming the first few and how
-    many, and no result says it is done."""
-    model = build(tmp_path / "model")
-    run = run_main(capsys, model, tmp_path / "out")
-    assert run.code == EXIT_PERMANENT, run.stderr
-    assert "Traceback" not in run.stderr
-    assert len(run.errors) == 1, run.stderr
-    for fragment in ("not part of", "config.json does not describe this checkpoint",
-                     *fragments):
-        assert fragment in run.errors[0], run.errors[0]
-    assert not (tmp_path / "out" / model_key(str(model)) / "result.json").exists()
+    """The checkpoint is the truth: a stored matrix that no class built from config.json
+    holds (a config.json that says fewer blocks than are stored, a stray matrix) is analysed
+    under its checkpoint name, the note says how many, and nothing is unexplained."""
+    result = run_analysis(build(tmp_path / "model"), tmp_path / "out")
+    for layer, layer_type in rows.items():
+        assert result.row(layer)["layer_type"] == layer_type, layer
+    assert note in result.marker["discovery_note"], result.marker["discovery_note"]
+    coverage = result.marker["coverage"]
+    assert coverage["unexplained"]["tensors"] == 0, coverage
+    assert coverage["warning"] is None
+
+
+def test_a_stored_matrix_named_like_a_norm_is_skipped_by_the_norm_rule(tmp_path: Path) -> None:
+    result = run_analysis(_add(make_llama(tmp_path / "m"), "model.layers.0.extra_norm.weight",
+                               torch.randn(16, 32)), tmp_path / "out")
+    assert "model.layers.0.extra_norm" not in result.layers
+    assert result.marker["coverage"]["skipped"]["norm"]["example"] == (
+        "model.layers.0.extra_norm.weight")
 
 
 def _tied_llama_with_head_copy(folder: Path) -> Path:
@@ -144,39 +145,37 @@ LLAMA_LAYERS = [f"model.layers.{i}.{m}" for i in range(2) for m in (
 
 
 @pytest.mark.parametrize(
-    ("build", "architecture", "layers", "note"),
+    ("build", "architecture", "layers", "note", "skipped"),
     [
-        pytest.param(_tied_llama_with_head_copy, "LlamaForCausalLM", LLAMA_LAYERS,
-                     "(e.g. lm_head.weight)", id="tied-head-stored-too"),
+        pytest.param(_tied_llama_with_head_copy, "LlamaForCausalLM", LLAMA_LAYERS, "",
+                     {"tied_copy": 1, "embedding": 0}, id="tied-head-stored-too"),
         pytest.param(lambda d: _add(_t5(d), "decoder.block.0.layer.1.EncDecAttention."
                                     "relative_attention_bias.weight", torch.randn(32, 2)),
-                     "T5ForConditionalGeneration", None, "", id="t5-key-its-class-ignores"),
-        pytest.param(_mixtral, "MixtralForCausalLM", None, "experts.0.w1.weight",
-                     id="mixtral-experts-fused-on-load"),
+                     "T5ForConditionalGeneration", None, "", {"ignored_on_load": 1},
+                     id="t5-key-its-class-ignores"),
         pytest.param(lambda d: _config(make_bert(d), architectures=None), "BertModel",
                      [*[f"encoder.layer.{i}.{m}" for i in range(2) for m in (
                          "attention.self.query", "attention.self.key", "attention.self.value",
                          "attention.output.dense", "intermediate.dense", "output.dense")],
                       "pooler.dense"],
-                     "BertLMHeadModel does not account for 1 weight matrix of the checkpoint "
-                     "(e.g. pooler.dense.weight); BertModel does",
-                     id="bert-without-architectures"),
+                     "BertLMHeadModel does not explain the checkpoint as well as BertModel "
+                     "does", {"embedding": 3}, id="bert-without-architectures"),
         pytest.param(_bert_pretraining, "BertForPreTraining", None,
-                     "BertForMaskedLM does not account for 2 weight matrices of the "
-                     "checkpoint (e.g. bert.pooler.dense.weight); BertForPreTraining does",
+                     "BertForMaskedLM does not explain the checkpoint as well as "
+                     "BertForPreTraining does", {},
                      id="bert-pretraining-checkpoint-named-masked-lm"),
     ],
 )
-def test_what_the_model_accounts_for_is_not_a_failure(
+def test_what_the_model_holds_and_does_not_analyse_is_skipped_by_a_rule(
     tmp_path: Path, build: Callable[[Path], Path], architecture: str,
-    layers: list[str] | None, note: str,
+    layers: list[str] | None, note: str, skipped: dict[str, int],
 ) -> None:
-    """Stored matrices the model accounts for without analysing them (a tied head's copy,
-    a key the class tells transformers to ignore, a MoE's experts fused on load, said in
-    the note) leave the model done; when config.json names no class, or one without the
-    heads the checkpoint holds, the first class that accounts for every stored matrix is
-    the model (the bare BertModel of a bare checkpoint, BERT's pretraining model with its
-    pooler and next-sentence head), and the note says which class did not."""
+    """Stored tensors the model holds without analysing them (a tied head's copy, a key the
+    class tells transformers to ignore, embeddings) are skipped by a named rule in
+    result.json's coverage; when config.json names no class, or one without the heads the
+    checkpoint holds, the class that holds the checkpoint best is the model (the bare
+    BertModel of a bare checkpoint, never a head it does not store; BERT's pretraining model
+    with its pooler and next-sentence head), and the note says which class did not."""
     result = run_analysis(build(tmp_path / "model"), tmp_path / "out", precision="float64")
     assert result.marker["architecture"] == architecture
     assert result.marker["layer_discovery"] == "architecture"
@@ -184,7 +183,46 @@ def test_what_the_model_accounts_for_is_not_a_failure(
         assert result.layers == layers
     assert note in result.marker["discovery_note"] if note else (
         result.marker["discovery_note"] == "")
+    coverage = result.marker["coverage"]
+    assert coverage["unexplained"]["tensors"] == 0, coverage
+    for rule, count in skipped.items():
+        assert coverage["skipped"].get(rule, {}).get("tensors", 0) == count, coverage
     if architecture == "BertForPreTraining":
         assert {"bert.pooler.dense", "cls.seq_relationship"} <= set(result.layers)
         assert result.row("cls.seq_relationship")["status"] == "too_small"  # 2 x 32
 
+
+def test_moe_experts_are_analysed_one_row_per_stored_expert_matrix(tmp_path: Path) -> None:
+    """A Mixtral checkpoint stores each expert's matrices 2-D (transformers fuses them into
+    3-D parameters on load): each is a row of type Expert under its checkpoint name, the
+    router too, and every number is the stored matrix's."""
+    folder = _mixtral(tmp_path / "model")
+    result = run_analysis(folder, tmp_path / "out", precision="float64")
+    stored = load_file(folder / "model.safetensors")
+    for block in range(2):
+        for expert in range(4):
+            for w in ("w1", "w2", "w3"):
+                name = f"model.layers.{block}.block_sparse_moe.experts.{expert}.{w}"
+                row = result.row(name)
+                assert row["layer_type"] == "Expert"
+                top = torch.linalg.svdvals(stored[f"{name}.weight"].double())[0] ** 2
+                assert float(row["spectral_norm"]) == pytest.approx(float(top), rel=1e-9)
+    assert result.marker["coverage"]["unexplained"]["tensors"] == 0
+    assert result.marker["coverage"]["analysed"]["matrices"] == len(result.rows)
+
+
+def test_a_stack_of_experts_stored_3d_is_analysed_expert_by_expert(tmp_path: Path) -> None:
+    """A 3-D expert tensor as GPT-OSS and Llama 4 store it: one row per expert, named after
+    the experts part, each read alone (the slice, not the tensor)."""
+    folder = _mixtral(tmp_path / "model")
+    tensors = load_file(folder / "model.safetensors")
+    stack = torch.randn(4, 24, 32, dtype=torch.float32)
+    tensors["model.layers.0.mlp.experts.gate_up_proj"] = stack
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    result = run_analysis(folder, tmp_path / "out", precision="float64")
+    for expert in range(4):
+        row = result.row(f"model.layers.0.mlp.experts.{expert}.gate_up_proj")
+        assert row["layer_type"] == "Expert"
+        assert (int(row["M"]), int(row["N"])) == (24, 32)
+        top = torch.linalg.svdvals(stack[expert].double())[0] ** 2
+        assert float(row["spectral_norm"]) == pytest.approx(float(top), rel=1e-9)

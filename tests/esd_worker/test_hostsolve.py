@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from esd_worker.analysis.hostsolve import HostSolvers, default_host_solvers, solve_units
-from esd_worker.analysis.layers import discover_layers
+from esd_worker.analysis.metamodel import discover_layers
 from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.spectra import gram_matrices, solve_gram, sorted_evals
 from esd_worker.analysis.weights import Checkpoint

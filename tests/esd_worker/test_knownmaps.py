@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from esd_worker.analysis.knownmaps import KNOWN, known_layer_map
-from esd_worker.analysis.layers import discover_layers
+from esd_worker.analysis.metamodel import discover_layers
 from esd_worker.analysis.weights import Checkpoint
 from tests.support import REPO_ROOT
 

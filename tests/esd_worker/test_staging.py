@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analysis.layers import discover_layers
+from esd_worker.analysis.metamodel import discover_layers
 from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.staging import BufferPool, Staged, stage, take
 from esd_worker.analysis.streams import PREFETCH

@@ -16,7 +16,7 @@ from tests.support import REPO_ROOT
 _CHILD = r"""
 import json, sys, threading
 from pathlib import Path
-from esd_worker.analysis.layers import discover_layers, warm_up
+from esd_worker.analysis.metamodel import discover_layers, warm_up
 from esd_worker.analysis.weights import Checkpoint
 
 warm = threading.Thread(target=warm_up, kwargs={"cuda": False})

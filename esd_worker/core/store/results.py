@@ -26,6 +26,9 @@ LAYER_COLUMNS: tuple[str, ...] = (
     *METRIC_COLUMNS,
     "fix_fingers",
     "status",
+    # The scheme a quantized weight was dequantized from (esd_worker.analysis.quantized);
+    # empty for weights read as stored. Layer tables written before it lack the column.
+    "quantization",
 )
 
 

@@ -56,7 +56,7 @@ _ARCH_SUFFIX = re.compile(
 _INT_LAYER_COLUMNS = frozenset(
     {"M", "N", "num_params", "num_evals", "num_pl_spikes", "matrix_rank"})
 _TEXT_LAYER_COLUMNS = frozenset(
-    {"model_id", "revision", "layer", "layer_type", "fix_fingers", "status"})
+    {"model_id", "revision", "layer", "layer_type", "fix_fingers", "status", "quantization"})
 _INT_STATS = frozenset({"layers", "layers_ok"})
 
 # models: who the model is, what it is, the summary statistics (typed, for queries), and
@@ -86,7 +86,7 @@ MODEL_SCHEMA = pa.schema([
 ])
 # Columns a part may lack (written by an older version): everything else must be there,
 # with its type, or the part is not read (controller.results.tables).
-OPTIONAL_COLUMNS = frozenset({"files"})
+OPTIONAL_COLUMNS = frozenset({"files", "quantization"})
 LAYER_SCHEMA = pa.schema([
     ("model_key", pa.string()),
     ("finished_at", pa.string()),

@@ -1,0 +1,173 @@
+"""Every tensor a checkpoint holds, accounted for: a layer row, a documented skip rule, or
+unexplained (and then said, never silently left out).
+
+Owns the rules for tensors that no module of the architecture types (raw parameters such as
+`in_proj_weight` or `text_projection`, a MoE's per-expert matrices, expert stacks stored as
+3-D tensors, a checkpoint without an architecture): what each is, by its shape, dtype and
+name; the names of the rows of a stack of matrices (one per expert, a slice of the stored
+tensor: `key[i]`, read by esd_worker.analysis.stacks); and the `coverage` a result.json
+records. Does not build the model or join its modules to keys (esd_worker.analysis.layers),
+dequantize (esd_worker.analysis.quantized) or read tensors.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+from esd_worker.analysis.weights import Tensors, float_dtype
+
+CONV2D = "Conv2d"
+EMBEDDING = "Embedding"
+MATRIX = "Matrix"  # a 2-D weight no Linear/Conv1D/Embedding module of the architecture holds
+EXPERT = "Expert"  # one expert's matrix of a mixture of experts (stored 2-D, or a 3-D slice)
+
+# Skip rules: every tensor that is no layer row has one (docs/metrics.md "Which layers").
+RULES: dict[str, str] = {
+    "vector": "tensors of one dimension or none (biases, norm scales, learned tokens)",
+    "embedding": "token, position and type embeddings (rows with --include-embeddings)",
+    "norm": "normalisation weights",
+    "integer": "integer tensors that are no weight (position ids, index tables, counters)",
+    "conv1d": "weights of 1-D convolutions (nn.Conv1d: speech front ends, Mamba)",
+    "tied_copy": "a stored copy of a tied weight: analysed once, under the layer tying it",
+    "ignored_on_load": "keys the model class tells transformers not to load",
+    "quantization": "a quantized weight's scales, zero points and indices (folded into it)",
+}
+
+# An untyped tensor is an embedding when its own name says so (`wte`, `embed_tokens`,
+# `position_embeddings`, `pos_embed`, `cls_token`), not when a module above it does:
+# `time_embedding.linear_1` and `patch_embed.proj` are projections.
+_EMBEDDING_LEAF = re.compile(
+    r"^(wte|wpe|shared|embed_tokens|embeddings?|word_embeddings|pos_embed\w*|"
+    r"\w*position\w*|\w*_embeddings?|\w*_embeds?|\w*_tokens?|cls_token|mask_token)$",
+    re.IGNORECASE,
+)
+_NORM_LEAF = re.compile(r"(norm|^ln_|^ln\d*$)", re.IGNORECASE)
+_EXPERTS = re.compile(r"(^|\.)experts?(\.|$)")
+
+
+def leaf(key: str) -> str:
+    """The tensor's own name: its key's last part before `.weight` (`wte`, `in_proj_weight`)."""
+    parts = key.removesuffix(".weight").split(".")
+    return parts[-1]
+
+
+def is_embedding_name(key: str) -> bool:
+    return _EMBEDDING_LEAF.match(leaf(key)) is not None
+
+
+def effective(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape without its leading 1s: a position table stored (1, n, d) is a matrix."""
+    i = 0
+    while i < len(shape) - 1 and shape[i] == 1:
+        i += 1
+    return shape[i:]
+
+
+@dataclass(frozen=True)
+class Untyped:
+    """What an untyped tensor is: rows (name, key, layer type, shape) or a skip rule; `rule`
+    None and no rows: unexplained."""
+
+    rows: tuple[tuple[str, str, str, tuple[int, ...]], ...] = ()
+    rule: str | None = None
+
+
+def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
+             stack: bool) -> Untyped:
+    """An untyped tensor: `name` is what its rows are called (the model's parameter name
+    where the architecture joins it, else the key's stem); `stack`: a 3-D tensor is a stack
+    of matrices (a module of the architecture holds it as one; without an architecture,
+    only a tensor named as experts)."""
+    shape, dtype = tensors.shape(key), tensors.dtype(key)
+    eff = effective(shape)
+    stem = name.removesuffix(".weight")
+    if len(eff) <= 1:
+        return Untyped(rule="vector")
+    if float_dtype(dtype) is None and not dtype.startswith("F8") and tensors.refusal(key) is None:
+        # Integers that are no quantized weight: a `.weight` of two dimensions is a matrix
+        # the analysis cannot read (its row says unsupported_dtype); anything else is an
+        # index table or a counter.
+        if key.endswith(".weight") and len(eff) == 2:
+            return Untyped(rows=((stem, key, MATRIX, eff),))
+        return Untyped(rule="integer")
+    if is_embedding_name(key):
+        if not include_embeddings:
+            return Untyped(rule="embedding")
+        return _rows(stem, key, EMBEDDING, shape, eff, tensors)
+    if _NORM_LEAF.search(leaf(key)):
+        return Untyped(rule="norm")
+    if len(eff) == 2:
+        kind = EXPERT if _EXPERTS.search(stem) else MATRIX
+        return _rows(stem, key, kind, shape, eff, tensors)
+    if len(eff) == 4 and len(shape) == 4:
+        return Untyped(rows=((stem, key, CONV2D, shape),))
+    if len(eff) == 3 and len(shape) == 3 and (stack or _EXPERTS.search(stem)):
+        return Untyped(rows=tuple(
+            (expert_name(stem, i), f"{key}[{i}]", EXPERT, shape[1:]) for i in range(shape[0])))
+    return Untyped()
+
+
+def _rows(stem: str, key: str, kind: str, shape: tuple[int, ...], eff: tuple[int, ...],
+          tensors: Tensors) -> Untyped:
+    """One row for a matrix, read through slices of its leading 1s when it has some."""
+    if len(eff) != 2:
+        return Untyped()
+    read = key + "[0]" * (len(shape) - 2)
+    return Untyped(rows=((stem, read, kind, eff),))
+
+
+def expert_name(stem: str, index: int) -> str:
+    """Row `index` of a stack: after its `experts` part (`mlp.experts.3.gate_up_proj`), else
+    at the end (`block_sparse_moe.input_linear.3`)."""
+    parts = stem.split(".")
+    for i, part in enumerate(parts):
+        if part in ("experts", "expert"):
+            return ".".join([*parts[: i + 1], str(index), *parts[i + 1:]])
+    return f"{stem}.{index}"
+
+
+def base_key(read_key: str) -> str:
+    """The stored key a row reads (`x.weight` of `x.weight[3]`)."""
+    return read_key.split("[", 1)[0]
+
+
+def coverage(tensors: Tensors, row_keys: Iterable[str], skipped: Mapping[str, str],
+             ) -> dict[str, Any]:
+    """result.json's coverage: every tensor held (a quantized weight's companions counted as
+    tensors, its parameters as the logical weight's), those behind layer rows, those skipped
+    by each rule (one example each), the rest unexplained, and `warning`, one line when
+    anything is unexplained."""
+    keys = tensors.keys()
+    numel = {key: prod(tensors.shape(key)) for key in keys}
+    read = [base_key(k) for k in row_keys]
+    analysed = set(read)
+    rules: dict[str, dict[str, Any]] = {}
+    folded = tensors.folded()
+    for key, rule in [*skipped.items(), *((k, "quantization") for k in folded)]:
+        if key in analysed:
+            continue
+        entry = rules.setdefault(rule, {"tensors": 0, "parameters": 0, "example": key})
+        entry["tensors"] += 1
+        entry["parameters"] += numel.get(key, 0)
+    left = [key for key in keys if key not in analysed and key not in skipped]
+    unexplained_params = sum(numel[key] for key in left)
+    warning = None
+    if left:
+        shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        warning = (f"{len(left)} tensor{'s' if len(left) > 1 else ''} of the checkpoint "
+                   f"({unexplained_params} parameters) neither analysed nor skipped by a "
+                   f"documented rule: {shown}")
+    return {
+        "tensors": len(keys) + len(folded),
+        "parameters": sum(numel.values()),
+        "analysed": {"tensors": len(analysed), "matrices": len(read),
+                     "parameters": sum(numel.get(key, 0) for key in analysed)},
+        "skipped": dict(sorted(rules.items())),
+        "unexplained": {"tensors": len(left), "parameters": unexplained_params,
+                        "examples": left[:10]},
+        "warning": warning,
+    }

@@ -1,0 +1,72 @@
+"""Rows of stacked tensors as tensors of their own: the key `x[i]` is row i of the stored
+tensor `x` (one expert of a MoE stored 3-D, a position table stored (1, n, d)), read alone.
+
+Owns reading a layer key that may name such a slice (esd_worker.analysis.accounting names
+them): the stored tensor is never read whole for one expert where its format allows
+(Tensors.read_row: a safetensors file reads only that expert's bytes), and never copied
+whole to the device. Keys without a slice pass through to the Tensors as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from math import prod
+
+import torch
+
+from esd_worker.analysis.weights import Tensors
+
+_SLICE = re.compile(r"^(?P<base>.*?)(?P<rows>(?:\[\d+\])+)$")
+
+
+def split(key: str) -> tuple[str, list[int]]:
+    """The stored key and the row indices a layer key reads (none: the whole tensor)."""
+    m = _SLICE.match(key)
+    if m is None:
+        return key, []
+    return m["base"], [int(i) for i in re.findall(r"\d+", m["rows"])]
+
+
+class Sliced:
+    """The reader of a model's layers over its Tensors (the staging's Reader, the dtype and
+    quantization of each layer key)."""
+
+    def __init__(self, tensors: Tensors) -> None:
+        self.tensors = tensors
+
+    def read(self, key: str) -> torch.Tensor:
+        base, rows = split(key)
+        if not rows:
+            return self.tensors.read(key)
+        tensor = self.tensors.read_row(base, rows[0])
+        for i in rows[1:]:
+            tensor = tensor[i]
+        return tensor
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        base, rows = split(key)
+        return self.tensors.shape(base)[len(rows):]
+
+    def dtype(self, key: str) -> str:
+        return self.tensors.dtype(split(key)[0])
+
+    def nbytes(self, key: str) -> int:
+        base, rows = split(key)
+        if not rows:
+            return self.tensors.nbytes(key)
+        shape = self.tensors.shape(base)
+        return self.tensors.nbytes(base) * prod(shape[len(rows):]) // max(1, prod(shape))
+
+    def in_memory(self, key: str) -> bool:
+        rows = split(key)[1]
+        # A slice is read as a tensor of its own (read_row), not into a staging buffer.
+        return bool(rows) or self.tensors.in_memory(key)
+
+    def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        return self.tensors.read_into(key, out)  # never a slice: in_memory says so
+
+    def scheme(self, key: str) -> str | None:
+        return self.tensors.scheme(split(key)[0])
+
+    def refusal(self, key: str) -> str | None:
+        return self.tensors.refusal(split(key)[0])
