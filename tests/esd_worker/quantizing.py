@@ -253,3 +253,19 @@ def gpt_oss(experts: int = 3, rows: int = 24, groups: int = 2, *, seed: int = 0
                "mlp.experts.gate_up_proj_bias": torch.zeros(experts, rows)}
     return Quantized(tensors, {"quant_method": "mxfp4"}, reference, "mxfp4",
                      key="mlp.experts.gate_up_proj")
+
+
+def fp8_fused_experts(experts: int = 3, *, seed: int = 0) -> Quantized:
+    """transformers' FP8 fused experts: `experts.gate_up_proj` float8 (E, out, in) with
+    `experts.gate_up_proj_scale_inv` (E, out/32, in/32), and a down_proj the same way."""
+    gate_up = fp8_blocks((experts, 64, 48), block=(32, 32), seed=seed)
+    down = fp8_blocks((experts, 48, 32), block=(32, 32), seed=seed + 1)
+    tensors = {
+        "mlp.experts.gate_up_proj": gate_up.tensors["layer.weight"],
+        "mlp.experts.gate_up_proj_scale_inv": gate_up.tensors["layer.weight_scale_inv"],
+        "mlp.experts.down_proj": down.tensors["layer.weight"],
+        "mlp.experts.down_proj_scale_inv": down.tensors["layer.weight_scale_inv"],
+        "mlp.experts.down_proj_bias": torch.zeros(experts, 48),
+    }
+    return Quantized(tensors, gate_up.config, gate_up.reference, "fp8-e4m3-block32x32",
+                     key="mlp.experts.gate_up_proj", extra={"down": down.reference})

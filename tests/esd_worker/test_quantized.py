@@ -139,7 +139,8 @@ def _ct_stack(experts: int = 3) -> q.Quantized:
     lambda: q.fp8_blocks((3, 150, 200)),
     lambda: q.gpt_oss(),
     _ct_stack,
-], ids=["fp8-block-experts", "gpt-oss-mxfp4", "compressed-int4-experts"])
+    lambda: q.fp8_fused_experts(),
+], ids=["fp8-block-experts", "gpt-oss-mxfp4", "compressed-int4-experts", "fp8-fused-experts"])
 def test_read_row_is_one_expert_of_the_stack(build: Callable[[], q.Quantized],
                                              tmp_path: Path) -> None:
     case = build()
@@ -148,6 +149,13 @@ def test_read_row_is_one_expert_of_the_stack(build: Callable[[], q.Quantized],
     torch.testing.assert_close(whole, case.reference, rtol=1e-6, atol=0)
     for index in range(whole.shape[0]):
         torch.testing.assert_close(view.read_row(case.key, index), whole[index], rtol=0, atol=0)
+    assert view.scheme(case.key) == case.scheme
+    assert_covers(view, set(case.tensors))
+    if "down" in case.extra:  # a second fused parameter of the same module
+        torch.testing.assert_close(view.read("mlp.experts.down_proj"), case.extra["down"],
+                                   rtol=1e-6, atol=0)
+        assert view.refusal("mlp.experts.down_proj") is None
+        assert "mlp.experts.down_proj_bias" in view.keys()  # noqa: SIM118 - under test
 
 
 def _gptq_3bit() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

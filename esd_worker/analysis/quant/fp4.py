@@ -15,9 +15,18 @@ the first in the low nibble.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
-from esd_worker.analysis.quant.plan import Module, Plan, QuantConfig, apply_grid, refused
+from esd_worker.analysis.quant.plan import (
+    Module,
+    Plan,
+    QuantConfig,
+    apply_grid,
+    refused,
+    stacked,
+)
 from esd_worker.analysis.weights import Tensors
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -67,7 +76,7 @@ def _gpt_oss(module: Module, name: str, tensors: Tensors) -> Plan:
         return torch.ldexp(values, exponents[..., None]).reshape(rows, -1).T.contiguous()
 
     return Plan(key, shape, blocks_key, tuple(folded), scheme="mxfp4",
-                compute=lambda t: torch.stack([row(t, e) for e in range(experts)]), row=row)
+                compute=lambda t: stacked(partial(row, t), shape), row=row)
 
 
 def _compressed(module: Module, tensors: Tensors) -> Plan:

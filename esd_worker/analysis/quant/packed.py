@@ -19,6 +19,7 @@ pack-quantized. Each is dequantized a slice of rows at a time into the float32 w
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -32,6 +33,7 @@ from esd_worker.analysis.quant.plan import (
     grid_name,
     grid_scales,
     refused,
+    stacked,
     unpack,
 )
 from esd_worker.analysis.weights import Tensors
@@ -246,7 +248,7 @@ def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
     def compute(t: Tensors) -> torch.Tensor:
         if len(shape) == 2:
             return row(t, None)
-        return torch.stack([row(t, e) for e in range(shape[0])])
+        return stacked(partial(row, t), shape)
 
     return Plan(key, shape, stored, tuple(folded), scheme=name, compute=compute,
                 row=None if len(shape) < 3 else row)

@@ -235,3 +235,12 @@ def apply_grid(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
         if rem:
             op(w[..., full * block[1]:], g[..., full: full + 1])
     return w
+
+
+def stacked(row: Callable[[int], torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """A (E, ...) float32 stack of `row(e)`, each written into its place as it is computed
+    (one expert's temporaries at a time, not a list of them and a copy)."""
+    out = torch.empty(tuple(shape), dtype=torch.float32)
+    for index in range(shape[0]):
+        out[index] = row(index)
+    return out

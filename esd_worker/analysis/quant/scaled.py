@@ -36,31 +36,58 @@ from esd_worker.analysis.weights import Tensors
 # Stored beside a scaled weight and not needed to dequantize it (activation scales).
 _ACTIVATION = ("input_scale", "input_scale_ub", "activation_scale", "output_scale",
                "input_zero_point", "input_global_scale")
+_SCALE_ENDINGS = ("scale", "scale_inv", "scale_ub", "zero_point", "global_scale", "SCB")
+_INT8 = ("I8", "int8")
 _SCALES = ("weight_scale_inv", "weight_scale")
 
 
-def scaled_plan(module: Module, tensors: Tensors, config: QuantConfig) -> Plan | None:
-    """The plan of a module whose `weight` is stored whole as float8, or as int8 with a
-    scale; None for any other module."""
+def scaled_plans(module: Module, tensors: Tensors, config: QuantConfig) -> list[Plan] | None:
+    """The plans of a module's weights stored whole as float8 (or as int8 with a scale):
+    its `weight` (scales `weight_scale_inv`/`weight_scale`), and fused expert parameters
+    such as `gate_up_proj` (scales `gate_up_proj_scale_inv`/`_scale`, as transformers saves
+    FP8 experts); None when the module holds none."""
     params = module.params
-    if "weight" not in params:
+    names = [p for p in params if not p.endswith(_SCALE_ENDINGS) and (
+        tensors.dtype(params[p]) in FLOAT8_DTYPES or (p == "weight" and (
+            tensors.dtype(params[p]) in _INT8
+            and any(s in params for s in ("SCB", "weight_scale", "weight_scale_inv")))))]
+    if not names:
         return None
-    key = params["weight"]
+    own = {p: [c for c in (f"{p}_scale_inv", f"{p}_scale", f"{p}_zero_point",
+                           *(f"{p}_{a}" for a in _ACTIVATION)) if c in params]
+           for p in names if p != "weight"}
+    taken = {p for companions in own.values() for p in (*companions, *own)}
+    plans = []
+    for name in names:
+        if name == "weight":
+            folded = [k for p, k in params.items() if p not in taken and p not in (
+                "weight", "bias")]
+            plans.append(_scaled(module, "weight", _SCALES, "weight_zero_point", folded,
+                                 tensors, config))
+        else:
+            plans.append(_scaled(module, name, (f"{name}_scale_inv", f"{name}_scale"),
+                                 f"{name}_zero_point", [params[p] for p in own[name]],
+                                 tensors, config))
+    return plans
+
+
+def _scaled(module: Module, name: str, scales: tuple[str, ...], zero: str, folded: list[str],
+            tensors: Tensors, config: QuantConfig) -> Plan:
+    """The plan of one float8 (or int8) parameter `name` with one of `scales` beside it."""
+    params = module.params
+    key = params[name]
     dtype = tensors.dtype(key)
     shape = tensors.shape(key)
-    folded = module.others("weight")
-    if "SCB" in params and dtype in ("I8", "int8"):
+    if "SCB" in params and name == "weight" and dtype in _INT8:
         return _bnb_int8(module, key, shape, tensors, folded)
     fp8 = float_name(dtype)
-    scale_param = next((p for p in _SCALES if p in params), None)
-    if fp8 is None and not (dtype in ("I8", "int8") and scale_param is not None):
-        if dtype in FLOAT8_DTYPES:
-            return refused(key, shape, key, folded, f"{dtype} weights are not supported")
-        return None
+    scale_param = next((p for p in scales if p in params), None)
+    if fp8 is None and dtype not in _INT8:
+        return refused(key, shape, key, folded, f"{dtype} weights are not supported")
     if scale_param is None:
         return refused(key, shape, key, folded,
-                       f"{dtype} weight with no scale (weight_scale or weight_scale_inv): "
-                       "its stored values are not the weights")
+                       f"{dtype} weight with no scale ({' or '.join(scales)}): its stored "
+                       "values are not the weights")
     if len(shape) < 2:
         return refused(key, shape, key, folded, f"a scaled weight of shape {list(shape)}")
     scale_key = params[scale_param]
@@ -75,14 +102,10 @@ def scaled_plan(module: Module, tensors: Tensors, config: QuantConfig) -> Plan |
         return refused(key, shape, key, folded,
                        f"{scale_param} of shape {list(tensors.shape(scale_key))} does not "
                        f"fit the weight's {list(shape)}")
-    zero_key = params.get("weight_zero_point")
-    if fp8 is None:
-        prefix = "compressed-int8"
-    elif scale_dtype in ("U8", "uint8"):
-        prefix = "mx" + fp8  # e8m0 scales: MXFP8
-    else:
-        prefix = fp8
+    zero_key = params.get(zero)
     e8m0 = scale_dtype in ("U8", "uint8")
+    # e8m0 scales (uint8 exponents): MXFP8
+    prefix = "compressed-int8" if fp8 is None else ("mx" + fp8 if e8m0 else fp8)
     return Plan(
         key, tuple(shape), key, tuple(folded),
         scheme=f"{prefix}-{grid_name(grid, block, shape)}",

@@ -25,7 +25,7 @@ from esd_worker.analysis.quant.plan import (
     modules,
     refused,
 )
-from esd_worker.analysis.quant.scaled import scaled_plan
+from esd_worker.analysis.quant.scaled import scaled_plans
 from esd_worker.analysis.weights import Tensors
 from esd_worker.core.errors import PermanentModelError
 
@@ -48,10 +48,12 @@ def module_plans(module: Module, tensors: Tensors, config: QuantConfig) -> list[
     fp4 = fp4_plans(module, tensors, config)
     if fp4:
         return fp4
-    plan = (packed_plan(module, tensors, config) or bnb4_plan(module, tensors)
-            or scaled_plan(module, tensors, config))
+    plan = packed_plan(module, tensors, config) or bnb4_plan(module, tensors)
     if plan is not None:
         return [plan]
+    scaled = scaled_plans(module, tensors, config)
+    if scaled:
+        return scaled
     weight = module.params.get("weight")
     if weight is None:
         return []
