@@ -6,6 +6,7 @@ handed back as it is."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -200,9 +201,12 @@ REFUSALS: dict[str, Callable[[], tuple[dict[str, torch.Tensor], dict[str, Any] |
 
 
 @pytest.mark.parametrize("name", REFUSALS)
-def test_refused_weights_keep_their_key_with_one_line(name: str, tmp_path: Path) -> None:
+def test_refused_weights_keep_their_key_with_one_line(name: str, tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     tensors, config, key, shape, words = REFUSALS[name]()
-    checkpoint, view = view_of(tmp_path, tensors, config)
+    with caplog.at_level(logging.WARNING, logger="esd_worker.analysis.quant.view"):
+        checkpoint, view = view_of(tmp_path, tensors, config)
+    assert [r.getMessage() for r in caplog.records if words in r.getMessage()], caplog.text
     assert view is not checkpoint
     why = view.refusal(key)
     assert why is not None and words in why and "\n" not in why, why

@@ -93,6 +93,13 @@ class QuantizedView:
         schemes = Counter(p.scheme or "refused" for p in found)
         log.info("quantized checkpoint: %d weights dequantized or refused (%s)", len(found),
                  ", ".join(f"{n} {s}" for s, n in sorted(schemes.items())))
+        reasons: dict[str, list[str]] = {}
+        for plan in found:
+            if plan.refusal is not None:
+                reasons.setdefault(plan.refusal, []).append(plan.key)
+        for why, keys in reasons.items():  # one line a reason, not one a weight
+            log.warning("%d quantized weight%s cannot be dequantized (e.g. %s): %s", len(keys),
+                        "" if len(keys) == 1 else "s", keys[0], why)
 
     def keys(self) -> list[str]:
         return list(self._keys)
