@@ -53,7 +53,9 @@ def _cayley_neumann(q: torch.Tensor, terms: int) -> torch.Tensor:
 def _coft_project(vec: torch.Tensor, size: int, eps: float) -> torch.Tensor:
     """Constrained OFT: each block's skew matrix shrunk to Frobenius norm ≤ eps/√blocks."""
     skew = _skew(vec, size)
-    eps = eps / math.sqrt(skew.shape[0])
+    # peft's bound is eps / torch.sqrt(torch.tensor(n)): a float32 root, a float32 quotient
+    root = float(torch.sqrt(torch.tensor(skew.shape[0], dtype=torch.float32)))
+    eps = float(torch.tensor(eps / root, dtype=torch.float32))
     norm = torch.linalg.matrix_norm(skew, keepdim=True)
     out = torch.where(norm <= eps, skew, eps * (skew / norm))
     rows, cols = torch.triu_indices(size, size, 1, device=vec.device)
