@@ -1,5 +1,5 @@
-"""Every tensor a checkpoint holds, accounted for: a layer row, a documented skip rule, or
-unexplained (and then said, never silently left out).
+"""Every tensor a checkpoint holds, accounted for: a layer row or a documented skip rule;
+anything else fails the model, naming it (never silently left out).
 
 Owns the rules for tensors that no module of the architecture types (raw parameters such as
 `in_proj_weight` or `text_projection`, a MoE's per-expert matrices, expert stacks stored as
@@ -19,6 +19,7 @@ from math import prod
 from typing import Any
 
 from esd_worker.analysis.weights import Tensors, float_dtype
+from esd_worker.core.errors import PermanentModelError
 
 CONV2D = "Conv2d"
 EMBEDDING = "Embedding"
@@ -27,7 +28,8 @@ EXPERT = "Expert"  # one expert's matrix of a mixture of experts (stored 2-D, or
 
 # Skip rules: every tensor that is no layer row has one (docs/metrics.md "Which layers").
 RULES: dict[str, str] = {
-    "vector": "tensors of one dimension or none (biases, norm scales, learned tokens)",
+    "vector": "tensors of one dimension or none (biases, norm scales, learned tokens), and "
+              "stacks of biases (a MoE's per-expert `*_bias`)",
     "embedding": "token, position and type embeddings (rows with --include-embeddings)",
     "norm": "normalisation weights",
     "integer": "integer tensors that are no weight (position ids, index tables, counters)",
@@ -46,6 +48,7 @@ _EMBEDDING_LEAF = re.compile(
     re.IGNORECASE,
 )
 _NORM_LEAF = re.compile(r"(norm|^ln_|^ln\d*$)", re.IGNORECASE)
+_BIAS_LEAF = re.compile(r"(^|_)bias$", re.IGNORECASE)
 _EXPERTS = re.compile(r"(^|\.)experts?(\.|$)")
 
 
@@ -85,8 +88,8 @@ def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
     shape, dtype = tensors.shape(key), tensors.dtype(key)
     eff = effective(shape)
     stem = name.removesuffix(".weight")
-    if len(eff) <= 1:
-        return Untyped(rule="vector")
+    if len(eff) <= 1 or _BIAS_LEAF.search(leaf(key)):
+        return Untyped(rule="vector")  # a stack of per-expert biases is vectors too
     if float_dtype(dtype) is None and not dtype.startswith("F8") and tensors.refusal(key) is None:
         # Integers that are no quantized weight: a `.weight` of two dimensions is a matrix
         # the analysis cannot read (its row says unsupported_dtype); anything else is an
@@ -135,16 +138,34 @@ def base_key(read_key: str) -> str:
     return read_key.split("[", 1)[0]
 
 
+class UnexplainedTensors(PermanentModelError):
+    """Stored tensors that are neither a layer row nor skipped by a documented rule (a tensor
+    of five dimensions, a 3-D tensor no module holds and no name calls experts): the model
+    fails, naming them, rather than being marked done without them."""
+
+    def __init__(self, keys: list[str], parameters: int) -> None:
+        self.keys = keys
+        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        n = len(keys)
+        super().__init__(
+            f"{n} tensor{'s' if n > 1 else ''} of the checkpoint ({parameters} parameters) "
+            f"neither analysable nor skipped by a documented rule ({shown}): not analysed, "
+            "so the model is not marked done without them")
+
+
 def coverage(tensors: Tensors, row_keys: Iterable[str], skipped: Mapping[str, str],
              ) -> dict[str, Any]:
     """result.json's coverage: every tensor held (a quantized weight's companions counted as
-    tensors, its parameters as the logical weight's), those behind layer rows, those skipped
-    by each rule (one example each), the rest unexplained, and `warning`, one line when
-    anything is unexplained."""
+    tensors, its parameters as the logical weight's), those behind layer rows (tensors,
+    parameters, and matrices: rows, one per expert of a stack), and those skipped by each
+    rule (with one example each). UnexplainedTensors when any tensor is neither."""
     keys = tensors.keys()
     numel = {key: prod(tensors.shape(key)) for key in keys}
     read = [base_key(k) for k in row_keys]
     analysed = set(read)
+    left = [key for key in keys if key not in analysed and key not in skipped]
+    if left:
+        raise UnexplainedTensors(left, sum(numel[key] for key in left))
     rules: dict[str, dict[str, Any]] = {}
     folded = tensors.folded()
     for key, rule in [*skipped.items(), *((k, "quantization") for k in folded)]:
@@ -153,21 +174,10 @@ def coverage(tensors: Tensors, row_keys: Iterable[str], skipped: Mapping[str, st
         entry = rules.setdefault(rule, {"tensors": 0, "parameters": 0, "example": key})
         entry["tensors"] += 1
         entry["parameters"] += numel.get(key, 0)
-    left = [key for key in keys if key not in analysed and key not in skipped]
-    unexplained_params = sum(numel[key] for key in left)
-    warning = None
-    if left:
-        shown = ", ".join(left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
-        warning = (f"{len(left)} tensor{'s' if len(left) > 1 else ''} of the checkpoint "
-                   f"({unexplained_params} parameters) neither analysed nor skipped by a "
-                   f"documented rule: {shown}")
     return {
         "tensors": len(keys) + len(folded),
         "parameters": sum(numel.values()),
         "analysed": {"tensors": len(analysed), "matrices": len(read),
                      "parameters": sum(numel.get(key, 0) for key in analysed)},
         "skipped": dict(sorted(rules.items())),
-        "unexplained": {"tensors": len(left), "parameters": unexplained_params,
-                        "examples": left[:10]},
-        "warning": warning,
     }

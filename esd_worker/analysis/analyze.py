@@ -210,6 +210,10 @@ def analyse_model_with(
                 "%d on weights not analysed",
                 matched.merged_modules, len(matched.replaced), len(matched.unanalysed),
             )
+        # Before any layer is computed: a tensor neither analysable nor skipped by a rule
+        # fails the model now, not after hours (UnexplainedTensors).
+        coverage = tensor_coverage(ckpt, [spec.key for spec in layer_map.layers],
+                                   layer_map.skipped)
         t_discover = time.perf_counter()
         log.info(
             "model=%s layers=%d discovery=%s architecture=%s",
@@ -223,7 +227,6 @@ def analyse_model_with(
             reader=sliced, host_solvers=host_solvers,
             quantization=lambda name: (sliced.scheme(name), sliced.refusal(name)),
         )
-        row_keys = [spec.key for spec in layer_map.layers]
         try:
             job.run(None if progress is None else lambda done: progress(done, None))
         except torch.cuda.OutOfMemoryError as e:
@@ -232,9 +235,6 @@ def analyse_model_with(
             ) from e
     t_analyse = time.perf_counter()
 
-    coverage = tensor_coverage(ckpt, row_keys, layer_map.skipped)
-    if coverage["warning"]:
-        log.warning("model=%s: %s", settings.model, coverage["warning"])
     layers_csv = layers_to_csv(job.rows)
     eigs = eigs_to_npz(job.eigs) if settings.save_eigs else None
     statuses = Counter(row["status"] for row in job.rows)
