@@ -11,6 +11,7 @@ or safetensors file edited afterwards; the real `esd-worker` entry point in this
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from esd_worker.analysis.accounting import UnexplainedTensors
+from esd_worker.analysis.accounting import RULES, UnexplainedTensors
 from tests.support.builders import make_bert, make_gpt2, make_llama, run_analysis
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
@@ -240,3 +241,11 @@ def test_a_tensor_no_rule_explains_fails_the_model_naming_it(
     assert key in str(failed.value)
     assert "not marked done" in str(failed.value)
     assert not list((tmp_path / "out").rglob("result.json"))
+
+
+def test_docs_list_every_skip_rule() -> None:
+    """docs/metrics.md's table of skip rules is the code's (accounting.RULES), no more."""
+    text = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    section = text.split("- Skipped, by rule", 1)[1].split("\n\n", 2)[1]
+    documented = re.findall(r"^\s*\| `(\w+)` \|", section, flags=re.MULTILINE)
+    assert documented == list(RULES)
