@@ -79,3 +79,48 @@ def test_quantized_layers_have_the_spectra_of_their_dequantized_weights(
         assert refused["status"] in ("unsupported_quantization", "unsupported_dtype")
         assert REFUSED not in result.eigs
         assert (int(refused["M"]), int(refused["N"])) == (32, 64)
+
+
+def test_gpt_oss_mxfp4_experts_are_analysed_expert_by_expert(tmp_path: Path) -> None:
+    """A tiny GPT-OSS whose experts are stored as MXFP4 blocks and scales: each expert's
+    row has the spectrum of transformers' dequantization of its slice."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, num_local_experts=3, num_experts_per_tok=1,
+        vocab_size=64, layer_types=["full_attention"])
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in GptOssForCausalLM(config).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    references = {}
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.0.mlp.experts.{name}"
+        experts, inputs, outputs = state.pop(key).shape  # held (E, in, out)
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen,
+                               dtype=torch.int32).to(torch.uint8)
+        scales = torch.randint(120, 130, (experts, outputs, inputs // 32), generator=gen,
+                               dtype=torch.int32).to(torch.uint8)
+        state[f"{key}_blocks"], state[f"{key}_scales"] = blocks, scales
+        references[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    folder = tmp_path / "gpt-oss"
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config.to_dict() | {
+        "architectures": ["GptOssForCausalLM"], "quantization_config": {
+            "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                "model.layers.*.mlp.router",
+                                                                "model.embed_tokens",
+                                                                "lm_head"]}}))
+    result = run_analysis(folder, tmp_path / "out", precision="float64")
+    for name, reference in references.items():
+        for expert in range(reference.shape[0]):
+            row = result.row(f"model.layers.0.mlp.experts.{expert}.{name}")
+            weight = reference[expert].double()
+            assert row["status"] == "ok"
+            assert (int(row["M"]), int(row["N"])) == tuple(weight.shape)
+            top = float(torch.linalg.svdvals(weight)[0]) ** 2
+            assert float(row["spectral_norm"]) == pytest.approx(top, rel=1e-4)
+            if "quantization" in row:
+                assert row["quantization"] == "mxfp4"
