@@ -269,3 +269,26 @@ def fp8_fused_experts(experts: int = 3, *, seed: int = 0) -> Quantized:
     }
     return Quantized(tensors, gate_up.config, gate_up.reference, "fp8-e4m3-block32x32",
                      key="mlp.experts.gate_up_proj", extra={"down": down.reference})
+
+
+def compressed_act_order(shape: tuple[int, int] = (48, 96), *, group: int = 32,
+                         seed: int = 0) -> Quantized:
+    """compressed-tensors int4 with activation order (releases before 2026/08 wrote
+    `weight_g_idx`, the group of each input): packed by the library's pack_to_int32;
+    reference: the published formula W[o, i] = q[o, i] * scale[o, g_idx[i]]."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=gen)
+    out, inputs = shape
+    g_idx = torch.randperm(inputs, generator=gen) // group
+    scale = torch.stack([w[:, g_idx == j].abs().amax(1) / 7
+                         for j in range(inputs // group)], dim=1)
+    codes = torch.clamp(torch.round(w / scale[:, g_idx]), -8, 7).to(torch.int8)
+    tensors = {"layer.weight_packed": pack_to_int32(codes, 4), "layer.weight_scale": scale,
+               "layer.weight_shape": torch.tensor([out, inputs]),
+               "layer.weight_g_idx": g_idx.to(torch.int32)}
+    config = _ct_config("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True,
+                                           "strategy": "group", "group_size": group,
+                                           "actorder": "group"})
+    return Quantized(tensors, config, codes.float() * scale[:, g_idx], f"compressed-int4-g{group}")

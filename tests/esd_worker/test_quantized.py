@@ -58,6 +58,7 @@ CASES: dict[str, tuple[Callable[[], q.Quantized], str]] = {
                                strategy="group", group_size=32), "compressed-int4-g32"),
     "ct-int4-channel-odd-width": (_ct("pack-quantized", (48, 100), num_bits=4, type="int",
                                       strategy="channel"), "compressed-int4-channel"),
+    "ct-int4-act-order": (lambda: q.compressed_act_order(), "compressed-int4-g32"),
     "ct-int8-packed-asym": (_ct("pack-quantized", num_bits=8, type="int", symmetric=False,
                                 strategy="channel"), "compressed-int8-channel"),
     "ct-nvfp4": (_ct("nvfp4-pack-quantized", num_bits=4, type="float",

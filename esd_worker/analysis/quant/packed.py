@@ -233,6 +233,10 @@ def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
         return refused(key, shape, stored, folded,
                        f"compressed-tensors weight_scale {list(sshape)} does not fit the "
                        f"weight's {list(shape)}")
+    g_shape = tensors.shape(params["weight_g_idx"]) if "weight_g_idx" in params else None
+    if g_shape is not None and g_shape[-1:] != shape[-1:]:
+        return refused(key, shape, stored, folded,
+                       f"compressed-tensors weight_g_idx {list(g_shape)} for {shape[-1]} inputs")
     name = f"compressed-int{bits}-{grid_name(tuple(grid.shape), block, shape)}"
 
     def row(t: Tensors, index: int | None) -> torch.Tensor:
@@ -241,9 +245,10 @@ def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
                 return t.read(name)  # 2-D, or one for all experts
             return t.read_row(name, index)
 
-        zero = params.get("weight_zero_point")
+        zero, g_idx = params.get("weight_zero_point"), params.get("weight_g_idx")
         return _packed_rows(part(stored), bits, shape[-2:], part(params["weight_scale"]),
-                            None if zero is None else part(zero), block)
+                            None if zero is None else part(zero), block,
+                            None if g_idx is None else part(g_idx).to(torch.int64))
 
     def compute(t: Tensors) -> torch.Tensor:
         if len(shape) == 2:
@@ -255,10 +260,11 @@ def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:
 
 
 def _packed_rows(packed: torch.Tensor, bits: int, shape: tuple[int, ...],
-                 scale: torch.Tensor, zero: torch.Tensor | None,
-                 block: tuple[int, int]) -> torch.Tensor:
+                 scale: torch.Tensor, zero: torch.Tensor | None, block: tuple[int, int],
+                 g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """One (out, in) compressed-tensors packed weight as float32, a slice of rows at a
-    time: (signed value - zero point) * scale over the scale grid."""
+    time: (signed value - zero point) * scale over the scale grid, or of the group
+    `g_idx` names for each input (activation order)."""
     out, inputs = shape
     offset = float(1 << (bits - 1))
     grid = grid_scales(scale, shape)
@@ -270,12 +276,19 @@ def _packed_rows(packed: torch.Tensor, bits: int, shape: tuple[int, ...],
         zeros = grid_scales(unpack(zero, bits, dim=0)[:out].to(torch.float32) - offset, shape)
     elif zero is not None:  # per tensor: the signed value as it is
         zeros = grid_scales(zero.to(torch.float32), shape)
+    if g_idx is not None and int(g_idx.max()) >= grid.shape[-1]:
+        raise ValueError(f"weight_g_idx names group {int(g_idx.max())} of {grid.shape[-1]}")
     weight = torch.empty(out, inputs, dtype=torch.float32)
     step = max(1, CHUNK // max(1, inputs))
     for r0 in range(0, out, step):
         r1 = min(out, r0 + step)
         w = unpack(packed[r0:r1], bits)[:, :inputs].to(torch.float32).sub_(offset)
-        rows = slice(r0, r1) if grid.shape[-2] == out else slice(None)
-        z = None if zeros is None else zeros[rows]
-        weight[r0:r1] = apply_grid(w, grid[rows], (1, block[1]), z)
+        s = grid[r0:r1] if grid.shape[-2] == out else grid
+        z = None if zeros is None else zeros[r0:r1] if zeros.shape[-2] == out else zeros
+        if g_idx is None:
+            weight[r0:r1] = apply_grid(w, s, (1, block[1]), z)
+            continue
+        if z is not None:
+            w.sub_(z.to(torch.float32)[:, g_idx])
+        weight[r0:r1] = w.mul_(s.to(torch.float32)[:, g_idx])
     return weight
