@@ -205,17 +205,29 @@ def _base_weights(base: Path) -> dict[str, torch.Tensor]:
 
 def test_float32_path_close_to_peft(llama_dir: Path, tmp_path: Path) -> None:
     """The default fast path, on the multiplicative methods: within its tolerance."""
-    peft = _peft()
-    for name, config in [("dora", CASES["dora"].config()), ("oft", CASES["oft"].config()),
-                         ("boft", CASES["boft"].config()), ("ia3", CASES["ia3"].config())]:
-        adapter = make_method_adapter(llama_dir, tmp_path / name, config)
+    for name in ("dora", "oft", "boft", "ia3"):
+        adapter = make_method_adapter(llama_dir, tmp_path / name, CASES[name].config())
         result = run_analysis(adapter, tmp_path / f"out-{name}")
         merged = peft_merged_weights(llama_dir, adapter)
         for layer, evals in result.eigs.items():
             ref = svd_evals(merged[layer])
             np.testing.assert_allclose(evals, ref, rtol=0, atol=1e-5 * ref[-1],
                                        err_msg=f"{name} {layer}")
-    assert peft is not None
+
+
+def test_analysis_does_not_import_peft(llama_dir: Path, tmp_path: Path) -> None:
+    """peft is slow to import: the worker merges with its own code."""
+    import subprocess
+    import sys
+
+    adapter = make_method_adapter(llama_dir, tmp_path / "boft", CASES["boft"].config())
+    code = ("import sys; from pathlib import Path; "
+            "from tests.support.builders import run_analysis; "
+            f"run_analysis(Path({str(adapter)!r}), Path({str(tmp_path / 'out')!r})); "
+            "sys.exit('peft' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_info_records_the_method(llama_dir: Path, tmp_path: Path) -> None:
