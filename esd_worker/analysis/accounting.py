@@ -44,12 +44,14 @@ RULES: dict[str, str] = {
 # `time_embedding.linear_1` and `patch_embed.proj` are projections.
 _EMBEDDING_LEAF = re.compile(
     r"^(wte|wpe|shared|embed_tokens|embeddings?|word_embeddings|pos_embed\w*|"
-    r"\w*position\w*|\w*_embeddings?|\w*_embeds?|\w*_tokens?|cls_token|mask_token)$",
+    r"\w*position\w*|\w*_embeddings?|\w*_embeds?|\w*_embd|\w*_tokens?|token_types|"
+    r"cls_token|mask_token)$",
     re.IGNORECASE,
 )
 _NORM_LEAF = re.compile(r"(norm|^ln_|^ln\d*$)", re.IGNORECASE)
 _BIAS_LEAF = re.compile(r"(^|_)bias$", re.IGNORECASE)
-_EXPERTS = re.compile(r"(^|\.)experts?(\.|$)")
+# `experts`, and llama.cpp's GGUF names (`blk.3.ffn_gate_exps.weight`).
+_EXPERTS = re.compile(r"(^|\.)experts?(\.|$)|_exps$")
 
 
 def leaf(key: str) -> str:

@@ -343,10 +343,12 @@ def _resolve_base(
 
 def _on_disk(model: ResolvedModel) -> int:
     """The model's bytes: as sized for the download, else its folder's files (the weights
-    and configs sit at its top)."""
+    and configs sit at its top, or a folder down: a pipeline's components)."""
     if model.size_bytes is not None:
         return model.size_bytes
-    return sum(p.stat().st_size for p in model.directory.iterdir() if p.is_file())
+    top = [p for p in model.directory.iterdir() if not p.name.startswith(".")]
+    below = [q for p in top if p.is_dir() for q in p.iterdir() if not q.name.startswith(".")]
+    return sum(p.stat().st_size for p in (*top, *below) if p.is_file())
 
 
 def _first_line(e: BaseException) -> str:

@@ -223,7 +223,8 @@ HUB_CASES = {
     "bin-fallback": ({"config.json": 10, "pytorch_model.bin": 4000}, "", 4000),
     "adapter-files": ({"adapter_model.safetensors": 400, "adapter_config.json": 10,
                        "model.safetensors": 9000}, "lora", 400),
-    "no-weights": ({"config.json": 10, "model.gguf": 5000}, "", 0),
+    "no-weights": ({"config.json": 10, "model.onnx": 5000}, "", 0),
+    "gguf-only": ({"config.json": 10, "model.Q8_0.gguf": 5000}, "", 5000),
 }
 
 

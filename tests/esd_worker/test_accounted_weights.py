@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from esd_worker.analysis.accounting import RULES, UnexplainedTensors
+from esd_worker.analysis.accounting import RULES, UnexplainedTensors, classify
+from esd_worker.analysis.weights import Checkpoint
 from tests.support.builders import make_bert, make_gpt2, make_llama, run_analysis
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
@@ -249,3 +250,34 @@ def test_docs_list_every_skip_rule() -> None:
     section = text.split("- Skipped, by rule", 1)[1].split("\n\n", 2)[1]
     documented = re.findall(r"^\s*\| `(\w+)` \|", section, flags=re.MULTILINE)
     assert documented == list(RULES)
+
+
+@pytest.mark.parametrize(("key", "shape", "expected"), [
+    ("transformer.wte.weight", (64, 32), "embedding"),
+    ("token_embd.weight", (64, 32), "embedding"),  # GGUF
+    ("vit.embeddings.position_embeddings", (1, 17, 32), "embedding"),
+    ("vit.embeddings.cls_token", (1, 1, 32), "vector"),
+    ("model.layers.0.mlp.experts.down_proj_bias", (4, 32), "vector"),
+    ("model.layers.0.input_layernorm.weight", (32,), "vector"),
+    ("model.layers.0.q_norm.weight", (4, 8), "norm"),
+    ("embeddings.position_ids", (1, 16), "vector"),  # one dimension once its 1 goes
+    ("relative_position_index", (16, 16), "integer"),
+    ("unet.time_embedding.linear_1.weight", (64, 32), "Matrix"),  # under an embedding: a map
+    ("vision.patch_embed.proj.weight", (32, 3, 4, 4), "Conv2d"),
+    ("gpt_neox.embed_out.weight", (64, 32), "Matrix"),  # a head, not an embedding
+    ("visual.attnpool.in_proj_weight", (96, 32), "Matrix"),
+    ("model.layers.0.mlp.experts.3.w1.weight", (16, 32), "Expert"),
+    ("blk.0.ffn_up_exps.weight", (4, 16, 32), "Expert"),  # GGUF expert stack
+    ("model.layers.0.mystery.weight", (4, 16, 32), None),  # 3-D, no module, no experts
+])
+def test_what_a_tensor_no_module_types_is(key: str, shape: tuple[int, ...],
+                                          expected: str | None) -> None:
+    """By its name, shape and dtype alone (the map without an architecture): a rule, a row
+    type, or None (unexplained: the model would fail naming it)."""
+    dtype = torch.int64 if key.endswith(("position_ids", "_index")) else torch.float32
+    tensors = Checkpoint.of_tensors({key: torch.zeros(shape, dtype=dtype)}, name="t")
+    what = classify(tensors, key, name=key, include_embeddings=False, stack=False)
+    got = what.rule or (what.rows[0][2] if what.rows else None)
+    assert got == expected
+    if got == "Expert" and len(shape) == 3:
+        assert [row[1] for row in what.rows] == [f"{key}[{i}]" for i in range(shape[0])]

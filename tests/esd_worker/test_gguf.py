@@ -192,16 +192,21 @@ def test_a_gguf_folder_analysed(tmp_path: Path) -> None:
     weight gguf dequantizes, its scheme recorded."""
     folder = tmp_path / "tiny-gguf"
     folder.mkdir()
-    # No expert stack: the name rules (esd_worker.analysis.accounting) do not know GGUF's
-    # `_exps` stacks yet; reading one is test_one_row_of_a_stack's.
-    write_gguf(folder / "tiny-Q8_0.gguf", refused=False, experts=False)
+    write_gguf(folder / "tiny-Q8_0.gguf", refused=False)
     (folder / "tiny-Q4_0.gguf").write_bytes(b"not read: a lower precision than Q8_0")
     (folder / "mmproj-tiny-f32.gguf").write_bytes(b"never read: a vision projector")
     expected = reference(folder / "tiny-Q8_0.gguf")
     result = run_analysis(folder, tmp_path / "out", precision="float64")
     layers = {"blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v", "blk.0.attn_output",
               "blk.0.ffn_up", "blk.0.ffn_down"}
-    assert set(result.layers) == layers
+    experts = {f"blk.0.ffn_gate_exps.{i}" for i in range(4)}  # llama.cpp's expert stack
+    assert set(result.layers) == layers | experts
+    stack = expected["blk.0.ffn_gate_exps.weight"][2]
+    assert stack is not None
+    for i in range(4):
+        row = result.row(f"blk.0.ffn_gate_exps.{i}")
+        assert row["layer_type"] == "Expert" and row["quantization"] == "gguf-Q8_0"
+        assert math.isclose(float(row["spectral_norm"]), svd_norm(stack[i]), rel_tol=1e-6)
     for name in layers:
         row = result.row(name)
         qtype, _, values = expected[f"{name}.weight"]
