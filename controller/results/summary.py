@@ -50,6 +50,10 @@ from esd_worker.core.store.tables import MODELS_TABLE, marker_part, parameters_t
 
 # The statistics a marker's summary holds (and summarize_layers returns), defined by the worker.
 STAT_COLUMNS: tuple[str, ...] = SUMMARY_FIELDS
+# What of the checkpoint the model's rows cover, from the marker's coverage
+# (esd_worker.core.store.tables.coverage_cells): empty for markers written before it, and
+# for rows of table parts written before these columns.
+COVERAGE_COLUMNS: tuple[str, ...] = ("params_analysed_share", "tensors_skipped")
 SUMMARY_COLUMNS: tuple[str, ...] = (
     "model_id",
     "revision",
@@ -57,6 +61,7 @@ SUMMARY_COLUMNS: tuple[str, ...] = (
     "relation",
     "source_model",
     *STAT_COLUMNS,
+    *COVERAGE_COLUMNS,
     "device",
     "total_s",
     "finished_at",
@@ -97,7 +102,7 @@ def _with_row(row: ModelRow, part: Mapping[str, Any]) -> dict[str, Any]:
         "model_key": part["model_key"] or row.key,
         "relation": row.relation or part["relation"],
         "source_model": row.source_model or part["base_model"],
-        **{col: part.get(col) for col in STAT_COLUMNS},
+        **{col: part.get(col) for col in (*STAT_COLUMNS, *COVERAGE_COLUMNS)},
         "device": part["device"],
         "total_s": part["total_s"],
         "finished_at": part["finished_at"],

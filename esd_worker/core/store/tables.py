@@ -73,6 +73,12 @@ MODEL_SCHEMA = pa.schema([
     ("family", pa.string()),
     ("num_params", pa.int64()),
     *((col, pa.int64() if col in _INT_STATS else pa.float64()) for col in SUMMARY_FIELDS),
+    # What of the checkpoint the rows cover (coverage_cells; parts written before them have
+    # none of these three): the share of its parameters analysed, the tensors skipped by a
+    # rule, and the marker's `coverage` whole as JSON (the report's model pages show it).
+    ("params_analysed_share", pa.float64()),
+    ("tensors_skipped", pa.int64()),
+    ("coverage", pa.string()),
     ("device", pa.string()),
     ("total_s", pa.float64()),
     ("finished_at", pa.string()),
@@ -86,7 +92,8 @@ MODEL_SCHEMA = pa.schema([
 ])
 # Columns a part may lack (written by an older version): everything else must be there,
 # with its type, or the part is not read (controller.results.tables).
-OPTIONAL_COLUMNS = frozenset({"files", "quantization"})
+OPTIONAL_COLUMNS = frozenset(
+    {"files", "quantization", "params_analysed_share", "tensors_skipped", "coverage"})
 LAYER_SCHEMA = pa.schema([
     ("model_key", pa.string()),
     ("finished_at", pa.string()),
@@ -162,14 +169,40 @@ def device_text(device: Mapping[str, Any] | None) -> str | None:
     return str(kind or name) if (kind or name) else None
 
 
+def _count(value: Any) -> int | None:
+    """A count a marker's coverage holds: an int >= 0 (not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 \
+        else None
+
+
+def coverage_cells(coverage: Mapping[str, Any] | None) -> tuple[float | None, int | None]:
+    """(params_analysed_share, tensors_skipped) of a marker's `coverage`: the analysed
+    parameters over those the checkpoint holds (None when it holds none) and the tensors
+    skipped by every rule together; both None without a coverage (markers written before
+    it) or where it does not hold those counts."""
+    if not isinstance(coverage, Mapping):
+        return None, None
+    analysed = coverage.get("analysed")
+    held = _count(coverage.get("parameters"))
+    done = _count(analysed.get("parameters")) if isinstance(analysed, Mapping) else None
+    share = done / held if held and done is not None else None
+    skipped = coverage.get("skipped")
+    counts = ([_count(rule.get("tensors")) if isinstance(rule, Mapping) else None
+               for rule in skipped.values()] if isinstance(skipped, Mapping) else [None])
+    return share, None if None in counts else sum(c for c in counts if c is not None)
+
+
 def marker_part(marker: Marker, stats: Mapping[str, Any]) -> dict[str, Any]:
     """What a summary.csv row takes from the marker (the rest comes from the model list)."""
     base = marker.base_model
+    share, skipped = coverage_cells(marker.coverage)
     return {
         "model_key": marker.model_key,
         "relation": marker.relation or "",
         "base_model": base.model if base is not None else None,
         **{col: stats.get(col) for col in SUMMARY_FIELDS},
+        "params_analysed_share": share,
+        "tensors_skipped": skipped,
         "device": device_text(marker.device),
         # As stored, not Marker.total_s: an int stays an int in the CSV.
         "total_s": marker.timings.get("total_s"),
@@ -236,6 +269,10 @@ class DoneModel:
             "relation": marker.relation or ("adapter" if marker.adapter is not None else ""),
             "base_model": part["base_model"],
             "architecture": marker.architecture,
+            "params_analysed_share": part["params_analysed_share"],
+            "tensors_skipped": part["tensors_skipped"],
+            "coverage": (None if marker.coverage is None else
+                         json.dumps(marker.coverage, sort_keys=True, separators=(",", ":"))),
             "family": family_of(marker.architecture),
             "num_params": sum(p for p in params if p is not None) if self.layers else None,
             "device": part["device"],

@@ -119,7 +119,8 @@ def test_columns() -> None:
         "model_id", "revision", "model_key", "relation", "source_model", "layers", "layers_ok",
         "alpha_mean", "alpha_median", "alpha_std", "alpha_in_2_6_share", "stable_rank_mean",
         "log_spectral_norm_mean", "log_norm_mean", "entropy_mean", "alpha_weighted_mean",
-        "log_alpha_norm_mean", "device", "total_s", "finished_at",
+        "log_alpha_norm_mean", "params_analysed_share", "tensors_skipped", "device",
+        "total_s", "finished_at",
     )
     assert tuple(SUMMARY) == STAT_COLUMNS
 
@@ -130,7 +131,8 @@ def test_summary_row_from_marker_summary(store: LocalStore) -> None:
     assert tuple(out) == SUMMARY_COLUMNS
     assert out == {
         "model_id": "org/a", "revision": "main", "model_key": row.key, "relation": "finetune",
-        "source_model": "org/base", **SUMMARY, "device": "cuda (NVIDIA H100)", "total_s": 12.5,
+        "source_model": "org/base", **SUMMARY, "params_analysed_share": None,
+        "tensors_skipped": None, "device": "cuda (NVIDIA H100)", "total_s": 12.5,
         "finished_at": "2026-11-23T07:05:01+00:00",
     }
 
