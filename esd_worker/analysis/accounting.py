@@ -49,6 +49,8 @@ _EMBEDDING_LEAF = re.compile(
     re.IGNORECASE,
 )
 _NORM_LEAF = re.compile(r"(norm|^ln_|^ln\d*$)", re.IGNORECASE)
+_INDEX_LEAF = re.compile(r"(_ids|_index|_indices|_idx|position|_mask|count|step)$",
+                         re.IGNORECASE)
 _BIAS_LEAF = re.compile(r"(^|_)bias$", re.IGNORECASE)
 # `experts`, and llama.cpp's GGUF names (`blk.3.ffn_gate_exps.weight`).
 _EXPERTS = re.compile(r"(^|\.)experts?(\.|$)|_exps$")
@@ -93,12 +95,12 @@ def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
     if len(eff) <= 1 or _BIAS_LEAF.search(leaf(key)):
         return Untyped(rule="vector")  # a stack of per-expert biases is vectors too
     if float_dtype(dtype) is None and not dtype.startswith("F8") and tensors.refusal(key) is None:
-        # Integers that are no quantized weight: a `.weight` of two dimensions is a matrix
-        # the analysis cannot read (its row says unsupported_dtype); anything else is an
-        # index table or a counter.
-        if key.endswith(".weight") and len(eff) == 2:
-            return Untyped(rows=((stem, key, MATRIX, eff),))
-        return Untyped(rule="integer")
+        # Integers that are no quantized weight the view knows: an index table or a counter
+        # by its name, else a matrix the analysis cannot read (a quantization this worker
+        # does not know, e.g. HQQ's `W_q`): a row that says unsupported_dtype, never skipped.
+        if _INDEX_LEAF.search(leaf(key)) or len(eff) != 2:
+            return Untyped(rule="integer")
+        return Untyped(rows=((stem, key, MATRIX, eff),))
     if is_embedding_name(key):
         if not include_embeddings:
             return Untyped(rule="embedding")

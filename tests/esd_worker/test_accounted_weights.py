@@ -281,3 +281,12 @@ def test_what_a_tensor_no_module_types_is(key: str, shape: tuple[int, ...],
     assert got == expected
     if got == "Expert" and len(shape) == 3:
         assert [row[1] for row in what.rows] == [f"{key}[{i}]" for i in range(shape[0])]
+
+
+def test_an_integer_matrix_of_an_unknown_quantization_is_a_row_not_skipped() -> None:
+    """HQQ stores its codes as `W_q` (uint8, 2-D): not a weight any view dequantizes, so a
+    row that says unsupported_dtype, never a skip."""
+    key = "model.layers.0.self_attn.q_proj.W_q"
+    tensors = Checkpoint.of_tensors({key: torch.zeros(16, 32, dtype=torch.uint8)}, name="t")
+    what = classify(tensors, key, name=key, include_embeddings=False, stack=False)
+    assert what.rule is None and what.rows[0][1:3] == (key, "Matrix")
