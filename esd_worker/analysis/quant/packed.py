@@ -188,19 +188,40 @@ def _by_input_rows(qweight: torch.Tensor, bits: int, dim: int, zeros: torch.Tens
                    scales: torch.Tensor, g_idx: torch.Tensor,
                    order: tuple[int, ...] | None) -> torch.Tensor:
     """The (out, in) float32 weight of a GPTQ (inputs packed down the rows: dim 0) or AWQ
-    (outputs packed across: dim -1) qweight, a slice of input rows at a time."""
+    (outputs packed across: dim -1) qweight, a slice of input rows at a time. Groups in
+    order (input i in group i // size: no act-order) are broadcast over their rows, others
+    gathered row by row."""
     per = 32 // bits
     rows_per_word = per if dim == 0 else 1
     inputs = qweight.shape[0] * rows_per_word
     out = zeros.shape[1]
+    size = _group_size(g_idx)
     weight = torch.empty(out, inputs, dtype=torch.float32)
     step = max(1, CHUNK // max(1, out * rows_per_word))  # packed rows a slice
+    if size is not None and size % rows_per_word == 0:  # slices of whole groups
+        words = size // rows_per_word
+        step = max(words, step // words * words)
     for r0 in range(0, qweight.shape[0], step):
-        q = unpack(qweight[r0: r0 + step], bits, dim=dim, order=order)
-        i0 = r0 * rows_per_word
-        g = g_idx[i0: i0 + q.shape[0]]
-        weight[:, i0: i0 + q.shape[0]] = q.to(torch.float32).sub_(zeros[g]).mul_(scales[g]).T
+        w = unpack(qweight[r0: r0 + step], bits, dim=dim, order=order).to(torch.float32)
+        i0, n = r0 * rows_per_word, w.shape[0]
+        if size is not None and i0 % size == 0 and n % size == 0:
+            g0, g1 = i0 // size, (i0 + n) // size
+            grouped = w.view(g1 - g0, size, out)
+            grouped.sub_(zeros[g0:g1, None]).mul_(scales[g0:g1, None])
+        else:
+            g = g_idx[i0: i0 + n]
+            w.sub_(zeros[g]).mul_(scales[g])
+        weight[:, i0: i0 + n] = w.T
     return weight
+
+
+def _group_size(g_idx: torch.Tensor) -> int | None:
+    """The group size when input i is in group i // size (no act-order), else None."""
+    n = g_idx.numel()
+    if n == 0 or int(g_idx[0]) != 0:
+        return None
+    size = int((g_idx == 0).sum())
+    return size if torch.equal(g_idx, torch.arange(n) // size) else None
 
 
 def _compressed(module: Module, tensors: Tensors, config: QuantConfig) -> Plan:

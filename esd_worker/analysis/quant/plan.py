@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,19 +151,32 @@ FLOAT8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E8M0", "F8_E4M3FNUZ", "F8_E
 def unpack(packed: torch.Tensor, bits: int, *, dim: int = -1,
            order: Sequence[int] | None = None) -> torch.Tensor:
     """The unsigned `bits`-bit integers packed into int32 words along `dim` (0 or -1), the
-    first in each word's lowest bits, as uint8 with that dimension `32 // bits` times
-    longer. `order`: where each element sits in its word (AWQ's interleave), else in
-    order."""
-    if dim == 0:
-        return unpack(packed.transpose(0, -1), bits, order=order).transpose(0, -1)
+    first in each word's lowest bits, as a contiguous uint8 tensor with that dimension
+    `32 // bits` times longer. `order`: where each element sits in its word (AWQ's
+    interleave), else in order."""
     per, mask = 32 // bits, (1 << bits) - 1
-    words = packed.to(torch.int32)
-    out = torch.empty((*words.shape, per), dtype=torch.uint8)
-    for j in range(per):
-        out[..., j] = torch.bitwise_and(torch.bitwise_right_shift(words, bits * j), mask)
+    words = packed.to(torch.int32).contiguous()
+    at = 1 if dim == 0 else words.dim()  # the axis of value j of each word
+    if 8 % bits == 0 and sys.byteorder == "little":
+        # Byte k of a word holds its values k * (8 // bits) onwards: 8 // bits operations
+        # on uint8 planes, not 32 // bits on int32 words.
+        in_byte = 8 // bits
+        planes = words.view(torch.uint8).unflatten(-1, (-1, 4))  # (..., words, 4 bytes)
+        planes = planes.movedim(-1, 1) if dim == 0 else planes.flatten(-2)
+        axis = 2 if dim == 0 else words.dim()  # (rows, 4, cols, ...) or (..., bytes)
+        values = torch.empty((*planes.shape[:axis], in_byte, *planes.shape[axis:]),
+                             dtype=torch.uint8)
+        for j in range(in_byte):
+            values.select(axis, j).copy_(torch.bitwise_and(planes >> (bits * j), mask))
+        values = values.reshape((*words.shape[:at], per, *words.shape[at:]))
+    else:
+        values = torch.empty((*words.shape[:at], per, *words.shape[at:]), dtype=torch.uint8)
+        for j in range(per):
+            values.select(at, j).copy_(
+                torch.bitwise_and(torch.bitwise_right_shift(words, bits * j), mask))
     if order is not None:
-        out = out[..., [list(order).index(e) for e in range(per)]]
-    return out.flatten(-2)
+        values = values.index_select(at, torch.tensor([list(order).index(e) for e in range(per)]))
+    return values.flatten(at - 1, at)
 
 
 def block_size(n: int, count: int, hints: Iterable[int]) -> int | None:
