@@ -107,6 +107,14 @@ CASES = {
         use_dora=True), "DORA", 4),
     "dora-conv2d": Case("resnet_dir", lambda: _peft().LoraConfig(
         r=4, lora_alpha=8, target_modules=CONVS, use_dora=True), "DORA", 5),
+    # tied embedding and lm_head both adapted: peft merges both into the one weight, in the
+    # model's order (which matters when the updates multiply)
+    "dora-tied": Case("llama_tied_dir", lambda: _peft().LoraConfig(
+        r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head"], use_dora=True),
+        "DORA", 2),
+    "oft-tied-embeddings": Case("llama_tied_dir", lambda: _peft().OFTConfig(
+        r=4, oft_block_size=0, target_modules=["embed_tokens", "lm_head"]), "OFT", 2,
+        {"include_embeddings": True}),
     "adalora": Case("llama_dir", lambda: _peft().AdaLoraConfig(
         init_r=4, target_r=2, total_step=10, lora_alpha=16, target_modules=LLAMA_QKD),
         "ADALORA", 6),

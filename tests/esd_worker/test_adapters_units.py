@@ -60,7 +60,7 @@ def made(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.mark.filterwarnings("ignore:The following rank_pattern keys did not match")
-@pytest.mark.parametrize("case_id", list(CASES))
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].base != "llama_tied_dir"])
 def test_merged_weight_equals_peft(case_id: str, made: dict[str, Path],
                                    request: pytest.FixtureRequest) -> None:
     """Each update applied to its float64 base weight gives peft's merged weight: the check

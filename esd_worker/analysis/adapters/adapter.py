@@ -128,14 +128,16 @@ class PeftAdapter:
         name_index = suffix_index(by_name)
         key_index = suffix_index(checkpoint_keys)
         keys_read = {spec.key for spec in layers}
-        merges: dict[str, list[WeightUpdate]] = {}
+        order = {spec.name: i for i, spec in enumerate(layers)}
+        merges: dict[str, list[tuple[int, WeightUpdate]]] = {}
         unanalysed: list[str] = []
         for name, module in self.modules.items():
             layer = match_by_suffix(name, name_index, min_parts=1)
             target_type: str | None
+            position = -1  # no layer: a checkpoint tensor (an embedding) comes first
             if layer is not None:
                 spec = by_name[layer]
-                key, target_type = spec.key, spec.layer_type
+                key, target_type, position = spec.key, spec.layer_type, order[layer]
             else:
                 found = match_by_suffix(f"{name}.weight", key_index)
                 if found is None:
@@ -149,13 +151,17 @@ class PeftAdapter:
                     continue
             targeted = module.targeted(target_type)
             targeted.check_target()
-            merges.setdefault(key, []).append(targeted)
+            merges.setdefault(key, []).append((position, targeted))
         replaced: dict[str, torch.Tensor] = {}
         for name, tensor in self.replaced.items():
             layer = match_by_suffix(name, name_index, min_parts=1)
             if layer is not None:
                 replaced[layer] = tensor
-        return AdapterMatch(merges, replaced, unanalysed)
+        # Two updates of one tensor (tied modules) in the model's order, as peft merges
+        # them: it matters for the methods that multiply (DoRA, IA3, OFT, BOFT).
+        ordered = {key: [u for _, u in sorted(mods, key=lambda m: m[0])]
+                   for key, mods in merges.items()}
+        return AdapterMatch(ordered, replaced, unanalysed)
 
 
 LoraAdapter = PeftAdapter  # the name the worker has always used

@@ -66,11 +66,11 @@ class AdapterMatch:
     """Where an adapter's updates go in the base checkpoint.
 
     merges: checkpoint key → the updates to apply to that tensor, in order (two when tied
-    modules both carry one, applied in the adapter's order: for the multiplicative methods
-    peft's order is the model's); every layer read from the key gets them, as peft's in-place
-    merge of a tied weight changes both modules. replaced: layer name → full weight saved
-    with the adapter (modules_to_save). unanalysed: adapter modules whose base weight is not
-    an analysed layer (e.g. an embedding without --include-embeddings).
+    modules both carry one, in the model's order, as peft merges them); every layer read
+    from the key gets them, as peft's in-place merge of a tied weight changes both modules.
+    replaced: layer name → full weight saved with the adapter (modules_to_save). unanalysed:
+    adapter modules whose base weight is not an analysed layer (e.g. an embedding without
+    --include-embeddings).
     """
 
     merges: dict[str, list[WeightUpdate]]
