@@ -256,3 +256,26 @@ def test_mixed_checkpoint_passes_unquantized_tensors_through(tmp_path: Path) -> 
     assert view.folded() == {"model.layers.0.mlp.up_proj.weight_scale_inv":
                              "model.layers.0.mlp.up_proj.weight"}
     assert math.prod(view.shape("model.layers.0.mlp.up_proj.weight")) == 64 * 48
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dim", [0, -1])
+def test_unpacking_by_bytes_equals_unpacking_by_words(bits: int, dim: int,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The little-endian byte-plane path and the word-shift path (any byte order) agree,
+    in order and in AWQ's order."""
+    from esd_worker.analysis.quant.plan import unpack
+
+    words = torch.randint(-(2**31), 2**31 - 1, (6, 5), dtype=torch.int32,
+                          generator=torch.Generator().manual_seed(bits))
+    order = q.AWQ_ORDER if bits == 4 else None
+    fast = [unpack(words, bits, dim=dim), unpack(words, bits, dim=dim, order=order)]
+    monkeypatch.setattr("sys.byteorder", "big")
+    slow = [unpack(words, bits, dim=dim), unpack(words, bits, dim=dim, order=order)]
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b) and a.is_contiguous()
+    # value j of word w is element w * (32 // bits) + j along `dim`
+    first = int(words[0, 0]) & 0xFFFFFFFF
+    along = slow[0][:, 0] if dim == 0 else slow[0][0]
+    assert [int(v) for v in along[: 32 // bits]] == [
+        (first >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)]
