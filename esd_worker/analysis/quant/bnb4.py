@@ -60,14 +60,14 @@ def bnb4_plan(module: Module, tensors: Tensors) -> Plan | None:
                                   int(state["nested_blocksize"]))
             absmax += float(state["nested_offset"])
         raw = t.read(key).contiguous().view(torch.uint8).reshape(-1)
-        codes = torch.stack([raw >> 4, raw & 0x0F], dim=-1).reshape(-1)
         n = math.prod(shape)
-        if codes.numel() < n:
-            raise ValueError(f"{key} holds {codes.numel()} codes for a weight of {n}")
-        values = _codes_times(codes[:n],
-                              t.read(params["weight.quant_map"]).to(torch.float32),
-                              absmax.to(torch.float32), blocksize)
-        return values.reshape(shape)
+        if 2 * raw.numel() < n:
+            raise ValueError(f"{key} holds {2 * raw.numel()} codes for a weight of {n}")
+        # Each byte's two values (high nibble first) looked up at once.
+        code = torch.arange(256)
+        table = t.read(params["weight.quant_map"]).to(torch.float32)
+        pairs = torch.stack([table[code >> 4], table[code & 0x0F]], dim=-1)
+        return _codes_times(raw, pairs, absmax.to(torch.float32), blocksize, n).reshape(shape)
 
     return Plan(key, shape, key, tuple(folded), scheme=f"bnb-{quant_type}", compute=compute)
 
@@ -95,13 +95,19 @@ def _checked(state: Any, named: str, params: dict[str, str]
 
 
 def _codes_times(codes: torch.Tensor, table: torch.Tensor, absmax: torch.Tensor,
-                 blocksize: int) -> torch.Tensor:
-    """table[codes] (flat), each block of `blocksize` times its absmax (the last block maybe
-    partial): bitsandbytes' blockwise dequantization."""
-    n = codes.numel()
-    values = torch.empty(n, dtype=torch.float32)
-    for start in range(0, n, CHUNK):  # int64 indices a slice at a time
-        values[start: start + CHUNK] = table[codes[start: start + CHUNK].to(torch.int64)]
+                 blocksize: int, n: int | None = None) -> torch.Tensor:
+    """table[codes], flat (a table of rows: each code that many values), its first `n`
+    values, each block of `blocksize` times its absmax (the last block maybe partial):
+    bitsandbytes' blockwise dequantization."""
+    width = table.shape[1] if table.dim() == 2 else 1
+    total = codes.numel() * width
+    values = torch.empty(total, dtype=torch.float32)
+    step = max(1, CHUNK // width)
+    for start in range(0, codes.numel(), step):  # int64 indices a slice at a time
+        part = codes[start: start + step].to(torch.int64)
+        values[start * width: (start + part.numel()) * width] = table[part].reshape(-1)
+    values = values[: total if n is None else n]
+    n = values.numel()
     full, rem = divmod(n, blocksize)
     if absmax.numel() != full + (1 if rem else 0):
         raise ValueError(f"{absmax.numel()} absmax for {n} values in blocks of {blocksize}")

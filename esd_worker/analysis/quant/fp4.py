@@ -48,11 +48,13 @@ def fp4_plans(module: Module, tensors: Tensors, config: QuantConfig) -> list[Pla
 
 
 def codes(packed: torch.Tensor) -> torch.Tensor:
-    """The E2M1 values of a uint8 tensor, two a byte (low nibble first): last dim doubled."""
+    """The E2M1 values of a uint8 tensor, two a byte (low nibble first): last dim doubled.
+    Each byte's pair is looked up at once."""
     raw = packed.to(torch.uint8)
     table = torch.tensor(E2M1, dtype=torch.float32)
-    return torch.stack([table[(raw & 0x0F).long()], table[(raw >> 4).long()]],
-                       dim=-1).flatten(-2)
+    code = torch.arange(256)
+    pairs = torch.stack([table[code & 0x0F], table[code >> 4]], dim=-1)
+    return pairs[raw.to(torch.int64)].flatten(-2)
 
 
 def _gpt_oss(module: Module, name: str, tensors: Tensors) -> Plan:
