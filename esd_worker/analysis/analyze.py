@@ -206,7 +206,7 @@ def analyse_model_with(
         if adapter is not None:
             matched = adapter.match(layer_map.layers, ckpt.keys())
             log.info(
-                "adapter: %d LoRA modules merged on the fly, %d modules replaced, "
+                "adapter: %d adapter modules merged on the fly, %d modules replaced, "
                 "%d on weights not analysed",
                 matched.merged_modules, len(matched.replaced), len(matched.unanalysed),
             )

@@ -218,16 +218,16 @@ def test_lora_ranks_that_disagree(
                           "(4, 32)", "(32, 3)", "ranks disagree")
 
 
-@pytest.mark.parametrize("kind", ["IA3", "LOHA"])
+@pytest.mark.parametrize("kind", ["FOURIERFT", "HRA"])
 def test_unknown_adapter_type(
     capsys: pytest.CaptureFixture[str], llama_dir: Path, tmp_path: Path, kind: str
 ) -> None:
-    """IA3 and LoHa adapters made with peft: exit 3, the message names the type."""
+    """Adapter types not merged, made with peft: exit 3, the message names the type."""
     import peft
 
     config = (
-        peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
-        if kind == "IA3" else peft.LoHaConfig(r=2, target_modules=["q_proj"])
+        peft.FourierFTConfig(target_modules=["q_proj"], n_frequency=16)
+        if kind == "FOURIERFT" else peft.HRAConfig(r=2, target_modules=["q_proj"])
     )
     adapter = make_peft_adapter(llama_dir, tmp_path / kind, config)
     run = run_main(capsys, "--model", str(adapter), "--output", str(tmp_path / "out"))
