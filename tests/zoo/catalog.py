@@ -30,9 +30,7 @@ PEFT = "peft"
 SENTENCE = "sentence-transformers"
 DIFFUSERS = "diffusers-folder"
 GGUF = "gguf"
-BNB = "bitsandbytes"
-FP8 = "fp8"
-GPTQ = "gptq"
+FORMULA = "dequantized by the scheme's formula"
 
 
 @dataclass(frozen=True)
@@ -78,15 +76,21 @@ def _plan(root: Path) -> list[tuple[Entry, Builder]]:
          lambda d, s: formats.build_sentence_transformer(d, scratch=s)),
         (Entry("diffusers-pipeline", COMPONENTS, root / "diffusers-pipeline", DIFFUSERS),
          lambda d, _s: formats.build_diffusers(d)),
-        (Entry("fp8-block", QUANTIZED, root / "fp8-block", FP8),
-         lambda d, _s: quantized.build_fp8_block(d)),
-        (Entry("fp8-tensor", QUANTIZED, root / "fp8-tensor", FP8),
+        (Entry("fp8-block", QUANTIZED, root / "fp8-block", FORMULA),
+         lambda d, s: quantized.build_fp8_block(d, scratch=s)),
+        (Entry("fp8-block-deepseek_v3", QUANTIZED, root / "fp8-block-deepseek_v3", FORMULA),
+         lambda d, s: quantized.build_fp8_block(d, scratch=s, moe=True)),
+        (Entry("mxfp4-gpt_oss", QUANTIZED, root / "mxfp4-gpt_oss", FORMULA),
+         lambda d, _s: quantized.build_mxfp4(d)),
+        (Entry("fp8-tensor", QUANTIZED, root / "fp8-tensor", FORMULA),
          lambda d, _s: quantized.build_fp8_tensor(d)),
-        (Entry("compressed-tensors-fp8", QUANTIZED, root / "compressed-tensors-fp8", FP8),
+        (Entry("compressed-tensors-fp8", QUANTIZED, root / "compressed-tensors-fp8", FORMULA),
          lambda d, _s: quantized.build_compressed_fp8(d)),
-        (Entry("gptq-int4", QUANTIZED, root / "gptq-int4", GPTQ),
+        (Entry("compressed-tensors-int4", QUANTIZED, root / "compressed-tensors-int4", FORMULA),
+         lambda d, _s: quantized.build_compressed_int4(d)),
+        (Entry("gptq-int4", QUANTIZED, root / "gptq-int4", FORMULA),
          lambda d, _s: quantized.build_gptq(d)),
-        (Entry("bnb-nf4", QUANTIZED, root / "bnb-nf4", BNB, optional=True),
+        (Entry("bnb-nf4", QUANTIZED, root / "bnb-nf4", FORMULA, optional=True),
          lambda d, s: quantized.build_bnb_nf4(d, scratch=s)),
     ]
     for method in adapters.METHODS:

@@ -105,9 +105,11 @@ def _failed(entry: Entry, record: dict[str, Any]) -> Outcome:
     return Outcome(entry, REFUSED if clean else CRASHED, [error or "(empty error)"])
 
 
-def _match(rows: list[dict[str, str]], refs: list[Ref]) -> tuple[dict[int, int], list[int]]:
+def _match(rows: list[dict[str, str]], refs: list[Ref], first: set[int]
+           ) -> tuple[dict[int, int], list[int]]:
     """Maximum one-to-one matching of measurable rows to refs: {row index: ref index}, and
-    the rows that could be matched to nothing (not even alone)."""
+    the rows left unmatched. A row tries the refs in `first` before the others (a too_small
+    row, matched by shape alone, goes to a router's matrix before a stack of biases)."""
     edges: dict[int, list[int]] = {}
     for i, row in enumerate(rows):
         status = row.get("status", "")
@@ -115,8 +117,9 @@ def _match(rows: list[dict[str, str]], refs: list[Ref]) -> tuple[dict[int, int],
             continue
         shape = sorted((int(row["M"]), int(row["N"])))
         lam = float(row["spectral_norm"]) if row.get("spectral_norm") else math.nan
-        edges[i] = [j for j, ref in enumerate(refs) if sorted(ref.shape) == shape and (
-            status in SHAPE_ONLY or abs(lam - ref.lam) <= TOLERANCE * abs(ref.lam))]
+        edges[i] = sorted((j for j, ref in enumerate(refs) if sorted(ref.shape) == shape and (
+            status in SHAPE_ONLY or abs(lam - ref.lam) <= TOLERANCE * abs(ref.lam))),
+            key=lambda j: j not in first)
     owner: dict[int, int] = {}  # ref -> row
 
     def augment(i: int, seen: set[int]) -> bool:
@@ -157,7 +160,8 @@ def judge(entry: Entry, marker: dict[str, Any], rows: list[dict[str, str]],
         for a, alternative in enumerate(unit.alternatives):
             refs.extend(alternative)
             where.extend([(u, a)] * len(alternative))
-    matched, unmatched = _match(rows, refs)
+    must = {j for j, (u, _a) in enumerate(where) if units[u].category in MUST_ANALYSE}
+    matched, unmatched = _match(rows, refs, must)
     details: list[str] = []
     named = [(units[where[j][0]].name, ref) for j, ref in enumerate(refs)]
     for i in unmatched:

@@ -44,7 +44,7 @@ RULES_FOR: Mapping[str, frozenset[str]] = {
     NORM: frozenset({"norm", "vector"}),
     BIAS: frozenset({"vector", "bias"}),
     CONV1D: frozenset({"conv1d"}),
-    CONV3D: frozenset({"conv3d"}),
+    CONV3D: frozenset({"conv3d", "conv", "convnd"}),
 }
 
 _EMBEDDING_LEAF = re.compile(

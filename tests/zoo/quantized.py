@@ -4,6 +4,10 @@ scheme's reference dequantization of what was written (what the checker compares
 - fp8 block (DeepSeek-V3 / transformers' FineGrainedFP8): `weight` float8_e4m3fn and
   `weight_scale_inv` float32 of shape ceil(out/128) × ceil(in/128);
   W = weight · scale_inv[i // 128, j // 128]. Sizes make partial blocks (160 = 128 + 32).
+  Also on a tiny DeepSeek-V3 (every expert's 2-D matrix quantized, the router not).
+- MXFP4 (GPT-OSS's experts): `gate_up_proj_blocks` / `down_proj_blocks` uint8 (E, out,
+  in/32, 16), two FP4 (e2m1) codes a byte, the low nibble first, and `*_scales` uint8
+  (E, out, in/32), an e8m0 exponent biased by 127: W[e, o, 32b + k] = FP4[code] · 2^(s − 127).
 - fp8 per tensor (AutoFP8's `quant_method: fp8`, static activations): `weight` float8_e4m3fn,
   `weight_scale` a float32 scalar, `input_scale`; W = weight · weight_scale.
 - GPTQ int4 (AutoGPTQ's "gptq" checkpoint format, desc_act with a permuted g_idx,
@@ -13,6 +17,10 @@ scheme's reference dequantization of what was written (what the checker compares
   W[o, i] = scales[g_idx[i], o] · (q[i, o] − (qzeros[g_idx[i], o] + 1)).
 - compressed-tensors float-quantized (FP8 per output channel): `weight` float8_e4m3fn,
   `weight_scale` float32 (out, 1); W = weight · weight_scale.
+- compressed-tensors pack-quantized (int4 W4A16, symmetric, groups of 16 inputs):
+  `weight_packed` int32 (out, in/8) packed by compressed_tensors' own pack_to_int32 (values
+  offset by 8), `weight_scale` bfloat16 (out, in/16), `weight_shape`; unpacked by its
+  unpack_from_int32, W = q · weight_scale[o, i // 16].
 - bitsandbytes nf4 with double quantization: quantized by transformers with bitsandbytes on
   the CPU and saved. `weight` uint8, two 4-bit codes a byte (the first in the high bits);
   `weight.quant_map` the 16 NF4 levels; `weight.absmax` uint8 codes of each block's absmax,
@@ -30,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +48,8 @@ from tests.zoo.hf import spec
 
 FP8_MAX = 448.0
 BLOCK = 128
-_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+              "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def _llama(seed: int, **overrides: Any) -> Any:
@@ -52,6 +62,39 @@ def _llama(seed: int, **overrides: Any) -> Any:
 
 def _is_quantized(key: str) -> bool:
     return key.endswith(".weight") and any(f".{p}." in key for p in _QUANTIZED)
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+
+
+def build_mxfp4(directory: Path) -> Path:
+    """A tiny GPT-OSS whose expert stacks are MXFP4 (intermediate 32: whole 32-blocks)."""
+    import transformers
+
+    from tests.zoo.hf import hf_model
+
+    model = hf_model(replace(spec("gpt_oss"), kwargs={**spec("gpt_oss").kwargs,
+                                                      "intermediate_size": 32}), seed=27)
+    out: dict[str, torch.Tensor] = {}
+    for key, w in model.state_dict().items():
+        if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[key] = w.to(torch.bfloat16)
+            continue
+        stored = w.transpose(1, 2)  # transformers holds (E, in, out); the file (E, out, in)
+        blocks = stored.reshape(*stored.shape[:2], -1, 32)
+        exponent = torch.ceil(torch.log2(blocks.abs().amax(dim=3) / 6)).clamp(-127, 127)
+        scaled = blocks / torch.exp2(exponent)[..., None]
+        codes = (scaled[..., None] - FP4.float()).abs().argmin(dim=-1)  # nearest FP4 value
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        out[key + "_blocks"] = packed
+        out[key + "_scales"] = (exponent + 127).to(torch.uint8)
+    directory.mkdir(parents=True, exist_ok=True)
+    assert isinstance(model.config, transformers.GptOssConfig)
+    return _save(directory, model, out, {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]})
 
 
 def _save(directory: Path, model: Any, tensors: Mapping[str, torch.Tensor],
@@ -67,12 +110,28 @@ def _save(directory: Path, model: Any, tensors: Mapping[str, torch.Tensor],
     return directory
 
 
-def build_fp8_block(directory: Path) -> Path:
-    model = _llama(20, hidden_size=48, intermediate_size=160, num_attention_heads=2,
-                   num_key_value_heads=1)
+def _as_saved(model: Any, scratch: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors as save_pretrained writes them (a MoE's experts one by one)."""
+    from safetensors.torch import load_file
+
+    model.save_pretrained(scratch)
+    tensors = {}
+    for path in sorted(scratch.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def build_fp8_block(directory: Path, *, scratch: Path, moe: bool = False) -> Path:
+    if moe:
+        from tests.zoo.hf import hf_model
+
+        model = hf_model(spec("deepseek_v3"), seed=26)
+    else:
+        model = _llama(20, hidden_size=48, intermediate_size=160, num_attention_heads=2,
+                       num_key_value_heads=1)
     out: dict[str, torch.Tensor] = {}
-    for key, w in model.state_dict().items():
-        if not _is_quantized(key):
+    for key, w in _as_saved(model, scratch / directory.name).items():
+        if not _is_quantized(key) or w.dim() != 2:
             out[key] = w.to(torch.bfloat16)
             continue
         rows, cols = -(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK)
@@ -119,6 +178,34 @@ def build_compressed_fp8(directory: Path) -> Path:
                          "symmetric": True, "dynamic": False, "group_size": None}}
     return _save(directory, model, out, {
         "quant_method": "compressed-tensors", "format": "float-quantized",
+        "quantization_status": "compressed", "config_groups": {"group_0": group},
+        "ignore": ["lm_head"], "kv_cache_scheme": None})
+
+
+PACKED_GROUP = 16
+
+
+def build_compressed_int4(directory: Path) -> Path:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    model = _llama(25)
+    out: dict[str, torch.Tensor] = {}
+    for key, w in model.state_dict().items():
+        if not _is_quantized(key):
+            out[key] = w.to(torch.bfloat16)
+            continue
+        groups = w.reshape(w.shape[0], -1, PACKED_GROUP)
+        scale = (groups.abs().amax(dim=2) / 7).to(torch.bfloat16)
+        q = torch.clamp(torch.round(groups / scale.float()[:, :, None]), -8, 7)
+        out[key + "_packed"] = pack_to_int32(q.reshape(w.shape).to(torch.int8), 4)
+        out[key + "_scale"] = scale
+        out[key + "_shape"] = torch.tensor(list(w.shape), dtype=torch.int64)
+    group = {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+             "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                         "group_size": PACKED_GROUP, "symmetric": True, "dynamic": False,
+                         "observer": "minmax"}}
+    return _save(directory, model, out, {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
         "quantization_status": "compressed", "config_groups": {"group_0": group},
         "ignore": ["lm_head"], "kv_cache_scheme": None})
 
@@ -197,20 +284,26 @@ def build_bnb_nf4(directory: Path, *, scratch: Path) -> Path:
 
 # --- the reference dequantization of what was written ---------------------------------------
 
-def dequantized(tensors: Mapping[str, torch.Tensor], scheme: str) -> dict[str, torch.Tensor]:
-    """The stored tensors of a quantized checkpoint as float64 weights by the scheme's formula
-    (companions folded away; other tensors as stored)."""
+def dequantized(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stored tensors of a quantized checkpoint as float64 weights, each by its scheme's
+    formula (the scheme told by the companions stored beside it, which are folded away);
+    other tensors as stored."""
     out: dict[str, torch.Tensor] = {}
-    companions = ("_scale_inv", "_scale", "input_scale", "qzeros", "scales", "g_idx")
+    companions = ("_scale_inv", "_scale", "input_scale", "qzeros", "scales", "g_idx",
+                  "weight_shape", "_scales")
     for key, value in tensors.items():
         if key.endswith(companions) or ".weight." in key:
             continue
-        if scheme == "nf4" and key + ".quant_map" in tensors:
+        if key + ".quant_map" in tensors:
             out[key] = _nf4(tensors, key)
             continue
         prefix = key.removesuffix("qweight")
-        if scheme == "gptq" and key.endswith(".qweight"):
+        if key.endswith(".qweight"):
             out[prefix + "weight"] = _gptq(tensors, prefix)
+        elif key.endswith("_blocks") and key.removesuffix("blocks") + "scales" in tensors:
+            out[key.removesuffix("_blocks")] = _mxfp4(tensors, key.removesuffix("_blocks"))
+        elif key.endswith(".weight_packed"):
+            out[key.removesuffix("_packed")] = _packed(tensors, key.removesuffix("_packed"))
         elif value.dtype == torch.float8_e4m3fn:
             out[key] = _fp8(tensors, key)
         else:
@@ -253,3 +346,19 @@ def _nf4(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     count = math.prod(shape)
     values = levels[codes[:count]].reshape(-1, int(state["blocksize"]))
     return (values * absmax.to(torch.float64)[:, None]).reshape(shape)
+
+
+def _packed(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    shape = torch.Size(int(n) for n in tensors[key + "_shape"].tolist())
+    q = unpack_from_int32(tensors[key + "_packed"], 4, shape).to(torch.float64)
+    scale = tensors[key + "_scale"].to(torch.float64)
+    return q * scale.repeat_interleave(shape[1] // scale.shape[1], dim=1)
+
+
+def _mxfp4(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    packed = tensors[key + "_blocks"].to(torch.int64)
+    values = torch.stack([FP4[packed & 0xF], FP4[packed >> 4]], dim=-1).flatten(-2)
+    scale = torch.exp2(tensors[key + "_scales"].to(torch.float64) - 127)
+    return (values * scale[..., None]).flatten(-2)  # (E, out, in)

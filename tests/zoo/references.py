@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,13 +79,11 @@ def _gguf(entry: Entry, conv_norm: float) -> list[Unit]:
     return tensor_units(tensors, conv_norm=conv_norm)
 
 
-def _quantized(scheme: str) -> Callable[[Entry, float], list[Unit]]:
-    def read(entry: Entry, conv_norm: float) -> list[Unit]:
-        stored = {}
-        for path in sorted(entry.path.glob("*.safetensors")):
-            stored.update(_stored(path))
-        return tensor_units(dequantized(stored, scheme), conv_norm=conv_norm)
-    return read
+def _quantized(entry: Entry, conv_norm: float) -> list[Unit]:
+    stored = {}
+    for path in sorted(entry.path.glob("*.safetensors")):
+        stored.update(_stored(path))
+    return tensor_units(dequantized(stored), conv_norm=conv_norm)
 
 
 _READERS = {
@@ -95,7 +92,5 @@ _READERS = {
     catalog.SENTENCE: _sentence,
     catalog.DIFFUSERS: _diffusers,
     catalog.GGUF: _gguf,
-    catalog.FP8: _quantized("fp8"),
-    catalog.GPTQ: _quantized("gptq"),
-    catalog.BNB: _quantized("nf4"),
+    catalog.FORMULA: _quantized,
 }
