@@ -4,8 +4,9 @@ Owns the page: what it covers (store, counts, fit settings and the fit's label n
 top, or "mixed fits: …"), the distributions of the headline metrics by family / relation /
 size (a PNG and a quantile table each; the share in WeightWatcher's 2-6 band only where the
 band applies, else one line why), the layer alpha by family, top / bottom / outlier lists
-linking to per-model pages, the failures by cause, and how to open the full tables. Its
-size is fixed by groups and N, not by models. Holds no data of its own (overview.py,
+linking to per-model pages (with the share of each model's parameters analysed), the
+failures by cause, and how to open the full tables. Its size is fixed by groups and N, not
+by models. Holds no data of its own (overview.py,
 failures.py compute it). Plain HTML, relative links, no JavaScript. Every text that came
 from a model or a worker (a model id, a family from a config.json) is shown through `shown`:
 esd_worker.core.echo's redaction and control-character escaping, then HTML escaping.
@@ -40,6 +41,8 @@ STYLE = ("<style>body{font-family:sans-serif;margin:1.5em;max-width:1400px}"
          ".note{background:#fff6d5;padding:6px 10px;border:1px solid #e6d28a}</style>")
 
 e = html.escape
+# The model lists' column of summary.csv's params_analysed_share (of the models rows).
+SHARE_HEADER = "params analysed"
 # An untrusted text a page shows: a long local path or a page's parameters fit whole; a
 # kilobyte of garbage is cut (echo says how much).
 TEXT_CHARS = 1000
@@ -98,21 +101,29 @@ def _quantile_table(grouped: GroupedHistograms, alpha: bool) -> str:
 
 
 def _model_list(title: str, rows: list[tuple[str, float]], names: Mapping[str, str],
-                linked: set[str], value: str) -> list[str]:
-    out = [f"<h4>{e(title)}</h4>", f"<table><tr><th>#</th><th>model</th><th>{e(value)}</th></tr>"]
+                linked: set[str], value: str,
+                shares: Mapping[str, float | None]) -> list[str]:
+    """A list of models: rank, name (linked to its page), the metric's value and the share
+    of its checkpoint's parameters its rows analysed (– where coverage was not recorded)."""
+    out = [f"<h4>{e(title)}</h4>", f"<table><tr><th>#</th><th>model</th><th>{e(value)}</th>"
+           f"<th>{e(SHARE_HEADER)}</th></tr>"]
     for n, (key, v) in enumerate(rows, start=1):
         name = shown(names.get(key, key))
         cell = f'<a href="{e(model_link(key))}">{name}</a>' if key in linked else name
-        out.append(f'<tr><td>{n}</td><td class="l">{cell}</td><td>{fmt(v)}</td></tr>')
+        out.append(f'<tr><td>{n}</td><td class="l">{cell}</td><td>{fmt(v)}</td>'
+                   f"<td>{fmt(shares.get(key))}</td></tr>")
     return [*out, "</table>"]
 
 
 def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str | None,
                parts: int, names: Mapping[str, str], linked: set[str],
-               plots: set[str], fit: Fit) -> str:
+               plots: set[str], fit: Fit,
+               shares: Mapping[str, float | None] | None = None) -> str:
     """The index page. names: model_key → model id of the listed models; linked: the keys
     with a per-model page; plots: the distribution PNGs written (relative paths); fit: of
-    every model shown (reportfit.fit_of_models)."""
+    every model shown (reportfit.fit_of_models); shares: model_key → the share of its
+    checkpoint's parameters analysed (params_analysed_share; None: not recorded)."""
+    shares = shares or {}
     now = datetime.now(UTC).isoformat(timespec="seconds")
     params, others = view.common_parameters
     table = f"layers.{tag}.csv (refit, read from per-model files)" if tag else "results tables"
@@ -153,12 +164,12 @@ def index_html(view: Overview, failures: FailureGroups, *, source: str, tag: str
     for metric in HEADLINE:
         out.append(f"<h3>{e(metric)}</h3>")
         out += _model_list(f"Top {view.top[metric].n}", view.top[metric].rows(), names,
-                           linked, metric)
+                           linked, metric, shares)
         out += _model_list(f"Bottom {view.bottom[metric].n}", view.bottom[metric].rows(),
-                           names, linked, metric)
+                           names, linked, metric, shares)
         if metric in view.outliers and view.outliers[metric].rows():
             out += _model_list("Outliers (|robust z| > 5)", view.outliers[metric].rows(),
-                               names, linked, "|z|")
+                               names, linked, "|z|", shares)
     out += failures_html(failures)
     out.append("</body></html>")
     return "\n".join(out) + "\n"

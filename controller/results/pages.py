@@ -3,14 +3,19 @@ for the models the index links to.
 
 Owns: which plots a model gets (α per layer, ESD when eigs.npz is there, vs base for an
 adapter whose base is also selected) and its page of summary numbers, its fit first (the
-plots carry it too; WeightWatcher's band only where it applies, else one line why). The layer rows
+plots carry it too; WeightWatcher's band only where it applies, else one line why), then its
+coverage (what the checkpoint holds, analysed and skipped by which rule: the models row's
+copy of the marker's) and the quantization schemes its layer rows were dequantized from, if
+any. The layer rows
 come from one filtered pass over the layers table (tables.layer_rows), not a read per
 model; the eigenvalues from <key>/eigs.npz. Not owned: drawing (plots.py), the index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +43,10 @@ PAGE_FIELDS = ("model_id", "revision", "relation", "base_model", "architecture",
                "num_params", "layers", "layers_ok", "alpha_mean", "alpha_median",
                "alpha_weighted_mean", "stable_rank_mean", "log_spectral_norm_mean",
                "entropy_mean", "device", "total_s", "finished_at", "parameters")
+NOT_RECORDED = "not recorded (written before coverage)"
+# Skip rules (or quantization schemes) a page lists at most: a marker is a worker's text,
+# and the worker has eight rules; a hostile one is cut.
+MAX_KINDS = 50
 
 
 def with_rows(shell: ModelResult, rows: list[dict[str, Any]]) -> ModelResult:
@@ -63,10 +72,90 @@ def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, 
         cell = fmt(value) if isinstance(value, float) else shown("" if value is None else value)
         out.append(f'<tr><th>{e(name)}</th><td class="l">{cell}</td></tr>')
     out.append("</table>")
+    out += coverage_lines(row.get("coverage"), row.get("params_analysed_share"))
+    out += quantization_lines(result.rows)
     for label, path in plots.items():
         out.append(f'<h2>{e(label)}</h2><p><img src="{e(path)}" alt="{e(label)}"></p>')
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def _count(value: object) -> str:
+    """A count from a marker: an int as such, anything else as untrusted text."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "–" if value is None else shown(value, limit=100)
+
+
+def coverage_lines(coverage: str | None, share: float | None) -> list[str]:
+    """The page's Coverage block from the models row's `coverage` (the marker's, as JSON):
+    what the checkpoint holds, what its rows analysed (with the share of its parameters)
+    and what each rule skipped, with one example key (docs/results.md says what each rule
+    is). Every text is the worker's: shown as untrusted."""
+    out = ["<h2>Coverage</h2>"]
+    if coverage is None:
+        return [*out, f"<p>{e(NOT_RECORDED)}</p>"]
+    try:
+        held = json.loads(coverage)
+    except ValueError:
+        held = None
+    if not isinstance(held, dict):
+        return [*out, "<p>not readable</p>"]
+    analysed = held.get("analysed")
+    analysed = analysed if isinstance(analysed, dict) else {}
+    parameters = _count(analysed.get("parameters"))
+    if share is not None:
+        parameters += f" ({fmt(share * 100, 1)} % of the parameters)"
+    out += ['<table class="coverage">',
+            f"<tr><th>tensors held</th><td>{_count(held.get('tensors'))}</td></tr>",
+            f"<tr><th>parameters held</th><td>{_count(held.get('parameters'))}</td></tr>",
+            f"<tr><th>analysed tensors</th><td>{_count(analysed.get('tensors'))}</td></tr>",
+            f"<tr><th>analysed matrices</th><td>{_count(analysed.get('matrices'))}</td></tr>",
+            f"<tr><th>analysed parameters</th><td>{parameters}</td></tr>", "</table>"]
+    if held.get("warning"):
+        out.append(f'<p class="note">{shown(held["warning"])}</p>')
+    skipped = held.get("skipped")
+    skipped = skipped if isinstance(skipped, dict) else {}
+    if not skipped:
+        return [*out, "<p>No tensor skipped.</p>"]
+    out.append('<table class="skipped"><tr><th>skipped by rule</th><th>tensors</th>'
+               "<th>parameters</th><th>example</th></tr>")
+    for rule, entry in list(skipped.items())[:MAX_KINDS]:
+        entry = entry if isinstance(entry, dict) else {}
+        example = entry.get("example")
+        out.append(f'<tr><td class="l">{shown(rule, limit=100)}</td>'
+                   f"<td>{_count(entry.get('tensors'))}</td>"
+                   f"<td>{_count(entry.get('parameters'))}</td>"
+                   f'<td class="l"><code>{shown("" if example is None else example)}</code>'
+                   "</td></tr>")
+    out.append("</table>")
+    if len(skipped) > MAX_KINDS:
+        out.append(f"<p>… and {len(skipped) - MAX_KINDS} more rules.</p>")
+    return out
+
+
+def quantization_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
+    """The schemes the model's layer rows were dequantized from (layers.csv `quantization`),
+    each with its count of rows and one layer; nothing when every row was read as stored."""
+    schemes: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for row in rows:
+        scheme = row.get("quantization") or ""
+        if scheme:
+            schemes[scheme] += 1
+            example.setdefault(scheme, row.get("layer") or "")
+    if not schemes:
+        return []
+    stored = len(rows) - sum(schemes.values())
+    out = ["<h2>Quantization</h2>",
+           f"<p>{len(rows)} layer rows: {stored} read as stored, the others dequantized "
+           "from:</p>",
+           '<table class="quantization"><tr><th>scheme</th><th>layer rows</th>'
+           "<th>example</th></tr>"]
+    for scheme, count in schemes.most_common(MAX_KINDS):
+        out.append(f'<tr><td class="l">{shown(scheme, limit=100)}</td><td>{count}</td>'
+                   f'<td class="l"><code>{shown(example[scheme])}</code></td></tr>')
+    return [*out, "</table>"]
 
 
 def write_model_page(store: Store, result: ModelResult, row: Mapping[str, Any],

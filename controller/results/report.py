@@ -184,8 +184,9 @@ def write_report(settings: ReportSettings) -> Report:
     parts = (len(tables.parts(MODELS_TABLE)) + len(tables.parts(LAYERS_TABLE))
              if isinstance(tables, Tables) else 0)
     names = {key: str(row.get("model_id") or key) for key, row in rows.items()}
+    shares = {key: row.get("params_analysed_share") for key, row in rows.items()}
     page = index_html(view, failures, source=store.url, tag=settings.tag, parts=parts,
-                      names=names, linked=linked, plots=plots, fit=fit)
+                      names=names, linked=linked, plots=plots, fit=fit, shares=shares)
     target.put(INDEX_NAME, page.encode("utf-8"))
     log.info("report of %d model(s), %d layers, pages for %d, in %s (%.1fs)", view.models,
              view.layers, len(linked), where, time.perf_counter() - t0)
