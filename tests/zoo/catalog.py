@@ -72,6 +72,8 @@ def _plan(root: Path) -> list[tuple[Entry, Builder]]:
          lambda d, _s: formats.build_gguf(d, quantized=False)),
         (Entry("gguf-q8_0-q4_0", FORMAT, root / "gguf-q8_0-q4_0", GGUF),
          lambda d, _s: formats.build_gguf(d, quantized=True)),
+        (Entry("gguf-moe", FORMAT, root / "gguf-moe", GGUF),
+         lambda d, _s: formats.build_gguf(d, quantized=False, experts=4)),
         (Entry("sentence-transformers", COMPONENTS, root / "sentence-transformers", SENTENCE),
          lambda d, s: formats.build_sentence_transformer(d, scratch=s)),
         (Entry("diffusers-pipeline", COMPONENTS, root / "diffusers-pipeline", DIFFUSERS),

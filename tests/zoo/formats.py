@@ -218,9 +218,12 @@ def build_diffusers(directory: Path) -> Path:
 
 # --- GGUF ---------------------------------------------------------------------------------
 
-def build_gguf(directory: Path, *, quantized: bool) -> Path:
+def build_gguf(directory: Path, *, quantized: bool, experts: int = 0) -> Path:
     """A llama GGUF file (hidden 32, ffn 64, 2 blocks, vocab 96): F32 and F16 tensors, or
-    (quantized) Q8_0 and Q4_0 matrices as llama.cpp's mixed files have, norms in F32."""
+    (quantized) Q8_0 and Q4_0 matrices as llama.cpp's mixed files have, norms in F32; with
+    `experts`, a Mixtral-style MoE: each block's feed-forward is llama.cpp's expert stacks
+    `ffn_gate_exps`/`ffn_up_exps`/`ffn_down_exps` (experts × out × in) and the router
+    `ffn_gate_inp`."""
     import gguf
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -236,16 +239,25 @@ def build_gguf(directory: Path, *, quantized: bool) -> Path:
     writer.add_head_count_kv(1)
     writer.add_rope_dimension_count(16)
     writer.add_layer_norm_rms_eps(1e-6)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(2)
     file_type = gguf.LlamaFileType
     writer.add_file_type(file_type.MOSTLY_Q8_0 if quantized else file_type.ALL_F32)
-    shapes: dict[str, tuple[int, int] | tuple[int]] = {"token_embd.weight": (V, h)}
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (V, h)}
     for b in range(blocks):
         p = f"blk.{b}"
         shapes.update({f"{p}.attn_norm.weight": (h,), f"{p}.attn_q.weight": (h, h),
                        f"{p}.attn_k.weight": (h // 2, h), f"{p}.attn_v.weight": (h // 2, h),
-                       f"{p}.attn_output.weight": (h, h), f"{p}.ffn_norm.weight": (h,),
-                       f"{p}.ffn_gate.weight": (f, h), f"{p}.ffn_up.weight": (f, h),
-                       f"{p}.ffn_down.weight": (h, f)})
+                       f"{p}.attn_output.weight": (h, h), f"{p}.ffn_norm.weight": (h,)})
+        if experts:
+            shapes.update({f"{p}.ffn_gate_inp.weight": (experts, h),
+                           f"{p}.ffn_gate_exps.weight": (experts, f, h),
+                           f"{p}.ffn_up_exps.weight": (experts, f, h),
+                           f"{p}.ffn_down_exps.weight": (experts, h, f)})
+        else:
+            shapes.update({f"{p}.ffn_gate.weight": (f, h), f"{p}.ffn_up.weight": (f, h),
+                           f"{p}.ffn_down.weight": (h, f)})
     shapes.update({"output_norm.weight": (h,), "output.weight": (V, h)})
     q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
     for i, (name, shape) in enumerate(shapes.items()):

@@ -149,7 +149,7 @@ def name_category(name: str, shape: tuple[int, ...]) -> str:
     if len(eff) == 4:
         return CONV2D
     if len(eff) == 3:
-        return EXPERT if "expert" in name else OTHER
+        return EXPERT if "expert" in name or "_exps" in name else OTHER
     return MATRIX
 
 
