@@ -203,7 +203,7 @@ def judge(entry: Entry, marker: dict[str, Any], rows: list[dict[str, str]],
     if said.get("tensors"):
         details.append(f"coverage: {said.get('tensors')} tensor(s) unexplained, e.g. "
                        + ", ".join(map(str, (said.get("examples") or [])[:3])))
-    details += _count_problems(coverage)
+    details += _count_problems(coverage, len(rows))
     if not details:
         return Outcome(entry, CORRECT)
     warning = coverage.get("warning")
@@ -211,17 +211,23 @@ def judge(entry: Entry, marker: dict[str, Any], rows: list[dict[str, str]],
                    details + ([f"warning: {warning}"] if warning else ["no coverage warning"]))
 
 
-def _count_problems(coverage: dict[str, Any]) -> list[str]:
+def _count_problems(coverage: dict[str, Any], rows: int) -> list[str]:
     """Coverage's tensors add up: analysed + each rule's + unexplained = held (`unexplained`
-    absent: none, as when the worker refuses a model with unexplained tensors instead)."""
+    absent: none, as when the worker refuses a model with unexplained tensors instead); its
+    analysed matrices are layers.csv's rows."""
     try:
+        matrices = int(coverage["analysed"]["matrices"])
         held = int(coverage["tensors"])
         unexplained = int((coverage.get("unexplained") or {}).get("tensors", 0))
         parts = (int(coverage["analysed"]["tensors"]) + unexplained
                  + sum(int(r["tensors"]) for r in coverage["skipped"].values()))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         return [f"coverage is not in the documented form ({type(e).__name__}: {e})"]
+    problems = []
     if held != parts:
-        return [f"coverage's tensors do not add up: {held} held, {parts} analysed, "
-                "skipped and unexplained"]
-    return []
+        problems.append(f"coverage's tensors do not add up: {held} held, {parts} analysed, "
+                        "skipped and unexplained")
+    if matrices != rows:
+        problems.append(f"coverage counts {matrices} matrices analysed, layers.csv has {rows} "
+                        "rows")
+    return problems
