@@ -160,8 +160,8 @@ def judge(entry: Entry, marker: dict[str, Any], rows: list[dict[str, str]],
         for a, alternative in enumerate(unit.alternatives):
             refs.extend(alternative)
             where.extend([(u, a)] * len(alternative))
-    must = {j for j, (u, _a) in enumerate(where) if units[u].category in MUST_ANALYSE}
-    matched, unmatched = _match(rows, refs, must)
+    first = {j for j, (u, _a) in enumerate(where) if units[u].category in MUST_ANALYSE}
+    matched, unmatched = _match(rows, refs, first)
     details: list[str] = []
     named = [(units[where[j][0]].name, ref) for j, ref in enumerate(refs)]
     for i in unmatched:
