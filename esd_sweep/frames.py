@@ -26,7 +26,8 @@ import pandas as pd
 from esd_worker.core.command.presets import WW_ALPHA_BAND, band_applies
 from esd_worker.core.powerlaw import METRIC_COLUMNS, STATUS_OK
 
-_TEXT = ("model_id", "revision", "layer", "layer_type", "fix_fingers", "status", "model_key")
+_TEXT = ("model_id", "revision", "layer", "layer_type", "fix_fingers", "status", "model_key",
+         "quantization")
 _INTS = ("M", "N", "num_params", "num_evals", "num_pl_spikes", "matrix_rank", "layer_index")
 OVER_TRAINED, UNDER_TRAINED = "over-trained", "under-trained"
 

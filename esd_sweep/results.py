@@ -35,6 +35,7 @@ from esd_worker.core.store.stores import Store
 
 _KEY = re.compile(r"[a-z0-9-]{0,80}-[0-9a-f]{10}")
 TEXT_CHARS = 2000  # of a record's text in failures(): a whole error line, never a whole log
+_INT_MODEL_COLUMNS = ("tensors_skipped",)  # may be NA: nullable Int64, not float
 FAILURE_COLUMNS = ("model_id", "model_key", "error", "exit_code", "signal", "retryable",
                    "attempts", "last_error", "run_id", "time")
 
@@ -58,10 +59,15 @@ class Sweep:
 
     def models(self, columns: Sequence[str] | None = None) -> pd.DataFrame:
         """One row per done model: ids, relation, base, architecture, family, size, device,
-        timings, its summary statistics (typed) and its fit (`fit`: a label)."""
+        timings, its summary statistics (typed), its coverage (params_analysed_share,
+        tensors_skipped: NA where not recorded; `coverage`: the marker's, as JSON) and its
+        fit (`fit`: a label)."""
         frame = self._frame(Tables(self.store).models(self._columns(columns)))
         if "parameters" in frame and not frame.empty:  # as the report labels each model
             frame["fit"] = [fit_of(p).label if p else "" for p in frame["parameters"]]
+        for column in _INT_MODEL_COLUMNS:  # a count stays a count beside NAs
+            if column in frame:
+                frame[column] = frame[column].astype("Int64")
         return frame
 
     def layers(self, columns: Sequence[str] | None = None, *,
