@@ -33,7 +33,8 @@ RULES: dict[str, str] = {
     "embedding": "token, position and type embeddings (rows with --include-embeddings)",
     "norm": "normalisation weights",
     "integer": "integer tensors that are no weight (position ids, index tables, counters)",
-    "conv1d": "weights of 1-D convolutions (nn.Conv1d: speech front ends, Mamba)",
+    "conv": "kernels of convolutions other than nn.Conv2d (nn.Conv1d of speech front ends "
+            "and Mamba, nn.Conv3d patch embeddings of video models, transposed ones)",
     "tied_copy": "a stored copy of a tied weight: analysed once, under the layer tying it",
     "ignored_on_load": "keys the model class tells transformers not to load",
     "quantization": "a quantized weight's scales, zero points and indices (folded into it)",

@@ -132,7 +132,7 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
             continue
         if layer_type == _CONV_OTHER:
             if key is not None:
-                skipped[key] = "conv1d"
+                skipped[key] = "conv"
             continue
         if param in tied:
             # A tied weight is its source's, as transformers loads it, even when the
@@ -165,8 +165,8 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
             borrowed += 1
             continue
         conv = param_name is not None and _in_conv(model, param_name)
-        if conv and len(checkpoint.shape(key)) == 3:
-            skipped[key] = "conv1d"  # a 1-D convolution's kernel, whatever its name
+        if conv and len(checkpoint.shape(key)) in (3, 5):
+            skipped[key] = "conv"  # a convolution's kernel, whatever its name
             continue
         same = param_name is not None and params.get(param_name) == checkpoint.shape(key)
         what = classify(checkpoint, key, name=param_name if same and param_name else key,

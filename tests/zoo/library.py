@@ -43,7 +43,7 @@ RULES_FOR: Mapping[str, frozenset[str]] = {
     EMBEDDING: frozenset({"embedding"}),
     NORM: frozenset({"norm", "vector"}),
     BIAS: frozenset({"vector", "bias"}),
-    CONV1D: frozenset({"conv1d"}),
+    CONV1D: frozenset({"conv1d", "conv"}),
     CONV3D: frozenset({"conv3d", "conv", "convnd"}),
 }
 
