@@ -211,14 +211,16 @@ def _tables(c: _Chunk, keys: list[str], rows: np.ndarray, layers: int,
         "finished_at": [FINISHED_AT] * n, "parameters": [parameters_text(PARAMETERS)] * n,
         "summary_part": parts, "files": [files[int(r)] for r in rows],
     }
-    models = pa.table({f.name: pa.array(cols[f.name], type=f.type) for f in MODEL_SCHEMA},
-                      schema=MODEL_SCHEMA)
+    # The columns not set here (the coverage: synthetic models have none) are nulls.
+    models = pa.table({f.name: pa.array(cols.get(f.name, [None] * n), type=f.type)
+                       for f in MODEL_SCHEMA}, schema=MODEL_SCHEMA)
     # Layers: model-level strings taken by index (no per-row Python work).
     idx = pa.array(np.repeat(np.arange(n), layers))
     lay = {"model_key": pa.array(mkeys).take(idx), "model_id": pa.array(ids).take(idx),
            "finished_at": pa.array([FINISHED_AT] * n * layers),
            "layer_index": pa.array(np.tile(np.arange(layers, dtype=np.int64), n)),
            "revision": pa.nulls(n * layers, pa.string()),
+           "quantization": pa.nulls(n * layers, pa.string()),  # read as stored
            "layer": pa.array(_layer_names(int(c.arch[rows[0]]), layers)).take(
                pa.array(np.tile(np.arange(layers), n))),
            "layer_type": pa.array(["linear"]).take(pa.array(np.zeros(n * layers, np.int64))),
