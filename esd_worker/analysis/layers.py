@@ -81,12 +81,15 @@ def suffix_index(keys: Iterable[str]) -> dict[str, list[str]]:
 
 
 def match_by_suffix(name: str, index: dict[str, list[str]], *, min_parts: int = 2) -> str | None:
-    """The one indexed key sharing the longest dotted suffix with `name`, if unambiguous.
+    """The one indexed key sharing the longest dotted suffix with `name`.
 
     Checkpoints and model classes disagree on prefixes ("model.", "bert.", "transformer.",
     "base_model.model."), never on the module path below them, so the longest common
-    suffix is the robust join; an ambiguous match is no match, and so is one that needs
-    to drop a numeric part (a block index) of `name`.
+    suffix is the robust join. Several keys sharing it are told apart by the sub-model they
+    sit in: the one whose prefix shares the most parts with `name`'s (a VLM's
+    `language_model.model.layers.0.…` for `model.language_model.layers.0.…`, not the
+    `vision_tower`'s); a tie is no match, and so is one that needs to drop a numeric part
+    (a block index) of `name`.
     """
     parts = name.split(".")
     for i in range(len(parts) - min_parts + 1):
@@ -95,8 +98,17 @@ def match_by_suffix(name: str, index: dict[str, list[str]], *, min_parts: int = 
             return None
         hits = index.get(".".join(parts[i:]))
         if hits:
-            return hits[0] if len(hits) == 1 else None
+            return hits[0] if len(hits) == 1 else _by_sub_model(set(parts[:i]), hits,
+                                                                len(parts) - i)
     return None
+
+
+def _by_sub_model(prefix: set[str], hits: list[str], suffix_parts: int) -> str | None:
+    """The hit whose own prefix shares the most parts with `prefix`, if it is the only one
+    (and shares any)."""
+    shared = [len(prefix & set(hit.split(".")[:-suffix_parts])) for hit in hits]
+    best = max(shared)
+    return hits[shared.index(best)] if best and shared.count(best) == 1 else None
 
 
 def map_by_names(checkpoint: Tensors, *, include_embeddings: bool, reason: str) -> LayerMap:
