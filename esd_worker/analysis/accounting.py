@@ -45,11 +45,14 @@ RULES: dict[str, str] = {
 # `time_embedding.linear_1` and `patch_embed.proj` are projections.
 _EMBEDDING_LEAF = re.compile(
     r"^(wte|wpe|shared|embed_tokens|embeddings?|word_embeddings|pos_embed\w*|"
-    r"\w*position\w*|\w*_embeddings?|\w*_embeds?|\w*_embd|\w*_tokens?|token_types|"
+    r"\w*position\w*|rel_pos\w*|\w*_embeddings?|\w*_embeds?|\w*_embd|\w*_tokens?|token_types|"
     r"cls_token|mask_token)$",
     re.IGNORECASE,
 )
 _NORM_LEAF = re.compile(r"(norm|^ln_|^ln\d*$)", re.IGNORECASE)
+# A 3-D kernel by its name when no module says so: `conv`, or weight norm's factors.
+_CONV_LEAF = re.compile(r"(conv|weight_[gv]$|parametrizations\.weight\.original\d)",
+                        re.IGNORECASE)
 _INDEX_LEAF = re.compile(r"(_ids|_index|_indices|_idx|position|_mask|count|step)$",
                          re.IGNORECASE)
 _BIAS_LEAF = re.compile(r"(^|_)bias$", re.IGNORECASE)
@@ -88,13 +91,16 @@ def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
              stack: bool) -> Untyped:
     """An untyped tensor: `name` is what its rows are called (the model's parameter name
     where the architecture joins it, else the key's stem); `stack`: a 3-D tensor is a stack
-    of matrices (a module of the architecture holds it as one; without an architecture,
-    only a tensor named as experts)."""
+    of experts (its first axis is the config's expert count); without that, only a tensor
+    named as experts is. A 4-D tensor is a Conv2d kernel whatever its name; the name rules
+    (embedding, norm) apply to matrices only."""
     shape, dtype = tensors.shape(key), tensors.dtype(key)
     eff = effective(shape)
     stem = name.removesuffix(".weight")
-    if len(eff) <= 1 or _BIAS_LEAF.search(leaf(key)):
-        return Untyped(rule="vector")  # a stack of per-expert biases is vectors too
+    if sum(1 for n in shape if n > 1) <= 1 or _BIAS_LEAF.search(leaf(key)):
+        # At most one axis of length > 1 ((heads, 1, 1) scales too), or a stack of
+        # per-expert biases: vectors.
+        return Untyped(rule="vector")
     if float_dtype(dtype) is None and not dtype.startswith("F8") and tensors.refusal(key) is None:
         # Integers that are no quantized weight the view knows: an index table or a counter
         # by its name, else a matrix the analysis cannot read (a quantization this worker
@@ -102,17 +108,19 @@ def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
         if _INDEX_LEAF.search(leaf(key)) or len(eff) != 2:
             return Untyped(rule="integer")
         return Untyped(rows=((stem, key, MATRIX, eff),))
-    if is_embedding_name(key):
+    if len(shape) == 4 and shape[0] > 1:
+        return Untyped(rows=((stem, key, CONV2D, shape),))  # a kernel, whatever its name
+    if len(shape) == 5 or (len(shape) == 3 and _CONV_LEAF.search(stem)):
+        return Untyped(rule="conv")  # Conv3d, a (weight-normed) Conv1d by its name
+    if len(eff) == 2 and is_embedding_name(key):
         if not include_embeddings:
             return Untyped(rule="embedding")
         return _rows(stem, key, EMBEDDING, shape, eff, tensors)
-    if _NORM_LEAF.search(leaf(key)):
+    if len(eff) == 2 and _NORM_LEAF.search(leaf(key)):
         return Untyped(rule="norm")
     if len(eff) == 2:
         kind = EXPERT if _EXPERTS.search(stem) else MATRIX
         return _rows(stem, key, kind, shape, eff, tensors)
-    if len(eff) == 4 and len(shape) == 4:
-        return Untyped(rows=((stem, key, CONV2D, shape),))
     if len(eff) == 3 and len(shape) == 3 and (stack or _EXPERTS.search(stem)):
         return Untyped(rows=tuple(
             (expert_name(stem, i), f"{key}[{i}]", EXPERT, shape[1:]) for i in range(shape[0])))

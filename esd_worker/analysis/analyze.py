@@ -24,12 +24,12 @@ import torch
 
 from esd_worker import __version__
 from esd_worker.analysis.accounting import coverage as tensor_coverage
+from esd_worker.analysis.adapters import AdapterMatch, PeftAdapter
 from esd_worker.analysis.checkpoints import Component, combined, open_components
 from esd_worker.analysis.hostsolve import default_host_solvers
 from esd_worker.analysis.inmemory import MEMORY_SOURCE, HeldWeights
 from esd_worker.analysis.knownmaps import known_layer_map
 from esd_worker.analysis.layers import LayerMap, joined_maps
-from esd_worker.analysis.lora import AdapterMatch, LoraAdapter
 from esd_worker.analysis.metamodel import discover_layers
 from esd_worker.analysis.modellayers import LayerAnalysis
 from esd_worker.analysis.quantized import dequantized
@@ -167,14 +167,14 @@ def analyse_model_with(
                     else settings.host_eigensolvers)
 
     model = resolve(settings.model)
-    adapter: LoraAdapter | None = None
+    adapter: PeftAdapter | None = None
     base: ResolvedModel | None = None
     if settings.relation.lower() in ADAPTER_RELATIONS or model.is_adapter:
         if not model.is_adapter:
             raise PermanentModelError(
                 f"{settings.model} is listed as an adapter but has no adapter_config.json"
             )
-        adapter = LoraAdapter(model.directory)
+        adapter = PeftAdapter(model.directory)
         base = _resolve_base(settings, adapter, resolve)
     weights_model = base or model
     if progress is not None:
@@ -319,7 +319,7 @@ def _discovery_beat(progress: Progress) -> Callable[[], None]:
 
 
 def _resolve_base(
-    settings: WorkerSettings, adapter: LoraAdapter, resolve: Callable[[str], ResolvedModel]
+    settings: WorkerSettings, adapter: PeftAdapter, resolve: Callable[[str], ResolvedModel]
 ) -> ResolvedModel:
     """The adapter's base: --base-model, else adapter_config.json's base_model_name_or_path."""
     if settings.base_model:

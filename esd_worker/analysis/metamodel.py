@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import threading
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,17 +21,14 @@ from typing import Any
 import torch
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from esd_worker.analysis.hflock import TRANSFORMERS as _TRANSFORMERS
 from esd_worker.analysis.layers import Beat, LayerMap, map_by_names
+from esd_worker.analysis.modulemap import Join, join_model
 from esd_worker.analysis.weights import Tensors
 
 log = logging.getLogger(__name__)
 
 
-# transformers is imported lazily, module by module: two threads importing it at once can
-# see it half initialised ("module 'transformers' has no attribute 'AutoConfig'", seen with
-# warm_up running beside a discovery), and a discovery would silently fall back. Whoever
-# imports or uses it to build a model holds this lock.
-_TRANSFORMERS = threading.RLock()
 
 
 def warm_up(*, cuda: bool) -> None:
@@ -119,6 +115,18 @@ def _build_meta_model(cls: Any, config: Any, *, trust_remote_code: bool,
                 hook.remove()
 
 
+def _concrete(cls: Any, config: Any) -> Any:
+    """The class an auto class builds for `config` (itself for any other), or None when it
+    cannot tell: known before a build, so a class tried already is not built again."""
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    try:
+        return mapping[type(config)]
+    except Exception:  # no class for this config, or a lazy import failing: build to see
+        return None
+
+
 def discover_layers(
     directory: Path,
     checkpoint: Tensors,
@@ -134,14 +142,14 @@ def discover_layers(
     transformers can build, the names alone. Whatever the class, every tensor of the
     checkpoint is in the map: the architecture names and types them, the checkpoint says
     what exists. `beat` is called as discovery goes (the worker's heartbeat)."""
-    from esd_worker.analysis.modulemap import Join, join_model
-
     config, classes, named = _meta_config(
         directory, trust_remote_code=trust_remote_code) or (None, [], 0)
     best: Join | None = None
     first: str | None = None
     built: set[type] = set()
     for i, cls in enumerate(classes):
+        if _concrete(cls, config) in built:
+            continue  # an auto class that is a class tried already: not built again
         model = _build_meta_model(cls, config, trust_remote_code=trust_remote_code, beat=beat)
         if model is None or type(model) in built:
             continue

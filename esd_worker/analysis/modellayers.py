@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from esd_worker.analysis.adapters import AdapterMatch, add_lora_
 from esd_worker.analysis.hostsolve import HostSolvers, solve_units
 from esd_worker.analysis.layers import CONV2D, LayerMap, LayerSpec
-from esd_worker.analysis.lora import AdapterMatch, add_lora_
 from esd_worker.analysis.spectra import (
     Spectrum,
     gram_matrices,

@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from esd_worker.analysis.accounting import CONV2D, EMBEDDING, classify
+from esd_worker.analysis.hflock import TRANSFORMERS as _TRANSFORMERS
 from esd_worker.analysis.layers import (
     CONV1D,
     LINEAR,
     Beat,
     LayerMap,
     LayerSpec,
+    map_by_names,
     match_by_suffix,
     suffix_index,
 )
@@ -56,8 +58,6 @@ class Join:
 
 
 def _module_type(module: torch.nn.Module) -> str | None:
-    from esd_worker.analysis.metamodel import _TRANSFORMERS
-
     with _TRANSFORMERS:
         from transformers.pytorch_utils import Conv1D
 
@@ -78,8 +78,6 @@ def map_modules(model: torch.nn.Module, checkpoint: Tensors, *,
                 include_embeddings: bool = False, beat: Beat | None = None) -> LayerMap:
     """The layer map of a model's modules (a model held in memory, or one built on meta);
     a model none of whose modules is stored: the map by names."""
-    from esd_worker.analysis.layers import map_by_names
-
     found = join_model(model, checkpoint, include_embeddings=include_embeddings, beat=beat,
                        named=True)
     if found is None:
@@ -136,9 +134,11 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
             continue
         if param in tied:
             # A tied weight is its source's, as transformers loads it, even when the
-            # checkpoint also holds a copy under the tied name (torch.save'd state dicts).
+            # checkpoint also holds a copy under the tied name (torch.save'd state dicts);
+            # a stored weight that differs from its source is its own, as transformers then
+            # does not tie them.
             source = own.get(tied[param]) or match_by_suffix(tied[param], index)
-            if source is not None:
+            if source is not None and (key is None or _same(checkpoint, key, source)):
                 if key is not None and key != source:
                     skipped[key] = "tied_copy"
                 elif key is None and not named:
@@ -151,10 +151,11 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
             skipped.setdefault(key, "embedding")
             continue
         layers.append(LayerSpec(name, key, layer_type, checkpoint.shape(key)))
-    if not layers:
+    if not joined:
         return None
     used = {spec.key for spec in layers}
     ignored = _ignored_on_load(model)
+    experts = _expert_counts(model)
     outside: list[str] = []
     for key in keys:
         if key in used or key in skipped:
@@ -162,7 +163,7 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
         param_name = joined.get(key)
         if param_name is None and ignored(key):
             skipped[key] = "ignored_on_load"
-            borrowed += 1
+            borrowed += 0 if named else 1  # the named class's own rule, not a misfit
             continue
         conv = param_name is not None and _in_conv(model, param_name)
         if conv and len(checkpoint.shape(key)) in (3, 5):
@@ -171,7 +172,7 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
         same = param_name is not None and params.get(param_name) == checkpoint.shape(key)
         what = classify(checkpoint, key, name=param_name if same and param_name else key,
                         include_embeddings=include_embeddings,
-                        stack=param_name is not None and not conv)
+                        stack=not conv and checkpoint.shape(key)[:1] in experts)
         if what.rule is not None:
             skipped[key] = what.rule
         layers += [LayerSpec(*row) for row in what.rows]
@@ -191,6 +192,25 @@ def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embedding
         log.info("%s", note)
     return Join(LayerMap(layers, "architecture", arch, "; ".join(notes), skipped),
                 len(outside), borrowed)
+
+
+def _same(checkpoint: Tensors, key: str, other: str) -> bool:
+    """Whether two stored tensors are the same values (a tied weight's stored copy)."""
+    if key == other:
+        return True
+    if checkpoint.shape(key) != checkpoint.shape(other):
+        return False
+    return bool(torch.equal(checkpoint.read(key), checkpoint.read(other)))
+
+
+def _expert_counts(model: torch.nn.Module) -> set[tuple[int]]:
+    """The expert counts config.json gives (a 3-D tensor whose first axis is one of them is a
+    stack of experts; XLNet's (d_model, heads, d_head) projections are not)."""
+    config = getattr(model, "config", None)
+    configs = [config, *(getattr(config, f, None) for f in ("text_config", "language_config"))]
+    counts = {getattr(c, name, None) for c in configs if c is not None for name in (
+        "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")}
+    return {(n,) for n in counts if isinstance(n, int) and n > 1}
 
 
 def _in_conv(model: torch.nn.Module, name: str) -> bool:
@@ -227,8 +247,6 @@ def _renamer(model: torch.nn.Module, names: set[str]) -> Callable[[str], str | N
     uses too). The key and its suffixes that keep every block index are tried, as the
     suffix join does; a transformers without the mapping renames nothing."""
     try:
-        from esd_worker.analysis.metamodel import _TRANSFORMERS
-
         with _TRANSFORMERS:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import (

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from esd_worker.analysis.adapters import AdapterMatch
 from esd_worker.analysis.layers import CONV2D, LINEAR, LayerSpec
-from esd_worker.analysis.lora import AdapterMatch
 from esd_worker.analysis.spectra import Spectrum, compute_spectrum, work_dtype
 from esd_worker.analysis.weights import Tensors, float_dtype
 from esd_worker.core.command.settings import AnalysisSettings

@@ -230,8 +230,8 @@ def test_a_stack_of_experts_stored_3d_is_analysed_expert_by_expert(tmp_path: Pat
 
 @pytest.mark.parametrize(("key", "shape"), [
     ("model.layers.0.mlp.odd_table.weight", (3, 16, 32)),  # 3-D, no module, no experts
-    ("model.layers.0.odd.weight", (2, 2, 4, 8, 8)),  # 5-D
-], ids=["3d-untyped", "5d"])
+    ("model.layers.0.odd.weight", (2, 2, 2, 4, 8, 8)),  # 6-D
+], ids=["3d-untyped", "6d"])
 def test_a_tensor_no_rule_explains_fails_the_model_naming_it(
     tmp_path: Path, key: str, shape: tuple[int, ...]) -> None:
     """Neither a layer nor skipped by a documented rule: the model fails for good, before
@@ -290,3 +290,43 @@ def test_an_integer_matrix_of_an_unknown_quantization_is_a_row_not_skipped() -> 
     tensors = Checkpoint.of_tensors({key: torch.zeros(16, 32, dtype=torch.uint8)}, name="t")
     what = classify(tensors, key, name=key, include_embeddings=False, stack=False)
     assert what.rule is None and what.rows[0][1:3] == (key, "Matrix")
+
+
+def test_a_stored_head_that_differs_from_the_tied_embedding_is_its_own(tmp_path: Path) -> None:
+    """tie_word_embeddings, yet the checkpoint stores an lm_head of other values: transformers
+    does not tie them, and neither does the analysis (the head's own numbers, no tied_copy)."""
+    folder = make_llama(tmp_path / "model", tie_word_embeddings=True)
+    head = torch.randn(64, 32) * 3
+    _add(folder, "lm_head.weight", head)
+    result = run_analysis(folder, tmp_path / "out", precision="float64")
+    top = float(torch.linalg.svdvals(head.double())[0] ** 2)
+    assert float(result.row("lm_head")["spectral_norm"]) == pytest.approx(top, rel=1e-9)
+    assert "tied_copy" not in result.marker["coverage"]["skipped"]
+
+
+def test_a_3d_parameter_that_is_no_stack_of_experts_fails_the_model(tmp_path: Path) -> None:
+    """XLNet's (d_model, heads, d_head) projections are 3-D parameters whose first axis is no
+    expert count: never sliced into rows (that would be wrong numbers), the model fails
+    naming them."""
+    from transformers import XLNetConfig, XLNetLMHeadModel
+
+    torch.manual_seed(0)
+    XLNetLMHeadModel(XLNetConfig(vocab_size=64, d_model=32, n_layer=1, n_head=2, d_inner=64)
+                     ).save_pretrained(tmp_path / "model")
+    with pytest.raises(UnexplainedTensors, match="rel_attn"):
+        run_analysis(tmp_path / "model", tmp_path / "out")
+
+
+def test_scales_of_one_axis_are_vectors_whatever_their_rank(tmp_path: Path) -> None:
+    """WavLM's (1, heads, 1, 1) constant: one axis longer than 1 is a vector, not a model
+    failure (nor a row per head)."""
+    from transformers import WavLMConfig, WavLMModel
+
+    torch.manual_seed(0)
+    WavLMModel(WavLMConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2),
+                           conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                           num_conv_pos_embedding_groups=2)).save_pretrained(tmp_path / "model")
+    result = run_analysis(tmp_path / "model", tmp_path / "out")
+    assert not [n for n in result.layers if "gru_rel_pos_const" in n]
+    assert result.marker["coverage"]["skipped"]["conv"]["tensors"] >= 2

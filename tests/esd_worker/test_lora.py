@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from esd_worker.analysis.lora import check_supported
+from esd_worker.analysis.adapters import check_supported
 from esd_worker.core.errors import PermanentModelError, UnsupportedAdapterError
 from tests.support.builders import (
     GPT2_TARGETS,
@@ -306,7 +306,7 @@ def test_in_place_merge_equals_delta(
     target: str | None, embedding: bool, fan_in_fan_out: bool, shape: tuple[int, int]
 ) -> None:
     """add_lora_ (one addmm) and lora_delta (B @ A, then added) give the same weight."""
-    from esd_worker.analysis.lora import LoraModule, add_lora_, lora_delta
+    from esd_worker.analysis.adapters import LoraModule, add_lora_, lora_delta
 
     gen = torch.Generator().manual_seed(0)
     module = LoraModule("m", torch.randn(3, 8, generator=gen), torch.randn(12, 3, generator=gen),

@@ -6,7 +6,7 @@ change no weight matrix (prompt and prefix tuning, …) and options not merged a
 (refusals). docs/metrics.md ("Adapters") gives each merge formula.
 """
 
-from esd_worker.analysis.adapters.adapter import LoraAdapter, PeftAdapter
+from esd_worker.analysis.adapters.adapter import PeftAdapter
 from esd_worker.analysis.adapters.common import (
     ADAPTER_CONFIG,
     AdapterInfo,
@@ -28,7 +28,6 @@ __all__ = [
     "Ia3Module",
     "LohaModule",
     "LokrModule",
-    "LoraAdapter",
     "LoraModule",
     "OftModule",
     "PeftAdapter",

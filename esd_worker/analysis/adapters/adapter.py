@@ -164,4 +164,3 @@ class PeftAdapter:
         return AdapterMatch(ordered, replaced, unanalysed)
 
 
-LoraAdapter = PeftAdapter  # the name the worker has always used

@@ -70,9 +70,10 @@ class Marker:
     markers written before it existed. layers_name / eigs_name: the files beside it
     (eigs_name None: no eigenvalues stored). timings: seconds per phase (total_s, ...).
     device, versions, adapter: informational, as the worker recorded them.
-    coverage: what the checkpoint holds and what became of it (esd_worker.analysis.coverage;
-    None in markers written before it existed): tensors and parameters held, analysed,
-    skipped by which rule, unexplained, and `warning`, one line when not all is accounted.
+    coverage: what the checkpoint holds and what became of it (esd_worker.analysis.accounting;
+    None in markers written before it existed): tensors and parameters held, those analysed
+    (and the matrices: layer rows), those skipped by each documented rule. A model with a
+    tensor neither analysed nor skipped fails instead: no marker says done without it.
     files: file name → FileSeal of each file the marker vouches for (empty in markers
     written before seals existed: those are checked for presence only).
     """
