@@ -14,6 +14,8 @@ model; the eigenvalues from <key>/eigs.npz. Not owned: drawing (plots.py), the i
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -36,6 +38,7 @@ from controller.results.reader import ModelResult, read_eigs, warn_damaged
 from controller.results.reportfit import Fit, both
 from esd_worker.core.echo import echo
 from esd_worker.core.store.marker import DamagedResult
+from esd_worker.core.store.results import number
 from esd_worker.core.store.stores import Store
 
 # The summary numbers shown on a model's page, from its models row.
@@ -74,6 +77,7 @@ def model_page(result: ModelResult, row: Mapping[str, Any], plots: Mapping[str, 
     out.append("</table>")
     out += coverage_lines(row.get("coverage"), row.get("params_analysed_share"))
     out += quantization_lines(result.rows)
+    out += expert_lines(result.rows)
     for label, path in plots.items():
         out.append(f'<h2>{e(label)}</h2><p><img src="{e(path)}" alt="{e(label)}"></p>')
     out.append("</body></html>")
@@ -156,6 +160,54 @@ def quantization_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
         out.append(f'<tr><td class="l">{shown(scheme, limit=100)}</td><td>{count}</td>'
                    f'<td class="l"><code>{shown(example[scheme])}</code></td></tr>')
     return [*out, "</table>"]
+
+
+# An expert row's index: after its `experts` part (`mlp.experts.3.gate_up_proj`), else last
+# (`block_sparse_moe.input_linear.3`, GGUF's `blk.0.ffn_gate_exps.3`): docs/metrics.md.
+_EXPERT_PART = re.compile(r"(^|\.)(experts?)\.\d+(?=\.|$)")
+_LAST_INDEX = re.compile(r"\.\d+$")
+MAX_GROUPS = 500
+
+
+def expert_group(layer: str) -> str:
+    """An expert row's layer with its expert index as `*`: one layer's matrix, every expert."""
+    grouped, n = _EXPERT_PART.subn(r"\1\2.*", layer, count=1)
+    return grouped if n else _LAST_INDEX.sub(".*", layer)
+
+
+def expert_lines(rows: Sequence[Mapping[str, str]]) -> list[str]:
+    """A mixture of experts' rows grouped per layer and matrix (thousands of rows otherwise):
+    each group's experts, how many were fitted, and α's mean, min and max over those;
+    nothing for a model without Expert rows."""
+    counts: Counter[str] = Counter()
+    alphas: dict[str, list[float]] = {}
+    for row in rows:
+        if row.get("layer_type") != "Expert":
+            continue
+        group = expert_group(row.get("layer") or "")
+        counts[group] += 1
+        alpha = number(row.get("alpha"))
+        if row.get("status") == "ok" and math.isfinite(alpha):
+            alphas.setdefault(group, []).append(alpha)
+    if not counts:
+        return []
+    out = ["<h2>Experts</h2>",
+           f"<p>{sum(counts.values())} expert rows in {len(counts)} groups (a layer's matrix "
+           "over its experts, the expert index written *); α over each group's fitted "
+           "rows.</p>",
+           '<table class="experts"><tr><th>layer</th><th>experts</th><th>fitted</th>'
+           "<th>α mean</th><th>α min</th><th>α max</th></tr>"]
+    for group, count in list(counts.items())[:MAX_GROUPS]:
+        got = alphas.get(group, [])
+        stats = ([fmt(math.fsum(got) / len(got)), fmt(min(got)), fmt(max(got))] if got
+                 else ["–"] * 3)
+        out.append(f'<tr><td class="l"><code>{shown(group)}</code></td><td>{count}</td>'
+                   f"<td>{len(got)}</td>" + "".join(f"<td>{v}</td>" for v in stats) + "</tr>")
+    out.append("</table>")
+    if len(counts) > MAX_GROUPS:
+        out.append(f"<p>… and {len(counts) - MAX_GROUPS} more groups (layers.csv has them "
+                   "all).</p>")
+    return out
 
 
 def write_model_page(store: Store, result: ModelResult, row: Mapping[str, Any],

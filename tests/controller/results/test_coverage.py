@@ -19,7 +19,7 @@ import pytest
 
 from controller.results import summary as summary_module
 from controller.results.html import INDEX_NAME, MODELS_FOLDER, PAGE_NAME, SHARE_HEADER
-from controller.results.pages import NOT_RECORDED, model_page, with_rows
+from controller.results.pages import NOT_RECORDED, expert_group, model_page, with_rows
 from controller.results.reader import ModelResult
 from controller.results.report import ReportSettings, write_report
 from controller.results.reportfit import fit_of
@@ -269,3 +269,33 @@ def test_the_report_shows_coverage_in_the_lists_and_on_the_pages(tmp_path: Path)
     old_page = Page((out / f"{MODELS_FOLDER}{old.marker.model_key}/{PAGE_NAME}")
                     .read_text(encoding="utf-8"))
     assert NOT_RECORDED in old_page.paragraphs and "Quantization" not in old_page.headings
+
+
+@pytest.mark.parametrize(("layer", "group"), [
+    ("model.layers.3.mlp.experts.12.gate_up_proj",
+     "model.layers.3.mlp.experts.*.gate_up_proj"),
+    ("model.layers.3.block_sparse_moe.experts.0.w1",
+     "model.layers.3.block_sparse_moe.experts.*.w1"),
+    ("model.layers.0.block_sparse_moe.input_linear.3",
+     "model.layers.0.block_sparse_moe.input_linear.*"),
+    ("blk.7.ffn_gate_exps.2", "blk.7.ffn_gate_exps.*"),
+])
+def test_expert_rows_group_by_layer_and_matrix(layer: str, group: str) -> None:
+    assert expert_group(layer) == group
+
+
+def test_a_model_page_groups_its_experts() -> None:
+    """A MoE's rows, one per expert: the page has one line per layer's matrix with the
+    experts' count, the fitted ones and α's mean, min and max over those."""
+    model = done("moe", COVERAGE, 2.0)
+    experts = [{"layer": f"model.layers.{b}.mlp.experts.{i}.down_proj", "layer_type": "Expert",
+                "alpha": 2.0 + i + b, "status": "ok" if i < 3 else "too_small", "M": 8,
+                "N": 16, "num_params": 128} for b in range(2) for i in range(4)]
+    _, page = page_of(DoneModel(model.marker, [*model.layers, *experts]))
+    assert "Experts" in page.headings
+    assert page.table("layer")[1:] == [
+        ["model.layers.0.mlp.experts.*.down_proj", "4", "3", "3.000", "2.000", "4.000"],
+        ["model.layers.1.mlp.experts.*.down_proj", "4", "3", "4.000", "3.000", "5.000"],
+    ]
+    _, plain = page_of(model)
+    assert "Experts" not in plain.headings
