@@ -164,6 +164,7 @@ class Checkpoint:
             self._stack.callback(handle.close)
             for key in sorted(handle.entries):  # by name, as safetensors' own keys() lists them
                 entry = handle.entries[key]
+                self._once(key, path)
                 self._where[key] = handle
                 self._shapes[key] = entry.shape
                 self._dtypes[key] = entry.dtype_name
@@ -171,9 +172,18 @@ class Checkpoint:
         state = _load_bin(path)
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
+                self._once(key, path)
                 self._where[key] = state
                 self._shapes[key] = tuple(value.shape)
                 self._dtypes[key] = str(value.dtype).removeprefix("torch.")
+
+    def _once(self, key: str, path: Path) -> None:
+        """A tensor stored by two of the weight files (two copies of one checkpoint, a broken
+        shard split): which is the model's cannot be told, so the model fails."""
+        if key in self._where:
+            raise PermanentModelError(
+                f"tensor {key!r} is stored twice, the second time in {path.name}: the weight "
+                "files are two copies of the checkpoint, or a broken split")
 
     def close(self) -> None:
         self._stack.close()

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from esd_worker.analysis.accounting import RULES, UnexplainedTensors, classify
 from esd_worker.analysis.weights import Checkpoint
+from esd_worker.core.errors import PermanentModelError
 from tests.support.builders import make_bert, make_gpt2, make_llama, run_analysis
 
 pytestmark = pytest.mark.usefixtures("restore_logging")
@@ -330,3 +331,36 @@ def test_scales_of_one_axis_are_vectors_whatever_their_rank(tmp_path: Path) -> N
     result = run_analysis(tmp_path / "model", tmp_path / "out")
     assert not [n for n in result.layers if "gru_rel_pos_const" in n]
     assert result.marker["coverage"]["skipped"]["conv"]["tensors"] >= 2
+
+
+def test_a_lora_on_a_stored_expert_matrix_is_merged(tmp_path: Path) -> None:
+    """A LoRA made where each Mixtral expert was an nn.Linear (transformers 4), on a
+    checkpoint storing the experts 2-D: the update merges into that expert's row."""
+    base = _mixtral(tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["w1"],
+        "base_model_name_or_path": str(base), "task_type": "CAUSAL_LM"}))
+    a, b = torch.randn(2, 32), torch.randn(48, 2)
+    module = "base_model.model.model.layers.0.block_sparse_moe.experts.1.w1"
+    save_file({f"{module}.lora_A.weight": a, f"{module}.lora_B.weight": b},
+              adapter / "adapter_model.safetensors")
+    result = run_analysis(adapter, tmp_path / "out", precision="float64")
+    name = "model.layers.0.block_sparse_moe.experts.1.w1"
+    merged = load_file(base / "model.safetensors")[f"{name}.weight"].double() + (
+        2.0 * b.double() @ a.double())
+    top = float(torch.linalg.svdvals(merged)[0] ** 2)
+    assert float(result.row(name)["spectral_norm"]) == pytest.approx(top, rel=1e-9)
+    assert result.marker["adapter"]["merged_modules"] == 1
+
+
+def test_a_tensor_stored_twice_fails_the_model(tmp_path: Path) -> None:
+    """Two weight files holding the same tensor (two copies of one checkpoint): which is the
+    model's cannot be told, so the model fails, naming the tensor, never last-one-wins."""
+    folder = make_llama(tmp_path / "model")
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").rename(folder / "model-a.safetensors")
+    save_file({"lm_head.weight": tensors["lm_head.weight"] * 2}, folder / "model-b.safetensors")
+    with pytest.raises(PermanentModelError, match=re.escape("'lm_head.weight' is stored twice")):
+        run_analysis(folder, tmp_path / "out")

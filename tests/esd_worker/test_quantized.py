@@ -124,11 +124,17 @@ def test_read_is_the_schemes_own_dequantization(name: str, tmp_path: Path) -> No
 
 
 def test_the_same_scheme_without_config_reads_the_same(tmp_path: Path) -> None:
-    """GPTQ and AWQ are told apart by their tensors' shapes: the config only breaks ties."""
-    for name, case in {"gptq": q.gptq(), "awq": q.awq()}.items():
-        _, view = view_of(tmp_path / name, case.tensors, None)
-        torch.testing.assert_close(view.read(case.key), case.reference, rtol=0, atol=0)
-        assert view.scheme(case.key) == case.scheme
+    """GPTQ and AWQ are told apart by their tensors' shapes: the config only breaks ties.
+    GPTQ's g_idx says where each group begins; AWQ's groups without the config's group_size
+    could be of several sizes, so that weight is refused, never guessed."""
+    case = q.gptq()
+    _, view = view_of(tmp_path / "gptq", case.tensors, None)
+    torch.testing.assert_close(view.read(case.key), case.reference, rtol=0, atol=0)
+    assert view.scheme(case.key) == case.scheme
+    case = q.awq()
+    _, view = view_of(tmp_path / "awq", case.tensors, None)
+    why = view.refusal(case.key)
+    assert why is not None and "no group_size" in why
 
 
 def _ct_stack(experts: int = 3) -> q.Quantized:
@@ -289,3 +295,19 @@ def test_unpacking_by_bytes_equals_unpacking_by_words(bits: int, dim: int,
     along = slow[0][:, 0] if dim == 0 else slow[0][0]
     assert [int(v) for v in along[: 32 // bits]] == [
         (first >> (bits * j)) & ((1 << bits) - 1) for j in range(32 // bits)]
+
+
+@pytest.mark.parametrize(("n", "count", "hints", "size"), [
+    (256, 2, [128], 128),  # the config's (or FP8's usual) block where it fits
+    (200, 4, [64], 64),  # a partial last block, as the config says
+    (200, 4, [], None),  # 50 or 64 (last partial): the shapes cannot tell, so no guess
+    (96, 2, [], None),  # GPTQ groups of 48 or 64
+    (48, 48, [], 1),  # one scale a row: only blocks of 1 give 48
+    (100, 1, [], 100),  # one scale for the whole axis
+    (3, 2, [], 2),  # only blocks of 2 give 2
+])
+def test_a_block_size_is_given_or_the_only_one_that_fits(
+        n: int, count: int, hints: list[int], size: int | None) -> None:
+    from esd_worker.analysis.quant.plan import block_size
+
+    assert block_size(n, count, hints) == size

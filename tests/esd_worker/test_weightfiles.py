@@ -331,3 +331,18 @@ def test_gguf_precision_order() -> None:
     bits = [GGUF_BITS[t] for t in order]
     assert bits == sorted(bits, reverse=True) and len(set(bits)) == len(bits)
     assert GGUF_BITS["BF16"] == GGUF_BITS["F16"]
+
+
+@pytest.mark.parametrize(("names", "chosen"), [
+    (["model.fp16.safetensors", "model.ema.safetensors"], ["model.fp16.safetensors"]),
+    (["model.ema.safetensors"], ["model.ema.safetensors"]),
+    (["diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.non_ema.safetensors"],
+     ["diffusion_pytorch_model.fp16.safetensors"]),
+    (["weights.bf16.safetensors", "weights.fp32.safetensors"], ["weights.fp32.safetensors"]),
+    (["a.safetensors", "b.safetensors"], ["a.safetensors", "b.safetensors"]),  # not variants
+])
+def test_variants_of_one_file_give_one(names: list[str], chosen: list[str]) -> None:
+    """Variants of one name are copies of the same tensors: one is read (plain, then full,
+    then half precision; an EMA copy only alone), never two."""
+    found = weight_files(names)
+    assert found is not None and list(found.names) == chosen

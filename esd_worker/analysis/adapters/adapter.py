@@ -18,7 +18,14 @@ from esd_worker.analysis.adapters.common import (
     read_adapter_config,
 )
 from esd_worker.analysis.adapters.refusals import MERGED, check_supported
-from esd_worker.analysis.layers import EMBEDDING, LayerSpec, match_by_suffix, suffix_index
+from esd_worker.analysis.layers import (
+    EMBEDDING,
+    EXPERT,
+    LINEAR,
+    LayerSpec,
+    match_by_suffix,
+    suffix_index,
+)
 from esd_worker.analysis.weights import Checkpoint
 from esd_worker.core.errors import PermanentModelError
 
@@ -138,6 +145,11 @@ class PeftAdapter:
             if layer is not None:
                 spec = by_name[layer]
                 key, target_type, position = spec.key, spec.layer_type, order[layer]
+                if target_type == EXPERT and "[" not in key:
+                    # An expert stored as its own matrix was an nn.Linear where the adapter
+                    # was made (transformers 4's Mixtral): merged as one. A slice of a 3-D
+                    # stack stays an Expert, which no peft LoRA module adapts.
+                    target_type = LINEAR
             else:
                 found = match_by_suffix(f"{name}.weight", key_index)
                 if found is None:

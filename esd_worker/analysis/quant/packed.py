@@ -29,6 +29,7 @@ from esd_worker.analysis.quant.plan import (
     Plan,
     QuantConfig,
     apply_grid,
+    block_size,
     grid_blocks,
     grid_name,
     grid_scales,
@@ -127,20 +128,28 @@ def _gptq(module: Module, key: str, folded: list[str], qshape: tuple[int, ...],
     v1 = fmt.lower() == "gptq"
     group = config.integer("group_size")
     if group is None or group <= 0:
-        group = inputs if groups == 1 else math.ceil(inputs / groups)
+        # Only where the shapes allow one group size (block_size): else the groups' bounds
+        # are unknown without g_idx, and a guess dequantizes wrongly.
+        group = block_size(inputs, groups, [])
     if "g_idx" in params:
         if tensors.shape(params["g_idx"]) != (inputs,):
             return refused(key, shape, params["qweight"], folded,
                            f"GPTQ g_idx of shape {list(tensors.shape(params['g_idx']))} "
                            f"for {inputs} inputs")
-    elif math.ceil(inputs / group) != groups:
+        if group is None:
+            group = _group_size(tensors.read(params["g_idx"]).to(torch.int64))
+    elif group is None or math.ceil(inputs / group) != groups:
         return refused(key, shape, params["qweight"], folded,
-                       f"GPTQ: {groups} groups of {group} for {inputs} inputs")
-    size = "channel" if groups == 1 else f"g{group}"
+                       f"GPTQ: {groups} groups for {inputs} inputs, and no group_size in "
+                       "quantization_config nor g_idx to say where each begins")
+    size = "channel" if groups == 1 else f"g{group}" if group else "gidx"
 
     def compute(t: Tensors) -> torch.Tensor:
-        g_idx = (t.read(params["g_idx"]).to(torch.int64) if "g_idx" in params
-                 else torch.arange(inputs) // group)
+        if "g_idx" in params:
+            g_idx = t.read(params["g_idx"]).to(torch.int64)
+        else:
+            assert group is not None, "refused above without a group size"
+            g_idx = torch.arange(inputs) // group
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
             raise ValueError(f"GPTQ g_idx of {key} names groups outside 0..{groups - 1}")
         zeros = unpack(t.read(params["qzeros"]), bits).to(torch.float32)
@@ -167,7 +176,11 @@ def _awq(module: Module, key: str, folded: list[str], qshape: tuple[int, ...],
     groups, inputs = sshape[0], qshape[0]
     group = config.integer("group_size")
     if group is None or group <= 0:
-        group = inputs if groups == 1 else math.ceil(inputs / groups)
+        group = block_size(inputs, groups, [])  # None: the shapes allow several sizes
+    if group is None:
+        return refused(key, shape, stored, folded,
+                       f"AWQ: {groups} groups for {inputs} inputs, and no group_size in "
+                       "quantization_config to say where each begins")
     if zshape != (groups, qshape[1]) or math.ceil(inputs / group) != groups:
         return refused(key, shape, stored, folded,
                        f"AWQ scales {list(sshape)} / qzeros {list(zshape)} do not fit "

@@ -181,15 +181,20 @@ def unpack(packed: torch.Tensor, bits: int, *, dim: int = -1,
 
 def block_size(n: int, count: int, hints: Iterable[int]) -> int | None:
     """The block length along a dimension of `n` that `count` scales cover (the last block
-    maybe partial): the first hint that fits, else n / count when exact, else None."""
+    maybe partial): the first hint that fits, else the one length that gives `count` blocks,
+    else None. Without a hint the shapes rarely decide it: 200 columns in 4 blocks are
+    blocks of 50 or of 64 (the last partial), whose dequantizations differ, so that is None
+    (refused), never a guess."""
     for hint in hints:
         if hint > 0 and math.ceil(n / hint) == count:
             return hint
     if count == 1:
         return n
-    if n % count == 0:
-        return n // count
-    return None
+    if count < 1 or count > n:
+        return None
+    # ceil(n / b) == count  <=>  ceil(n / count) <= b <= (n - 1) // (count - 1)
+    low, high = -(-n // count), (n - 1) // (count - 1)
+    return low if low == high else None
 
 
 def grid_scales(scale: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
@@ -212,13 +217,16 @@ def grid_blocks(grid: Sequence[int], shape: Sequence[int],
                 hints: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     """The (rows, columns) of the block each scale of `grid` covers in a weight of `shape`:
     a block size of the config where it fits, else 128 (FP8's usual block) where it fits,
-    else the exact division; None when the grid cannot be a blocking of the weight."""
+    else the one size the shapes allow (plan.block_size); None when the grid cannot be a
+    blocking of the weight, is not the 2-D block the config names, or could be several."""
     (rows, cols), (grid_rows, grid_cols) = shape[-2:], grid[-2:]
     if any(g not in (1, s) for g, s in zip(grid[:-2], shape[:-2], strict=True)):
         return None
     for block in hints:
         if math.ceil(rows / block[0]) == grid_rows and math.ceil(cols / block[1]) == grid_cols:
             return block
+    if any(block[0] > 1 for block in hints) and (grid_rows, grid_cols) != (1, 1):
+        return None  # the config names a 2-D block this grid is not: a contradiction
     br = block_size(rows, grid_rows, [128])
     bc = block_size(cols, grid_cols, [128])
     return None if br is None or bc is None else (br, bc)

@@ -172,8 +172,35 @@ def weight_files(names: Iterable[str], *, adapter: bool | None = None) -> Weight
             if single in present:
                 return WeightFiles(fmt, (single,))
         if found := matching(*every):
-            return WeightFiles(fmt, found)
+            return WeightFiles(fmt, _one_variant(found))
     return None
+
+
+# Variants of one file, the first preferred: the plain one, then full precision, then half;
+# an EMA or non-EMA copy only when there is nothing else (diffusers' plain file is the EMA
+# weights, its `.non_ema` the training copy).
+_VARIANT_ORDER = ("", "fp32", "fp16", "bf16")
+_SECOND_COPIES = ("ema", "non_ema", "non-ema")
+
+
+def _one_variant(found: tuple[str, ...]) -> tuple[str, ...]:
+    """One file of each set of variants of one name (model.fp16.safetensors and
+    model.ema.safetensors are two copies of the same tensors: reading both would be two
+    models in one), every file of other names."""
+    by_stem: dict[str, list[tuple[str, str]]] = {}
+    for name in found:
+        stem = name.rsplit(".", 1)[0]
+        tag = _VARIANT.search(stem)
+        base, variant = (stem[: tag.start()], tag.group(0)[1:].lower()) if tag else (stem, "")
+        by_stem.setdefault(base, []).append((variant, name))
+
+    def rank(item: tuple[str, str]) -> tuple[bool, int, str]:
+        variant = item[0]
+        order = (_VARIANT_ORDER.index(variant) if variant in _VARIANT_ORDER
+                 else len(_VARIANT_ORDER))
+        return (variant in _SECOND_COPIES, order, item[1])
+
+    return tuple(sorted(min(options, key=rank)[1] for options in by_stem.values()))
 
 
 def model_weights(names: Iterable[str], *, adapter: bool | None = None) -> ModelWeights | None:
