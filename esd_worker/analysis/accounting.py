@@ -5,7 +5,7 @@ Owns the rules for tensors that no module of the architecture types (raw paramet
 `in_proj_weight` or `text_projection`, a MoE's per-expert matrices, expert stacks stored as
 3-D tensors, a checkpoint without an architecture): what each is, by its shape, dtype and
 name; the names of the rows of a stack of matrices (one per expert, a slice of the stored
-tensor: `key[i]`, read by esd_worker.analysis.stacks); and the `coverage` a result.json
+tensor: `key[i]`, esd_worker.analysis.stacks' syntax); and the `coverage` a result.json
 records. Does not build the model or join its modules to keys (esd_worker.analysis.layers),
 dequantize (esd_worker.analysis.quantized) or read tensors.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
+from esd_worker.analysis.stacks import row_key, split
 from esd_worker.analysis.weights import Tensors, float_dtype
 from esd_worker.core.errors import PermanentModelError
 
@@ -28,8 +29,8 @@ EXPERT = "Expert"  # one expert's matrix of a mixture of experts (stored 2-D, or
 
 # Skip rules: every tensor that is no layer row has one (docs/metrics.md "Which layers").
 RULES: dict[str, str] = {
-    "vector": "tensors of one dimension or none (biases, norm scales, learned tokens), and "
-              "stacks of biases (a MoE's per-expert `*_bias`)",
+    "vector": "tensors with at most one axis longer than 1 (biases, norm scales, learned "
+              "tokens), and stacks of biases (a MoE's per-expert `*_bias`)",
     "embedding": "token, position and type embeddings (rows with --include-embeddings)",
     "norm": "normalisation weights",
     "integer": "integer tensors that are no weight (position ids, index tables, counters)",
@@ -115,25 +116,24 @@ def classify(tensors: Tensors, key: str, *, name: str, include_embeddings: bool,
     if len(eff) == 2 and is_embedding_name(key):
         if not include_embeddings:
             return Untyped(rule="embedding")
-        return _rows(stem, key, EMBEDDING, shape, eff, tensors)
+        return _rows(stem, key, EMBEDDING, shape, eff)
     if len(eff) == 2 and _NORM_LEAF.search(leaf(key)):
         return Untyped(rule="norm")
     if len(eff) == 2:
         kind = EXPERT if _EXPERTS.search(stem) else MATRIX
-        return _rows(stem, key, kind, shape, eff, tensors)
+        return _rows(stem, key, kind, shape, eff)
     if len(eff) == 3 and len(shape) == 3 and (stack or _EXPERTS.search(stem)):
         return Untyped(rows=tuple(
-            (expert_name(stem, i), f"{key}[{i}]", EXPERT, shape[1:]) for i in range(shape[0])))
+            (expert_name(stem, i), row_key(key, i), EXPERT, shape[1:]) for i in range(shape[0])))
     return Untyped()
 
 
-def _rows(stem: str, key: str, kind: str, shape: tuple[int, ...], eff: tuple[int, ...],
-          tensors: Tensors) -> Untyped:
+def _rows(stem: str, key: str, kind: str, shape: tuple[int, ...], eff: tuple[int, ...]
+          ) -> Untyped:
     """One row for a matrix, read through slices of its leading 1s when it has some."""
     if len(eff) != 2:
         return Untyped()
-    read = key + "[0]" * (len(shape) - 2)
-    return Untyped(rows=((stem, read, kind, eff),))
+    return Untyped(rows=((stem, row_key(key, *[0] * (len(shape) - 2)), kind, eff),))
 
 
 def expert_name(stem: str, index: int) -> str:
@@ -146,14 +146,9 @@ def expert_name(stem: str, index: int) -> str:
     return f"{stem}.{index}"
 
 
-def base_key(read_key: str) -> str:
-    """The stored key a row reads (`x.weight` of `x.weight[3]`)."""
-    return read_key.split("[", 1)[0]
-
-
 class UnexplainedTensors(PermanentModelError):
     """Stored tensors that are neither a layer row nor skipped by a documented rule (a tensor
-    of five dimensions, a 3-D tensor no module holds and no name calls experts): the model
+    of six dimensions, a 3-D tensor that is no stack of experts nor a kernel): the model
     fails, naming them, rather than being marked done without them."""
 
     def __init__(self, keys: list[str], parameters: int) -> None:
@@ -174,7 +169,7 @@ def coverage(tensors: Tensors, row_keys: Iterable[str], skipped: Mapping[str, st
     rule (with one example each). UnexplainedTensors when any tensor is neither."""
     keys = tensors.keys()
     numel = {key: prod(tensors.shape(key)) for key in keys}
-    read = [base_key(k) for k in row_keys]
+    read = [split(k)[0] for k in row_keys]  # the stored key each row reads
     analysed = set(read)
     left = [key for key in keys if key not in analysed and key not in skipped]
     if left:

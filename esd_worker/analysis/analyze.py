@@ -225,7 +225,7 @@ def analyse_model_with(
             adapter.fan_in_fan_out if adapter else False, speculation,
             capacity=capacity, stored_dtype=lambda name: float_dtype(sliced.dtype(name)),
             reader=sliced, host_solvers=host_solvers,
-            quantization=lambda name: (sliced.scheme(name), sliced.refusal(name)),
+            quantization=sliced.quantization,
         )
         try:
             job.run(None if progress is None else lambda done: progress(done, None))

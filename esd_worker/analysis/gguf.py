@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from esd_worker.analysis.weights import read_exactly
 from esd_worker.core.errors import PermanentModelError
 
 # GGUF's unquantized types: read as stored, under safetensors' dtype names (the names
@@ -209,14 +210,11 @@ class GgufTensors:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
 
     def _pread(self, key: str, entry: _Entry, view: memoryview, start: int) -> None:
-        done, n = 0, len(view)
-        fd = self._fds[entry.file]
-        while done < n:
-            got = os.preadv(fd, [view[done:]], start + done)
-            if got <= 0:
-                raise PermanentModelError(f"{self.files[entry.file].name} ended inside GGUF "
-                                          f"tensor {key!r}")
-            done += got
+        short = f"{self.files[entry.file].name} ended inside GGUF tensor {key!r}"
+        try:
+            read_exactly(self._fds[entry.file], view, start, short)
+        except OSError as e:
+            raise PermanentModelError(str(e)) from e
 
 
 _DEQUANTIZABLE: dict[str, str | None] = {}  # GGML type name -> why not (None: it can be)

@@ -89,7 +89,7 @@ def map_modules(model: torch.nn.Module, checkpoint: Tensors, *,
 def join_model(model: torch.nn.Module, checkpoint: Tensors, *, include_embeddings: bool,
                beat: Beat | None, named: bool) -> Join | None:
     """The model's layers in module order, then every stored tensor no typed module holds,
-    in checkpoint order (classify); None when no typed module of the model is stored.
+    in checkpoint order (classify); None when no stored key is any parameter of the model.
     `named`: the class is one config.json names (its tied heads are its own)."""
     keys = checkpoint.keys()
     index = suffix_index(keys)

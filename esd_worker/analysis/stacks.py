@@ -19,6 +19,11 @@ from esd_worker.analysis.weights import Tensors
 _SLICE = re.compile(r"^(?P<base>.*?)(?P<rows>(?:\[\d+\])+)$")
 
 
+def row_key(key: str, *rows: int) -> str:
+    """The layer key that reads row `rows[0]` (then `rows[1]` of that, ...) of stored `key`."""
+    return key + "".join(f"[{i}]" for i in rows)
+
+
 def split(key: str) -> tuple[str, list[int]]:
     """The stored key and the row indices a layer key reads (none: the whole tensor)."""
     m = _SLICE.match(key)
@@ -29,7 +34,7 @@ def split(key: str) -> tuple[str, list[int]]:
 
 class Sliced:
     """The reader of a model's layers over its Tensors (the staging's Reader, the dtype and
-    quantization of each layer key)."""
+    quantization of each layer key). Owns the `key[i]` syntax (row_key, split)."""
 
     def __init__(self, tensors: Tensors) -> None:
         self.tensors = tensors
@@ -42,10 +47,6 @@ class Sliced:
         for i in rows[1:]:
             tensor = tensor[i]
         return tensor
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        base, rows = split(key)
-        return self.tensors.shape(base)[len(rows):]
 
     def dtype(self, key: str) -> str:
         return self.tensors.dtype(split(key)[0])
@@ -65,8 +66,8 @@ class Sliced:
     def read_into(self, key: str, out: torch.Tensor) -> torch.Tensor:
         return self.tensors.read_into(key, out)  # never a slice: in_memory says so
 
-    def scheme(self, key: str) -> str | None:
-        return self.tensors.scheme(split(key)[0])
-
-    def refusal(self, key: str) -> str | None:
-        return self.tensors.refusal(split(key)[0])
+    def quantization(self, key: str) -> tuple[str | None, str | None]:
+        """The scheme the stored tensor was dequantized from, and why it cannot be read as
+        floats (modellayers.Quantization)."""
+        base = split(key)[0]
+        return self.tensors.scheme(base), self.tensors.refusal(base)

@@ -302,6 +302,17 @@ class _Entry:
     end: int
 
 
+def read_exactly(fd: int, view: memoryview, start: int, short: str) -> None:
+    """Fill `view` from the file at `start` with positioned reads (threads may read one file
+    at once); OSError(`short`) when the file ends first."""
+    done, n = 0, len(view)
+    while done < n:
+        got = os.preadv(fd, [view[done:]], start + done)
+        if got <= 0:
+            raise OSError(short)
+        done += got
+
+
 class SafetensorsFile:
     """One .safetensors file: its header parsed once (esd_worker.core.models.safetensors,
     the controller's parser too, with the file's size checked against the data), each
@@ -367,12 +378,7 @@ class SafetensorsFile:
         return entry, entry.dtype
 
     def _pread(self, key: str, view: memoryview, start: int) -> None:
-        done, n = 0, len(view)
-        while done < n:
-            got = os.preadv(self._fd, [view[done:]], start + done)
-            if got <= 0:
-                raise OSError(f"{self.path.name} ended inside tensor {key!r}")
-            done += got
+        read_exactly(self._fd, view, start, f"{self.path.name} ended inside tensor {key!r}")
 
     def close(self) -> None:
         if self._fd >= 0:

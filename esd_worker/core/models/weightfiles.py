@@ -189,9 +189,7 @@ def _one_variant(found: tuple[str, ...]) -> tuple[str, ...]:
     models in one), every file of other names."""
     by_stem: dict[str, list[tuple[str, str]]] = {}
     for name in found:
-        stem = name.rsplit(".", 1)[0]
-        tag = _VARIANT.search(stem)
-        base, variant = (stem[: tag.start()], tag.group(0)[1:].lower()) if tag else (stem, "")
+        base, variant = _split_variant(name)
         by_stem.setdefault(base, []).append((variant, name))
 
     def rank(item: tuple[str, str]) -> tuple[bool, int, str]:
@@ -253,9 +251,16 @@ def weight_names(names: Iterable[str], *, adapter: bool | None = None) -> list[s
     return chosen.names if chosen is not None else []
 
 
-def _variant(name: str) -> bool:
+def _split_variant(name: str) -> tuple[str, str]:
+    """A weight file's name without its extension, split into the plain name and its variant
+    tag ("" for none): ("model", "fp16") of model.fp16.safetensors."""
     stem = name.rsplit(".", 1)[0]
-    return _VARIANT.search(stem) is not None
+    tag = _VARIANT.search(stem)
+    return (stem[: tag.start()], tag.group(0)[1:].lower()) if tag else (stem, "")
+
+
+def _variant(name: str) -> bool:
+    return bool(_split_variant(name)[1])
 
 
 # --- GGUF ---------------------------------------------------------------------------------
